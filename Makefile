@@ -1,0 +1,46 @@
+# `make serve`: set up what is missing, then serve the embedded demo model.
+# `make test`:  set up what is missing, then run the whole test suite.
+VENV    ?= .venv
+PYTHON  ?= python3
+FLAVOR  := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed-$(FLAVOR)
+LOCK    := $(wildcard requirements/$(FLAVOR).lock)
+
+.PHONY: setup sshd serve status stop test unit bench clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): requirements/base.txt requirements/$(FLAVOR).txt $(LOCK)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements/$(FLAVOR).txt $(if $(LOCK),-c $(LOCK))
+	# PyPI's torchvision/torchaudio/torchcodec come with vLLM but break beside the CPU torch build.
+	$(if $(filter cpu,$(FLAVOR)),$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
+	$(PY) -c "import vllm, ray.serve, hydra, paramiko"
+	touch $@
+
+serve: setup
+	$(PY) run.py --config-name serve action=run
+
+status: setup
+	$(PY) run.py --config-name serve action=status
+
+stop: setup
+	$(PY) run.py --config-name serve action=stop
+
+test: setup sshd
+	$(PY) -m pytest tests
+
+# The multi-host tests run an sshd per test host (tests/e2e/netns.py); install it only when missing.
+sshd:
+	test -x /usr/sbin/sshd || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server)
+
+unit: setup
+	$(PY) -m pytest tests/unit
+
+bench: setup
+	$(PY) benchmarks/overhead.py
+
+clean-venv:
+	rm -rf $(VENV)

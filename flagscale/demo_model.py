@@ -1,0 +1,125 @@
+"""The embedded demo model: a tiny random-weight Llama and a byte-level BPE tokenizer, made locally.
+
+Nothing is downloaded. Generation is deterministic: the same seed gives the same files, so the cache
+directory is keyed by the seed and the shape, and a finished model is marked by a `.complete` file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEMO_SEED = 1234
+# head_dim = hidden / heads = 64: vLLM's CPU attention does not support head_dim 16.
+DEMO_SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 2048,
+}
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<pad>"]
+
+
+def _training_corpus() -> list[str]:
+    # A fixed, varied text so the tokenizer learns merges; only determinism matters, not quality.
+    words = (
+        "the quick brown fox jumps over a lazy dog while serving engineers measure tokens per second "
+        "ray serve routes requests to vllm engines on many hosts and chips prefill decode cache "
+        "hello world what is the capital of france paris berlin tokyo one two three four five "
+        "system user assistant content role message stream chunk model completion chat"
+    ).split()
+    lines = []
+    for i in range(400):
+        lines.append(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(12)))
+    lines.append("".join(chr(c) for c in range(32, 127)))
+    return lines
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("FLAGSCALE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "flagscale"
+    )
+    return Path(root)
+
+
+def demo_model_dir(seed: int = DEMO_SEED, cache_dir: Path | None = None) -> Path:
+    key = hashlib.sha256(json.dumps({"seed": seed, **DEMO_SHAPE}, sort_keys=True).encode()).hexdigest()[:12]
+    return (cache_dir or default_cache_dir()) / f"demo-llama-{key}"
+
+
+def _train_tokenizer(out_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=DEMO_SHAPE["vocab_size"],
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_training_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+
+def _write_weights(out_dir: Path, seed: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        **DEMO_SHAPE,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def ensure_demo_model(seed: int = DEMO_SEED, cache_dir: Path | None = None) -> Path:
+    """Return the demo model directory, generating it on first use."""
+    target = demo_model_dir(seed, cache_dir)
+    if (target / ".complete").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        _train_tokenizer(staging)
+        _write_weights(staging, seed)
+        (staging / ".complete").write_text("ok\n")
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first
+            if not (target / ".complete").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+if __name__ == "__main__":
+    print(ensure_demo_model())

@@ -1,0 +1,117 @@
+"""The Ray Serve application built from a plan: one deployment per engine node, plus the router ingress."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ray import serve
+from ray.serve import Application
+
+from flagscale.plan import ROUTER_DEPLOYMENT, Plan
+from flagscale.serve.engine import EngineSpec, VLLMEngine
+from flagscale.serve.router import Router, RouterSpec
+
+HEALTH_CHECK_PERIOD_S = 5
+HEALTH_CHECK_TIMEOUT_S = 30
+
+
+def build_app(plan: Plan) -> Application:
+    engines = []
+    log_dir = str(plan.log_dir)
+    for engine in plan.engines:
+        deployment = serve.deployment(
+            VLLMEngine,
+            name=engine.serve_id,
+            ray_actor_options=engine.ray_actor_options,
+            health_check_period_s=HEALTH_CHECK_PERIOD_S,
+            health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+            graceful_shutdown_timeout_s=plan.drain_timeout_s,
+            max_ongoing_requests=1000,
+            **engine.serve_scaling(),
+            **_placement_group(engine),
+        )
+        spec = EngineSpec(
+            app=plan.app_name,
+            serve_id=engine.serve_id,
+            model_names=engine.model_names,
+            argv=engine.argv,
+            # Multi-host: the router on the head reaches engines at their node IP ("node-ip" = not loopback).
+            bind_host="node-ip" if plan.cluster else "127.0.0.1",
+            log_dir=log_dir,
+            env={} if plan.cluster else plan.envs,  # each host's Ray node already has its own envs
+            startup_timeout_s=plan.startup_timeout_s,
+        )
+        engines.append(deployment.bind(spec))
+    router = serve.deployment(
+        Router,
+        name=ROUTER_DEPLOYMENT,
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0, **_on_head(plan)},
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+    )
+    models = {name: e.serve_id for e in plan.engines for name in e.model_names}
+    spec = RouterSpec(app=plan.app_name, host=plan.host, port=plan.port, models=models,
+                      graph_route=plan.graph.route if plan.graph else None)  # fmt: skip
+    graph = {"graph": build_graph_driver(plan)} if plan.graph else {}
+    return router.bind(spec, *engines, **graph)
+
+
+def build_graph_driver(plan: Plan) -> Application:
+    """One deployment per custom node, and the driver that runs the DAG over their handles."""
+    from flagscale.serve.graph import GRAPH_DRIVER_DEPLOYMENT, CustomNode, GraphDriver, NodeSpec
+
+    assert plan.graph is not None
+    nodes = {}
+    for node in plan.graph.nodes:
+        deployment = serve.deployment(
+            CustomNode,
+            name=node.serve_id,
+            ray_actor_options=node.ray_actor_options,
+            health_check_period_s=HEALTH_CHECK_PERIOD_S,
+            graceful_shutdown_timeout_s=plan.drain_timeout_s,
+            **node.serve_scaling(),
+        )
+        clients = {param: (plan.endpoint, plan.graph.engine_models[serve_id])
+                   for param, serve_id in node.engine_params.items()}  # fmt: skip
+        nodes[node.serve_id] = deployment.bind(NodeSpec(node.serve_id, node.module_path, node.class_name, clients))
+    driver = serve.deployment(
+        GraphDriver,
+        name=GRAPH_DRIVER_DEPLOYMENT,
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=1000,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+    )
+    return driver.bind(plan.graph, **nodes)
+
+
+def _placement_group(engine) -> dict:
+    if not engine.placement_bundles:
+        return {}
+    return {"placement_group_bundles": engine.placement_bundles, "placement_group_strategy": engine.placement_strategy}
+
+
+def _on_head(plan: Plan) -> dict:
+    """Multi-host: pin the router to the head host, where deploy.host is."""
+    from flagscale.cluster.hostfile import HEAD_RESOURCE
+
+    return {"resources": {HEAD_RESOURCE: 0.001}} if plan.cluster else {}
+
+
+def project_root() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+# Defaults for the Ray processes of a run (the user's envs override them):
+# - Ray starts workers at nice 15, and the vLLM server a replica starts inherits it: under any CPU contention
+#   the engine then loses to everything else on the host. The engine is the point of the cluster: nice 0.
+# - Serve's controller loop runs every 0.1 s; on a box where the engine wants every core that steady CPU
+#   shows up as engine latency. 0.5 s still reacts to a failed health check within a second.
+SERVE_DEFAULTS = {"RAY_worker_niceness": "0", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+
+
+def worker_env(plan: Plan) -> dict[str, str]:
+    """Env every Ray process of the run gets: the user's envs and an importable flagscale package."""
+    pythonpath = os.pathsep.join(p for p in (project_root(), os.environ.get("PYTHONPATH")) if p)
+    return {**SERVE_DEFAULTS, **plan.envs, "PYTHONPATH": pythonpath}

@@ -1,0 +1,148 @@
+"""The vLLM engine node: a Ray Serve replica that owns one vLLM OpenAI server process.
+
+Ray Serve places, counts, health-checks and restarts the replica; the replica starts vLLM's own
+OpenAI server with the argv the plan validated, waits until it is healthy, and publishes its URL
+so the router streams bytes to it directly (see docs/design.md for why this is the data path).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from flagscale.serve import registry
+
+@dataclass
+class EngineSpec:
+    app: str
+    serve_id: str
+    model_names: list[str]
+    argv: list[str]
+    bind_host: str  # "127.0.0.1" when router and engines share one machine, else the node IP
+    log_dir: str
+    env: dict[str, str]
+    startup_timeout_s: float
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _cause_from_log(path: Path, lines: int = 10) -> str:
+    """The last exception line of the server's log (with what follows it), else its last lines."""
+    try:
+        text = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "(no log)"
+    errors = [i for i, ln in enumerate(text) if "Error" in ln.split(":", 1)[0] or ln.startswith("Error")]
+    if errors:
+        return "\n".join(text[errors[-1] : errors[-1] + 3])
+    return "\n".join(text[-lines:])
+
+
+def _engine_env(user_env: dict[str, str]) -> dict[str, str]:
+    """The replica's env minus the thread caps Ray puts on actors (OMP_NUM_THREADS=num_cpus): vLLM sizes
+    its own CPU threads, exactly as when it runs alone. The user's envs win over both."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",)}
+    return {**env, **user_env}
+
+
+class VLLMEngine:
+    """One replica = one `python -m vllm.entrypoints.openai.api_server` process."""
+
+    def __init__(self, spec: EngineSpec):
+        import ray
+        from ray import serve
+
+        self.spec = spec
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        host = spec.bind_host
+        if host != "127.0.0.1":
+            host = ray.util.get_node_ip_address()
+        port = _free_port(host)
+        self.url = f"http://{host}:{port}"
+        Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
+        self.log_path = Path(spec.log_dir) / f"engine-{spec.serve_id}-{self.replica_id}.log"
+        # engine_proc keeps the server from outliving this replica if the replica is killed outright.
+        argv = [sys.executable, "-m", "flagscale.serve.engine_proc", sys.executable, "-m", "vllm.entrypoints.openai.api_server", *spec.argv, "--host", host, "--port", str(port)]
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(argv)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=_engine_env(spec.env))  # fmt: skip
+        self._wait_healthy(spec.startup_timeout_s)
+        self.record = registry.ReplicaRecord(
+            app=spec.app, serve_id=spec.serve_id, replica_id=self.replica_id, models=spec.model_names,
+            url=self.url, node_id=ray.get_runtime_context().get_node_id(), node_ip=ray.util.get_node_ip_address(),
+            pid=os.getpid(), engine_pid=self.proc.pid, log_path=str(self.log_path), updated_at=time.time(),
+        )  # fmt: skip
+        registry.publish(self.record)
+
+    def _probe(self, timeout_s: float) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout_s) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                raise EngineStartError(
+                    f"vLLM server for '{self.spec.serve_id}' exited with code {code} during start-up; "
+                    f"log {self.log_path}:\n{_cause_from_log(self.log_path)}"
+                )
+            if self._probe(2):
+                return
+            time.sleep(0.5)
+        self._terminate()
+        raise EngineStartError(
+            f"vLLM server for '{self.spec.serve_id}' was not healthy within {timeout_s:.0f}s; "
+            f"log {self.log_path}:\n{_cause_from_log(self.log_path)}"
+        )
+
+    def check_health(self) -> None:
+        """Called by Ray Serve periodically; raising marks the replica unhealthy and Serve replaces it."""
+        code = self.proc.poll()
+        if code is not None:
+            raise RuntimeError(f"vLLM server exited with code {code}; log {self.log_path}")
+        if not self._probe(5):
+            raise RuntimeError(f"vLLM server at {self.url} failed its /health probe")
+        registry.publish(self.record)
+
+    def info(self) -> dict:
+        return {"url": self.url, "replica_id": self.replica_id, "log": str(self.log_path)}
+
+    def _terminate(self, grace_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def __del__(self):
+        try:
+            registry.withdraw(self.spec.app, self.replica_id)
+        except Exception:
+            pass
+        if hasattr(self, "proc"):
+            self._terminate()

@@ -1,0 +1,79 @@
+"""Helpers shared by the test suites: write a config tree, run the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def write_config(conf_dir: Path, nodes, exp_dir: Path, port: int, experiment: dict | None = None, name="serve") -> Path:
+    """A FlagScale-style config tree: <conf_dir>/<name>.yaml + <conf_dir>/serve/nodes.yaml."""
+    conf_dir.mkdir(parents=True, exist_ok=True)
+    (conf_dir / "serve").mkdir(exist_ok=True)
+    main = {
+        "defaults": ["_self_", {"serve": "nodes"}],
+        "experiment": {
+            "exp_name": "test",
+            "exp_dir": str(exp_dir),
+            "task": {"type": "serve"},
+            "runner": {"hostfile": None, "deploy": {"host": "127.0.0.1", "port": port, "startup_timeout_s": 600}},
+            "envs": {},
+        },
+        "action": "run",
+        "foreground": False,
+        "output": "table",
+        "hydra": {"run": {"dir": "${experiment.exp_dir}/hydra"}},
+    }
+    for key, value in (experiment or {}).items():
+        main["experiment"][key] = value
+    (conf_dir / f"{name}.yaml").write_text(yaml.safe_dump(main, sort_keys=False))
+    if isinstance(nodes, str):
+        (conf_dir / "serve" / "nodes.yaml").write_text(nodes)
+    else:
+        (conf_dir / "serve" / "nodes.yaml").write_text(yaml.safe_dump(nodes, sort_keys=False))
+    return conf_dir
+
+
+def run_cli(conf_dir: Path, *overrides: str, timeout: float = 900, name: str = "serve") -> CliResult:
+    argv = [sys.executable, str(REPO / "run.py"), "--config-path", str(conf_dir), "--config-name", name, *overrides]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+def demo_engine_args(**extra) -> dict:
+    args = {
+        "model": "${demo_model:}",
+        "max_model_len": 512,
+        "max_num_seqs": 8,
+        "enforce_eager": True,
+        "gpu_memory_utilization": 0.1,
+    }
+    args.update(extra)
+    return args
+
+
+@pytest.fixture(scope="session")
+def demo_model_path() -> Path:
+    from flagscale.demo_model import ensure_demo_model
+
+    return ensure_demo_model()

@@ -1,0 +1,70 @@
+"""Failures after start: the cause from Ray/vLLM is printed, what was started is stopped, exit != 0."""
+
+from __future__ import annotations
+
+import json
+
+from flagscale.cluster.processes import session_members
+from tests.conftest import demo_engine_args, run_cli, write_config
+
+PORT = 18611
+
+
+def run_and_expect_failure(tmp_path, nodes):
+    exp_dir = tmp_path / "exp"
+    conf = write_config(tmp_path / "conf", nodes, exp_dir, PORT)
+    result = run_cli(conf, timeout=600)
+    assert result.returncode != 0, result.output
+    assert "stopped everything this run started" in result.output
+    assert not (exp_dir / "state.json").exists()
+    return result.output, exp_dir
+
+
+
+
+def test_engine_that_fails_to_start_reports_vllms_cause(tmp_path):
+    nodes = [{"serve_id": "broken", "engine": "vllm", "engine_args": demo_engine_args(max_model_len=4096)}]
+    out, exp_dir = run_and_expect_failure(tmp_path, nodes)
+    assert "deployment broken" in out
+    assert "max_model_len (4096) is greater than the derived max_model_len" in out
+    logs = list((exp_dir / "serve_logs").glob("engine-broken-*.log"))
+    assert logs and "max_model_len" in logs[0].read_text()
+
+
+def test_replica_that_no_node_can_hold_is_reported_with_the_arithmetic(tmp_path):
+    nodes = [{"serve_id": "pinned", "engine": "vllm", "engine_args": demo_engine_args(),
+              "resources": {"accelerator": "chipB"}}]  # fmt: skip
+    out, exp_dir = run_and_expect_failure(tmp_path, nodes)
+    assert "a replica of 'pinned' needs" in out and "accelerator_type:chipB" in out and "CPU:2" in out
+    head_log = (exp_dir / "serve_logs" / "ray-head.log").read_text()
+    assert "Ray runtime started" in head_log
+
+
+def test_failed_run_leaves_no_process(tmp_path):
+    nodes = [{"serve_id": "pinned", "engine": "vllm", "engine_args": demo_engine_args(),
+              "resources": {"accelerator": "chipB"}}]  # fmt: skip
+    exp_dir = tmp_path / "exp"
+    conf = write_config(tmp_path / "conf", nodes, exp_dir, PORT)
+    # Watch the state file the run writes as soon as it launches Ray, to learn the session it must stop.
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    proc = subprocess.Popen([sys.executable, str(REPO / "run.py"), "--config-path", str(conf), "--config-name", "serve"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)  # fmt: skip
+    sessions: set[int] = set()
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        state = exp_dir / "state.json"
+        if state.exists():
+            try:
+                sessions |= {h["session"] for h in json.loads(state.read_text())["hosts"]}
+            except (ValueError, KeyError):
+                pass
+        time.sleep(0.2)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode != 0, out
+    assert sessions, "the run should have recorded the Ray session it started"
+    assert not [p for s in sessions for p in session_members(s)]

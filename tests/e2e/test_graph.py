@@ -1,0 +1,163 @@
+"""Deployment graphs end to end: the shipped examples (examples/graph) on real Ray Serve, real HTTP.
+
+1. The diamond A -> B, A -> C, (B, C) -> D of deterministic string nodes: exact response, B and C overlap,
+   a sync forward does not block its replica, autoscaling settings read back from Serve, status, stop.
+2. rewrite -> generate (calls a real vLLM engine node on the demo model) -> post-process.
+Plus dryrun's picture and a validation error through the real CLI (nothing started).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.conftest import REPO, run_cli, write_config
+
+EXAMPLE_CONF = REPO / "examples" / "graph" / "conf"
+GRAPH_PORT = 18700
+PIPELINE_PORT = 18701
+
+
+def post(port: int, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+def overlap(a: dict, b: dict) -> bool:
+    return a["start"] < b["end"] and b["start"] < a["end"]
+
+
+def example_overrides(exp_dir, port: int) -> list[str]:
+    return [f"experiment.exp_dir={exp_dir}", f"experiment.runner.deploy.port={port}"]
+
+
+def test_dryrun_prints_the_graph_and_writes_a_png(tmp_path):
+    result = run_cli(EXAMPLE_CONF, *example_overrides(tmp_path, GRAPH_PORT), "action=dryrun", timeout=300)
+    assert result.returncode == 0, result.output
+    assert "POST http://127.0.0.1:18700/generate  {prompt: str, times: int}" in result.stdout
+    assert "B, C -> D" in result.stdout and "D -> response" in result.stdout
+    png = (tmp_path / "graph.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24])[0] > 100
+
+
+def test_cli_rejects_a_cycle_before_starting_anything(tmp_path):
+    nodes_py = str(REPO / "examples" / "graph" / "nodes.py")
+    nodes = [
+        {"serve_id": "A", "module": nodes_py, "name": "Normalize"},
+        {"serve_id": "B", "module": nodes_py, "name": "Shout", "depends": ["A", "C"]},
+        {"serve_id": "C", "module": nodes_py, "name": "Reverse", "depends": ["B"]},
+    ]
+    deploy = {"host": "127.0.0.1", "port": GRAPH_PORT + 50, "name": "/generate",
+              "request": {"args": ["prompt", "times"], "types": ["str", "int"]}}  # fmt: skip
+    conf = write_config(tmp_path / "conf", nodes, tmp_path / "exp", GRAPH_PORT + 50,
+                        experiment={"runner": {"hostfile": None, "deploy": deploy}})  # fmt: skip
+    result = run_cli(conf, timeout=300)
+    assert result.returncode == 2, result.output
+    assert "dependency cycle: B -> C -> B" in result.output and "nodes.yaml" in result.output
+    assert not (tmp_path / "exp" / "state.json").exists()
+
+
+@pytest.fixture(scope="module")
+def diamond(tmp_path_factory):
+    exp_dir = tmp_path_factory.mktemp("graph") / "exp"
+    overrides = example_overrides(exp_dir, GRAPH_PORT)
+    result = run_cli(EXAMPLE_CONF, *overrides, timeout=600)
+    yield {"run": result, "exp_dir": exp_dir, "overrides": overrides}
+    if (exp_dir / "state.json").exists():
+        run_cli(EXAMPLE_CONF, *overrides, "action=stop", timeout=300)
+
+
+@pytest.fixture(scope="module")
+def diamond_up(diamond):
+    assert diamond["run"].returncode == 0, diamond["run"].output
+    return diamond
+
+
+def test_diamond_response_is_exact(diamond_up):
+    status, body = post(GRAPH_PORT, "/generate", {"prompt": "  Hello   World ", "times": 2})
+    assert status == 200, body
+    assert body == {"shouted": "HELLO WORLD HELLO WORLD", "reversed": "dlrow olleh dlrow olleh"}
+
+
+def test_b_and_c_run_concurrently_after_a(diamond_up):
+    status, body = post(GRAPH_PORT, "/generate?trace=1", {"prompt": "abc", "times": 1})
+    assert status == 200 and body["result"] == {"shouted": "ABC", "reversed": "cba"}
+    trace = {t["node"]: t for t in body["trace"]}
+    assert set(trace) == {"A", "B", "C", "D"}
+    assert overlap(trace["B"], trace["C"]), trace
+    assert trace["A"]["end"] <= min(trace["B"]["start"], trace["C"]["start"])
+    assert max(trace["B"]["end"], trace["C"]["end"]) <= trace["D"]["start"]
+
+
+def test_sync_forward_does_not_block_its_replica(diamond_up):
+    # B's forward is a plain function that sleeps; two requests on its one replica must still overlap.
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda i: post(GRAPH_PORT, "/generate?trace=1", {"prompt": f"r{i}", "times": 1}),
+                                range(2)))  # fmt: skip
+    b_runs = [next(t for t in body["trace"] if t["node"] == "B") for status, body in replies if status == 200]
+    assert len(b_runs) == 2
+    assert b_runs[0]["replica"] == b_runs[1]["replica"]
+    assert overlap(*b_runs), b_runs
+
+
+def test_bad_requests_are_400_naming_the_field(diamond_up):
+    status, body = post(GRAPH_PORT, "/generate", {"prompt": "x", "times": "two"})
+    assert status == 400 and "'times' must be int" in body["error"]["message"]
+    status, body = post(GRAPH_PORT, "/generate", {"prompt": "x"})
+    assert status == 400 and "missing ['times']" in body["error"]["message"]
+
+
+def test_status_shows_every_node_and_autoscaling_from_serve(diamond_up):
+    result = run_cli(EXAMPLE_CONF, *diamond_up["overrides"], "action=status", "output=json", timeout=120)
+    assert result.returncode == 0, result.output
+    report = json.loads(result.stdout[result.stdout.index("{"):])
+    deployments = report["deployments"]
+    assert set(deployments) == {"A", "B", "C", "D", "graph", "router"}
+    assert all(d["status"] == "HEALTHY" and d["replicas"] == {"RUNNING": 1} for d in deployments.values())
+    autoscaling = deployments["B"]["scaling"]["autoscaling"]  # as Serve's controller applies it
+    assert (autoscaling["min_replicas"], autoscaling["max_replicas"], autoscaling["target_ongoing_requests"]) == (1, 2, 2)
+    assert deployments["C"]["scaling"] == {"target_replicas": 1, "num_replicas": 1, "autoscaling": None}
+    table = run_cli(EXAMPLE_CONF, *diamond_up["overrides"], "action=status", timeout=120)
+    assert "autoscale 1..2" in table.stdout
+
+
+def test_stop_diamond(diamond_up):
+    result = run_cli(EXAMPLE_CONF, *diamond_up["overrides"], "action=stop", timeout=300)
+    assert result.returncode == 0, result.output
+    assert not (diamond_up["exp_dir"] / "state.json").exists()
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, demo_model_path):
+    exp_dir = tmp_path_factory.mktemp("pipeline") / "exp"
+    overrides = example_overrides(exp_dir, PIPELINE_PORT)
+    result = run_cli(EXAMPLE_CONF, *overrides, timeout=900, name="pipeline")
+    yield {"run": result, "exp_dir": exp_dir, "overrides": overrides}
+    if (exp_dir / "state.json").exists():
+        run_cli(EXAMPLE_CONF, *overrides, "action=stop", timeout=300, name="pipeline")
+
+
+def test_pipeline_returns_generated_text_through_custom_nodes(pipeline):
+    assert pipeline["run"].returncode == 0, pipeline["run"].output
+    status, body = post(PIPELINE_PORT, "/generate", {"prompt": "  what is a graph? ", "max_tokens": 8}, timeout=300)
+    assert status == 200, body
+    assert body["prompt"] == "Question: what is a graph?\nAnswer:"
+    assert isinstance(body["text"], str) and body["text"] and body["chars"] == len(body["text"])
+    # The engine node keeps its OpenAI route on the same port.
+    status, completion = post(PIPELINE_PORT, "/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 4})
+    assert status == 200 and completion["usage"]["completion_tokens"] == 4
+
+
+def test_stop_pipeline(pipeline):
+    result = run_cli(EXAMPLE_CONF, *pipeline["overrides"], "action=stop", timeout=300, name="pipeline")
+    assert result.returncode == 0, result.output

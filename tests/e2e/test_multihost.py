@@ -1,0 +1,167 @@
+"""Multi-host end to end on real hosts: 3 network namespaces with their own sshd (tests/e2e/netns.py),
+Ray started on each over SSH from a hostfile, real vLLM (CPU) engines, requests through the router.
+
+One set of hosts is shared by the module, in order:
+  run with 2 replicas (land on two hosts) -> requests -> status host table -> stop -> no Ray process anywhere;
+  a node pinned to type=chipB runs only on the chipB host -> kill a worker's Ray node -> status says dead -> stop;
+  a hostfile with an unreachable host fails within the SSH timeout, naming it, nothing left on the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+
+import openai
+import pytest
+
+from flagscale.cluster.multihost import host_temp_dir
+from tests.conftest import demo_engine_args, run_cli, write_config
+from tests.e2e import netns
+
+PORT = 18801
+RAY_PORT = 18810
+HOSTS = 3
+pytestmark = pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("netns") / "hosts"
+    try:
+        built = netns.build(HOSTS, workdir)
+        yield built
+    finally:
+        netns.teardown(HOSTS, workdir)
+
+
+def write_hostfile(path, lines):
+    path.write_text("# test hosts (network namespaces)\n" + "\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def hostfile(hosts, tmp_path_factory):
+    h1, h2, h3 = (h.ip for h in hosts.hosts)
+    return write_hostfile(tmp_path_factory.mktemp("hostfile") / "hostfile",
+                          [f"{h1} slots=1 type=chipA", f"{h2} slots=1 type=chipA", f"{h3} slots=1 type=chipB"])  # fmt: skip
+
+
+def deploy(tmp_path, hosts, hostfile, nodes, name):
+    exp_dir = tmp_path / name
+    runner = hosts.runner(hostfile, ray_port=RAY_PORT, num_cpus=1, join_timeout_s=120,
+                          deploy={"host": hosts.hosts[0].ip, "port": PORT, "startup_timeout_s": 600})  # fmt: skip
+    conf = write_config(tmp_path / f"conf-{name}", nodes, exp_dir, PORT, experiment={"exp_name": name, "runner": runner})
+    return conf, exp_dir
+
+
+def status_json(conf):
+    result = run_cli(conf, "action=status", "output=json", timeout=120)
+    return result, json.loads(result.stdout[result.stdout.index("{"):])
+
+
+def assert_no_ray_left(hosts):
+    deadline = time.monotonic() + 15
+    while any(hosts.ray_pids(h) for h in hosts.hosts) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert {h.ip: hosts.ray_pids(h) for h in hosts.hosts} == {h.ip: [] for h in hosts.hosts}
+
+
+@pytest.fixture
+def stop_on_failure():
+    confs = []
+    yield confs.append
+    for conf, exp_dir in confs:
+        if (exp_dir / "state.json").exists():
+            run_cli(conf, "action=stop", timeout=300)
+        for ip in [f"{netns.SUBNET}.{i}" for i in range(2, HOSTS + 2)] + [f"{netns.SUBNET}.250"]:
+            shutil.rmtree(host_temp_dir(str(exp_dir.resolve()), ip), ignore_errors=True)  # Ray's logs of the run
+
+
+def serve_on_hosts(tmp_path, hosts, hostfile, stop_on_failure, name, model, replicas, chip):
+    """Run one engine node of `replicas` replicas pinned to `chip`; returns conf, exp_dir and a client."""
+    nodes = [{"serve_id": model, "engine": "vllm", "engine_args": demo_engine_args(served_model_name=model),
+              "resources": {"num_replicas": replicas, "num_cpus": 1, "accelerator": chip}}]  # fmt: skip
+    conf, exp_dir = deploy(tmp_path, hosts, hostfile, nodes, name)
+    stop_on_failure((conf, exp_dir))
+    run = run_cli(conf, timeout=900)
+    assert run.returncode == 0, run.output
+    client = openai.OpenAI(base_url=f"http://{hosts.hosts[0].ip}:{PORT}/v1", api_key="none", timeout=120)
+    return conf, exp_dir, client
+
+
+def test_two_replicas_on_two_hosts_serve_and_stop_cleanly(hosts, hostfile, tmp_path, stop_on_failure):
+    conf, exp_dir, client = serve_on_hosts(tmp_path, hosts, hostfile, stop_on_failure, "two-replicas", "demo", 2, "chipA")
+    state = json.loads((exp_dir / "state.json").read_text())
+    assert sorted(h["host"] for h in state["hosts"] if h["remote"]) == sorted(h.ip for h in hosts.hosts)
+    assert all(h["session"] and h["node_id"] for h in state["hosts"])
+
+    for _ in range(4):
+        completion = client.completions.create(model="demo", prompt="hello world", max_tokens=8)
+        assert completion.usage.completion_tokens == 8
+
+    result, report = status_json(conf)
+    assert result.returncode == 0, result.output
+    assert len({r["host"] for r in report["replicas"]}) == 2, report["replicas"]
+    by_host = {h["host"]: h for h in report["hosts"]}
+    assert all(h["ray_node"] == "alive" for h in by_host.values())
+    h1, h2, h3 = (h.ip for h in hosts.hosts)
+    assert len(by_host[h1]["replicas"]) == 1 and len(by_host[h2]["replicas"]) == 1 and not by_host[h3]["replicas"]
+    table = run_cli(conf, "action=status", timeout=120)
+    assert "hosts" in table.stdout and "chipB" in table.stdout
+
+    stop = run_cli(conf, "action=stop", timeout=300)
+    assert stop.returncode == 0, stop.output
+    assert_no_ray_left(hosts)
+    assert not (exp_dir / "state.json").exists()
+
+
+def test_chip_pinned_node_runs_on_its_chip_and_a_dead_worker_shows(hosts, hostfile, tmp_path, stop_on_failure):
+    conf, exp_dir, client = serve_on_hosts(tmp_path, hosts, hostfile, stop_on_failure, "chip-b", "b", 1, "chipB")
+    assert client.completions.create(model="b", prompt="hi", max_tokens=4).usage.completion_tokens == 4
+    _, report = status_json(conf)
+    assert [r["host"] for r in report["replicas"]] == [hosts.hosts[2].ip]
+
+    # Kill the Ray node of worker host 2 (no replica on it) outright: its whole recorded session.
+    state = json.loads((exp_dir / "state.json").read_text())
+    worker = next(h for h in state["hosts"] if h["host"] == hosts.hosts[1].ip)
+    from flagscale.cluster.processes import session_members
+
+    for pid in session_members(worker["session"]):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while True:
+        result, report = status_json(conf)
+        states = {h["host"]: h["ray_node"] for h in report["hosts"]}
+        if states[hosts.hosts[1].ip] == "dead" or time.monotonic() > deadline:
+            break
+        time.sleep(3)
+    assert states == {hosts.hosts[0].ip: "alive", hosts.hosts[1].ip: "dead", hosts.hosts[2].ip: "alive"}
+    assert result.returncode != 0  # not healthy while a host is down
+    assert client.completions.create(model="b", prompt="hi", max_tokens=4).usage.completion_tokens == 4
+
+    stop = run_cli(conf, "action=stop", timeout=300)
+    assert stop.returncode == 0, stop.output
+    assert_no_ray_left(hosts)
+
+
+def test_unreachable_host_fails_fast_and_leaves_nothing(hosts, tmp_path, stop_on_failure):
+    h1, h2, _ = (h.ip for h in hosts.hosts)
+    unreachable = f"{netns.SUBNET}.250"  # on the test subnet, no host behind it
+    hostfile = write_hostfile(tmp_path / "hostfile", [f"{h1} slots=1 type=chipA", f"{h2} slots=1 type=chipA",
+                                                      f"{unreachable} slots=1 type=chipA"])  # fmt: skip
+    nodes = [{"serve_id": "demo", "engine": "vllm", "engine_args": demo_engine_args(),
+              "resources": {"num_replicas": 1, "num_cpus": 1}}]  # fmt: skip
+    conf, exp_dir = deploy(tmp_path, hosts, hostfile, nodes, "unreachable")
+    stop_on_failure((conf, exp_dir))
+    t0 = time.monotonic()
+    run = run_cli(conf, timeout=300)
+    elapsed = time.monotonic() - t0
+    assert run.returncode != 0
+    assert unreachable in run.output and "SSH" in run.output, run.output
+    assert elapsed < 5 + 30, f"took {elapsed:.0f}s with ssh_timeout_s=5"
+    assert_no_ray_left(hosts)
+    assert not (exp_dir / "state.json").exists()

@@ -1,0 +1,183 @@
+"""End to end on one host: real Ray, real vLLM (CPU) engines, real HTTP, the official OpenAI SDK.
+
+One deployment with two models (alpha with two replicas); the run is shared by the tests of this module,
+in order: serve -> completions and streamed chat from each model -> load spreads over alpha's replicas ->
+status -> bench action -> run twice refuses -> stop -> nothing left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from flagscale.cluster.processes import session_members
+from tests.conftest import demo_engine_args, run_cli, write_config
+
+PORT = 18411
+MODELS = ("alpha", "beta")
+REPLICAS = {"alpha": 2, "beta": 1}
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two-models")
+    exp_dir = root / "exp"
+    nodes = [
+        {"serve_id": name, "engine": "vllm", "engine_args": demo_engine_args(served_model_name=name),
+         "resources": {"num_replicas": REPLICAS[name], "num_cpus": 1}}
+        for name in MODELS
+    ]  # fmt: skip
+    conf = write_config(root / "conf", nodes, exp_dir, PORT)
+    result = run_cli(conf, timeout=900)
+    state_path = exp_dir / "state.json"
+    sessions = [h["session"] for h in json.loads(state_path.read_text())["hosts"]] if state_path.exists() else []
+    yield {"conf": conf, "exp_dir": exp_dir, "run": result, "sessions": sessions}
+    if state_path.exists():  # a test failed before the stop test ran
+        run_cli(conf, "action=stop", timeout=300)
+
+
+@pytest.fixture(scope="module")
+def client(deployment):
+    assert deployment["run"].returncode == 0, deployment["run"].output
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120)
+
+
+def test_run_prints_endpoint_and_models(deployment):
+    out = deployment["run"].output
+    assert deployment["run"].returncode == 0, out
+    assert f"http://127.0.0.1:{PORT}/v1" in out
+    assert "alpha, beta" in out
+    assert (deployment["exp_dir"] / "serve_logs" / "runner.log").exists()
+
+
+def test_models_lists_both(client):
+    assert sorted(m.id for m in client.models.list().data) == sorted(MODELS)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_completion(client, model):
+    completion = client.completions.create(model=model, prompt="hello world", max_tokens=8)
+    assert completion.model == model
+    assert completion.usage.completion_tokens == 8
+    assert completion.choices[0].text
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_streamed_chat_arrives_in_several_chunks(client, model):
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=12, stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
+    assert len(chunks) >= 3
+    assert all(c.model == model for c in chunks)
+
+
+def test_unknown_model_is_a_404_naming_the_models(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gamma", prompt="x", max_tokens=2)
+    assert "alpha" in str(info.value) and "beta" in str(info.value)
+
+
+def status_json(deployment, require_healthy=True) -> dict:
+    result = run_cli(deployment["conf"], "action=status", "output=json", timeout=120)
+    assert result.returncode == 0 or not require_healthy, result.output
+    return json.loads(result.stdout[result.stdout.index("{"):])
+
+
+def test_load_spreads_evenly_over_replicas(deployment, client):
+    before = {r["replica_id"]: r["requests_served"] or 0 for r in status_json(deployment)["replicas"]}
+
+    def complete(i):
+        return client.completions.create(model="alpha", prompt=f"request {i}", max_tokens=4)
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(c.usage.completion_tokens == 4 for c in pool.map(complete, range(60)))
+    after = [r for r in status_json(deployment)["replicas"] if r["serve_id"] == "alpha"]
+    counts = [r["requests_served"] - before.get(r["replica_id"], 0) for r in after]
+    assert len(counts) == 2 and sum(counts) == 60
+    assert max(counts) <= 1.2 * min(counts), counts
+
+
+def test_killed_engine_fails_over_and_is_replaced(deployment, client):
+    alpha = [r for r in status_json(deployment)["replicas"] if r["serve_id"] == "alpha"]
+    victim = alpha[0]
+    os.kill(victim["engine_pid"], signal.SIGKILL)  # the wrapper exits too: the server is gone
+    for i in range(10):  # no request fails: the router moves on to the other replica
+        assert client.completions.create(model="alpha", prompt=f"after kill {i}", max_tokens=2).usage
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        report = status_json(deployment, require_healthy=False)
+        ready = [r for r in report["replicas"] if r["serve_id"] == "alpha" and r["state"] == "READY"]
+        if report["healthy"] and len(ready) == 2 and victim["replica_id"] not in {r["replica_id"] for r in ready}:
+            break
+        time.sleep(5)
+    else:
+        raise AssertionError(f"alpha was not back to 2 healthy replicas: {report}")
+
+
+def test_status_is_healthy(deployment, client):
+    result = run_cli(deployment["conf"], "action=status", "output=json", timeout=120)
+    assert result.returncode == 0, result.output
+    report = json.loads(result.stdout[result.stdout.index("{"):])
+    assert report["healthy"] and report["status"] == "RUNNING"
+    assert {d for d in report["deployments"]} == {"alpha", "beta", "router"}
+    assert sorted(r["serve_id"] for r in report["replicas"]) == ["alpha", "alpha", "beta"]
+    table = run_cli(deployment["conf"], "action=status", timeout=120)
+    assert table.returncode == 0 and "HEALTHY" in table.stdout and "alpha" in table.stdout
+
+
+def test_bench_action_writes_json_and_png(deployment, client):
+    result = run_cli(
+        deployment["conf"], "action=bench", "experiment.bench.num_prompts=6", "experiment.bench.input_len=16",
+        "experiment.bench.output_len=8", "experiment.bench.concurrency=[1,3]", "experiment.bench.model=beta",
+        "experiment.bench.slo_ttft_ms=5000", timeout=600,
+    )
+    assert result.returncode == 0, result.output
+    reports = sorted((deployment["exp_dir"] / "bench").glob("bench-*.json"))
+    assert reports
+    report = json.loads(reports[-1].read_text())
+    assert report["model"] == "beta"
+    assert [row["concurrency"] for row in report["rows"]] == [1, 3]
+    for row in report["rows"]:
+        assert row["completed"] == 6 and row["failed"] == 0 and row["output_tok_s"] > 0
+        assert {"p50", "p90", "p99", "mean"} <= set(row["ttft_ms"]) and row["tpot_ms"]["p50"] > 0
+        assert row["goodput_req_s"] is not None
+    png = reports[-1].with_suffix(".png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])
+    assert width > 100 and height > 100
+
+
+def test_second_run_does_not_start_a_second_copy(deployment, client):
+    result = run_cli(deployment["conf"], timeout=300)
+    assert result.returncode != 0
+    assert "already running" in result.output
+    assert sorted(m.id for m in client.models.list().data) == sorted(MODELS)
+
+
+def test_stop_leaves_nothing(deployment, client):
+    assert deployment["sessions"]
+    members_before = [p for s in deployment["sessions"] for p in session_members(s)]
+    assert members_before, "the run's Ray processes should be alive before stop"
+    result = run_cli(deployment["conf"], "action=stop", timeout=300)
+    assert result.returncode == 0, result.output
+    assert not [p for s in deployment["sessions"] for p in session_members(s)]
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", PORT), timeout=2).close()
+    with socket.socket() as sock:  # a new server could take the port (TIME_WAIT allowed, as servers do)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", PORT))
+    assert not (deployment["exp_dir"] / "state.json").exists()
+    again = run_cli(deployment["conf"], "action=stop", timeout=120)
+    assert again.returncode == 0 and "nothing is running" in again.output
+    status = run_cli(deployment["conf"], "action=status", timeout=120)
+    assert status.returncode != 0 and "nothing is running" in status.output
