@@ -2,7 +2,7 @@
 
 It runs inside a Ray Serve replica (so Serve places, health-checks and restarts it) but serves HTTP
 itself with aiohttp on its own event loop thread. Per request it reads the body, picks a replica of
-the requested `model` (fewest in-flight requests, round-robin on ties), and streams the upstream
+the requested `model` (see `rank_replicas`), and streams the upstream
 response back chunk by chunk. A replica that refuses connections is set aside for a few seconds and
 the request goes to the next one, as long as no byte was sent to the client yet.
 """
@@ -24,6 +24,7 @@ log = logging.getLogger("flagscale.router")
 
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
 COOLDOWN_S = 5.0
+LOAD_SLACK = 1  # in-flight requests a replica may be above the least busy one and still count as "as free"
 
 
 @dataclass
@@ -40,6 +41,7 @@ class RouterSpec:
 class _Upstream:
     record: registry.ReplicaRecord
     inflight: int = 0
+    sent: int = 0  # requests routed here, counted when picked (served only counts once headers are back)
     served: int = 0
     down_until: float = 0.0
 
@@ -51,12 +53,17 @@ class _Table:
 
 
 def rank_replicas(upstreams: list[_Upstream], turn: int, now: float) -> list[_Upstream]:
-    """The order to try a model's replicas in: fewest in-flight first; ties rotate with `turn` so idle
-    replicas take turns; replicas in their cool-down after a refused connection are left out."""
+    """The order to try a model's replicas in.
+
+    Replicas at most LOAD_SLACK in-flight requests above the least busy one come first, fewest requests
+    sent first, so equal replicas get equal shares even when one of them runs a little faster (pure
+    least-in-flight hands the faster one every freed slot). Busier replicas follow, least busy first.
+    Ties rotate with `turn`; replicas in their cool-down after a refused connection are left out."""
     ups = [u for u in upstreams if u.down_until <= now]
     if len(ups) > 1:
         ups = ups[turn % len(ups) :] + ups[: turn % len(ups)]
-        ups.sort(key=lambda u: u.inflight)  # stable: ties keep the rotated order
+        free_enough = min(u.inflight for u in ups) + LOAD_SLACK
+        ups.sort(key=lambda u: (0, u.sent) if u.inflight <= free_enough else (1, u.inflight))  # stable sort
     return ups
 
 
@@ -247,6 +254,7 @@ class Router:
 
         url = upstream.record.url + str(request.rel_url)
         upstream.inflight += 1
+        upstream.sent += 1
         try:
             try:
                 upstream_resp = await self._session.request(request.method, url, data=body, headers=headers)

@@ -2,10 +2,10 @@ from flagscale.serve.registry import ReplicaRecord
 from flagscale.serve.router import _Upstream, rank_replicas
 
 
-def upstream(name, inflight=0, down_until=0.0):
+def upstream(name, inflight=0, down_until=0.0, sent=0):
     record = ReplicaRecord(app="a", serve_id="s", replica_id=name, models=["m"], url=f"http://{name}", node_id="n",
                            node_ip="127.0.0.1", pid=1, engine_pid=2, log_path="", updated_at=0.0)
-    return _Upstream(record, inflight=inflight, down_until=down_until)
+    return _Upstream(record, inflight=inflight, down_until=down_until, sent=sent)
 
 
 def names(ups):
@@ -19,11 +19,43 @@ def test_idle_replicas_take_turns():
 
 
 def test_least_in_flight_first():
-    ups = [upstream("a", inflight=3), upstream("b", inflight=1), upstream("c", inflight=2)]
+    ups = [upstream("a", inflight=5), upstream("b", inflight=1), upstream("c", inflight=3)]
     assert names(rank_replicas(ups, turn=0, now=1.0)) == ["b", "c", "a"]
 
 
-def test_cooling_down_replica_is_skipped_until_its_time():
-    ups = [upstream("a", down_until=10.0), upstream("b")]
-    assert names(rank_replicas(ups, turn=0, now=5.0)) == ["b"]
-    assert set(names(rank_replicas(ups, turn=0, now=10.0))) == {"a", "b"}
+def test_faster_replica_does_not_take_every_freed_slot():
+    # "a" just finished a request (3 in flight vs 4) but was already sent more: "b" gets the next one.
+    ups = [upstream("a", inflight=3, sent=40), upstream("b", inflight=4, sent=30)]
+    assert names(rank_replicas(ups, turn=0, now=1.0)) == ["b", "a"]
+
+
+def test_replica_far_behind_is_not_fed_to_even_out_counts():
+    ups = [upstream("slow", inflight=6, sent=10), upstream("fast", inflight=2, sent=50)]
+    assert names(rank_replicas(ups, turn=0, now=1.0)) == ["fast", "slow"]
+
+
+def simulate(slowdown_of_b: float, clients=8, requests=600) -> dict[str, int]:
+    """Closed loop: `clients` keep one request each in flight; "b" takes `slowdown_of_b` times as long."""
+    ups = [upstream("a"), upstream("b")]
+    finishing: list[tuple[float, _Upstream]] = []
+    now = 0.0
+    for turn in range(requests):
+        if len(finishing) == clients:
+            finishing.sort(key=lambda item: item[0])
+            now, done = finishing.pop(0)
+            done.inflight -= 1
+        chosen = rank_replicas(ups, turn, now)[0]
+        chosen.inflight += 1
+        chosen.sent += 1
+        finishing.append((now + (slowdown_of_b if chosen.record.replica_id == "b" else 1.0), chosen))
+    return {u.record.replica_id: u.sent for u in ups}
+
+
+def test_even_split_when_one_replica_is_a_little_faster():
+    counts = simulate(slowdown_of_b=1.25)
+    assert max(counts.values()) <= 1.1 * min(counts.values()), counts
+
+
+def test_much_slower_replica_gets_less():
+    counts = simulate(slowdown_of_b=3.0)
+    assert counts["a"] > 1.3 * counts["b"], counts
