@@ -8,6 +8,11 @@ on error or Ctrl-C.
 
   .venv/bin/python benchmarks/overhead.py            # 3 rounds x 200 prompts at concurrency 1 and 16
   .venv/bin/python benchmarks/overhead.py --quick    # smoke test: 1 round x 20 prompts
+  .venv/bin/python benchmarks/overhead.py --direct   # also load the engine replica's own port (no router)
+
+--direct splits the gap: "direct" is the same engine replica inside the orchestrator's cluster, reached
+on its own port, so direct/plain is what the cluster costs the engine and orchestrator/direct what the
+router costs.
 """
 
 from __future__ import annotations
@@ -45,7 +50,6 @@ MODEL_NAME = "demo"
 ENGINE_ARGS = {"max_model_len": 512, "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_num_seqs": 16}
 PORT_RANGE = range(8150, 8200)
 STARTUP_TIMEOUT_S = 600
-SYSTEMS = ("plain", "orchestrator")
 # (label, row key, stat); a stat of None means the row value itself.
 METRICS = (
     ("output tok/s", "output_tok_s", None),
@@ -65,6 +69,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="smoke test: 20 prompts, 1 round")
+    parser.add_argument("--direct", action="store_true",
+                        help="also load the orchestrator's engine replica on its own port, bypassing the router")
     parser.add_argument("--startup-only", action="store_true", help="time both start-ups, no load")
     parser.add_argument("--plain-port", type=int, default=None, help="default: first free port in 8150-8199")
     parser.add_argument("--orchestrator-port", type=int, default=None, help="default: next free port in 8150-8199")
@@ -198,13 +204,19 @@ class Orchestrator:
             raise RuntimeError(f"`run` exited with {self.run_proc.returncode}:\n{tail(self.log_path)}")
         return elapsed
 
-    def engine_pids(self) -> list[int]:
+    def ready_replicas(self) -> list[dict[str, Any]]:
         out = subprocess.run(self.cli("status", "output=json"), cwd=REPO, capture_output=True, text=True, timeout=120).stdout
         report = json.JSONDecoder().raw_decode(out[out.index("{") :])[0]  # skip any log lines before the JSON
-        return [r["engine_pid"] for r in report["replicas"] if r["state"] == "READY"]
+        return [r for r in report["replicas"] if r["state"] == "READY"]
+
+    def engine_pids(self) -> list[int]:
+        return [r["engine_pid"] for r in self.ready_replicas()]
 
     def session(self) -> int:
         return json.loads((self.exp_dir / "state.json").read_text())["hosts"][0]["session"]
+
+    def processes(self) -> list[psutil.Process]:
+        return [psutil.Process(pid) for pid in session_members(self.session()) if psutil.pid_exists(pid)]
 
     def stop(self) -> None:
         if not self.run_launched:
@@ -252,9 +264,47 @@ def orchestrator_memory(orchestrator: Orchestrator) -> dict[str, Any]:
     return {"own": {**memory_mb(own), "breakdown": describe(own)}, "vllm": memory_mb(vllm)}
 
 
-def run_pass(run_bench, url: str, model_dir: Path, settings: BenchConfig, concurrency: int) -> dict[str, Any]:
+def process_role(proc: psutil.Process) -> str:
+    """A short name for a server process, for the CPU profile: what its command line says it is."""
+    cmd = " ".join(proc.cmdline())
+    title = proc.name()
+    for needle, role in (("gcs_server", "ray gcs"), ("raylet", "raylet"), ("dashboard/agent.py", "ray dashboard agent"),
+                         ("dashboard/dashboard.py", "ray dashboard head"), ("runtime_env/agent", "ray runtime-env agent"),
+                         ("ray.util.client.server", "ray client server"), ("ServeController", "serve controller"),
+                         ("Router", "router replica"), ("VLLMEngine", "engine replica actor"),
+                         ("flagscale.serve.engine_proc", "engine watchdog"), ("EngineCore", "vllm engine core"),
+                         ("api_server", "vllm api server")):  # fmt: skip
+        if needle in cmd or needle in title:
+            return role
+    return title
+
+
+def cpu_seconds(groups: dict[str, list[psutil.Process]]) -> dict[int, tuple[str, float]]:
+    out = {}
+    for group, processes in groups.items():
+        for proc in processes:
+            try:
+                times = proc.cpu_times()
+                out[proc.pid] = (f"{group}: {process_role(proc)}", times.user + times.system)
+            except psutil.NoSuchProcess:
+                continue
+    return out
+
+
+def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per role between two snapshots, largest first."""
+    used: dict[str, float] = {}
+    for pid, (role, seconds) in after.items():
+        used[role] = used.get(role, 0.0) + seconds - before.get(pid, (role, 0.0))[1]
+    return {role: round(sec, 2) for role, sec in sorted(used.items(), key=lambda item: -item[1]) if sec >= 0.05}
+
+
+def run_pass(run_bench, url: str, model_dir: Path, settings: BenchConfig, concurrency: int,
+             watched: Callable[[], dict[str, list[psutil.Process]]]) -> dict[str, Any]:  # fmt: skip
+    before = cpu_seconds(watched())
     result = run_bench(vllm_bench_argv(url, MODEL_NAME, str(model_dir), settings, concurrency, num_warmups=concurrency))
     row = report_row(concurrency, result)
+    row["cpu_s"] = cpu_used(before, cpu_seconds(watched()))
     if row["completed"] == 0:
         raise RuntimeError(f"every request to {url} failed, e.g. {next((e for e in result['errors'] if e), '?')}")
     return row
@@ -270,19 +320,27 @@ def median_rows(rounds: list[dict[str, Any]], system: str, concurrency: int) -> 
 
 
 def render(report: dict[str, Any]) -> None:
+    direct = "direct" in report["servers"]
     table = Table(title=f"orchestrator vs plain vLLM: median of {report['settings']['rounds']} round(s), "
                         f"{report['settings']['num_prompts']} prompts/pass", title_justify="left")  # fmt: skip
-    for column, justify in (("metric", "left"), ("plain", "right"), ("orchestrator", "right"), ("orch/plain", "right")):
-        table.add_column(column, justify=justify)
+    columns = ["metric", "plain", "orchestrator", "orch/plain"] + (["direct", "direct/plain"] if direct else [])
+    for column in columns:
+        table.add_column(column, justify="left" if column == "metric" else "right")
 
-    def add(label: str, plain: float | None, orch: float, fmt: str = "{:.1f}") -> None:
-        ratio = f"{orch / plain:.3f}" if plain else "-"
-        table.add_row(label, "-" if plain is None else fmt.format(plain), fmt.format(orch), ratio)
+    def add(label: str, plain: float | None, orch: float, fmt: str = "{:.1f}", direct_value: float | None = None) -> None:
+        def cells(value):
+            return [fmt.format(value), f"{value / plain:.3f}" if plain else "-"]
+
+        row = [label, "-" if plain is None else fmt.format(plain), *cells(orch)]
+        if direct:
+            row += cells(direct_value) if direct_value is not None else ["-", "-"]
+        table.add_row(*row)
 
     for concurrency, by_system in report["medians"].items():
         for label in by_system["plain"]:
             add(f"c={concurrency} {label}", by_system["plain"][label], by_system["orchestrator"][label],
-                "{:.0f}" if label == "failed requests" else "{:.1f}")  # fmt: skip
+                "{:.0f}" if label == "failed requests" else "{:.1f}",
+                by_system["direct"][label] if direct else None)  # fmt: skip
         table.add_section()
     startup = report["startup_s"]
     add("startup to first completion s", startup["plain"], startup["orchestrator"])
@@ -332,28 +390,35 @@ def main() -> int:
         with console.status("starting plain vLLM again for the load ..."):
             plain.start()
 
+        servers = {"plain": plain.url, "orchestrator": orchestrator.url}
+        if args.direct:
+            servers["direct"] = orchestrator.ready_replicas()[0]["url"]
         rounds: list[dict[str, Any]] = []
         with vllm_bench_worker(work_dir / "bench-client.log") as run_bench:
             for round_index in range(args.rounds):
                 results: dict[str, Any] = {}
-                for system, server in zip(SYSTEMS, (plain, orchestrator)):
+                for system, url in servers.items():
                     results[system] = {}
                     for concurrency in args.concurrency:
                         # A fresh prompt set per pass (no prefix-cache hits from earlier passes), the same for both systems.
                         settings = BenchConfig(input_len=args.input_len, output_len=args.output_len,
                                                num_prompts=args.num_prompts, seed=1000 * round_index + concurrency)  # fmt: skip
                         with console.status(f"round {round_index + 1}/{args.rounds}: {system}, concurrency {concurrency} ..."):
-                            row = run_pass(run_bench, server.url, model_dir, settings, concurrency)
+                            # CPU is counted over both servers: the idle one's background work competes too.
+                            row = run_pass(run_bench, url, model_dir, settings, concurrency,
+                                           lambda: {"plain": plain.processes(), "orch": orchestrator.processes()})  # fmt: skip
                         results[system][str(concurrency)] = row
                         console.print(f"round {round_index + 1} {system:>12} c={concurrency:<3} {row['output_tok_s']:8.1f} tok/s  "
                                       f"TTFT p50 {row['ttft_ms']['p50']:7.1f} ms  TPOT p50 {row['tpot_ms']['p50']:6.1f} ms",
                                       soft_wrap=True)  # fmt: skip
+                        top = ", ".join(f"{role} {sec:.1f}" for role, sec in list(row["cpu_s"].items())[:6])
+                        console.print(f"    CPU s: {top}", soft_wrap=True, style="dim")
                 rounds.append(results)
 
         own = orchestrator_memory(orchestrator)
         memory = {"plain_vllm": memory_mb(plain.processes()), "orchestrator_own": own["own"],
                   "orchestrator_vllm": own["vllm"]}  # fmt: skip
-        medians = {str(c): {s: median_rows(rounds, s, c) for s in SYSTEMS} for c in args.concurrency}
+        medians = {str(c): {s: median_rows(rounds, s, c) for s in servers} for c in args.concurrency}
         report = {
             "settings": {"rounds": args.rounds, "num_prompts": args.num_prompts, "concurrency": args.concurrency,
                          "input_len": args.input_len, "output_len": args.output_len, "engine_args": ENGINE_ARGS,
@@ -368,6 +433,7 @@ def main() -> int:
                 c: {label: (m["orchestrator"][label] / m["plain"][label] if m["plain"][label] else None)
                     for label, _, _ in METRICS} for c, m in medians.items()
             },
+            "servers": servers,
             "rounds": rounds,
             "plain_argv": plain.argv,
             "orchestrator_argv": orchestrator.cli("run"),

@@ -194,15 +194,16 @@ def _print_ready(plan: Plan, console: Console, elapsed: float) -> None:
 
 def _stay_attached(state: RunState, plan: Plan, console: Console) -> int:
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Installed explicitly: a process started in the background inherits SIGINT ignored, and Ctrl-C
+    # (or `kill -INT`) must still stop the run; a handler also keeps the signal out of library code.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
     console.print("foreground: press Ctrl-C to stop")
-    try:
-        while not stop.wait(1.0):
-            if not cluster_alive(state):
-                console.print("[red]the Ray cluster went away[/]")
-                break
-    except KeyboardInterrupt:
-        pass
+    while not stop.wait(1.0):
+        if not cluster_alive(state):
+            console.print("[red]the Ray cluster went away[/]")
+            break
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the teardown finish
     problems = teardown(state, console, plan.drain_timeout_s)
     RunState.remove(plan.exp_dir)
     console.print("stopped" if not problems else "stopped with problems:\n  " + "\n  ".join(problems))

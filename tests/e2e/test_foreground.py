@@ -10,18 +10,24 @@ import time
 import urllib.request
 
 from flagscale.cluster.processes import session_members
-from tests.conftest import REPO, demo_engine_args, write_config
+from tests.conftest import REPO, demo_engine_args, run_cli, write_config
 
 PORT = 18911
 
 
+def ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_ctrl_c_stops_everything(tmp_path):
+    """Started the way a shell starts a background job (SIGINT ignored, as CI runners often do):
+    SIGINT must still stop the run."""
     exp_dir = tmp_path / "exp"
     conf = write_config(tmp_path / "conf", [{"serve_id": "fg", "engine": "vllm", "engine_args": demo_engine_args()}],
                         exp_dir, PORT)  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "run.py"), "--config-path", str(conf), "--config-name", "serve", "foreground=true"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, preexec_fn=ignore_sigint,
     )  # fmt: skip
     lines = []
     try:
@@ -40,6 +46,9 @@ def test_ctrl_c_stops_everything(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
+        if (exp_dir / "state.json").exists():  # failed half-way: don't leave the cluster behind
+            run_cli(conf, "action=stop", timeout=300)
     assert proc.returncode == 0, "".join(lines) + rest
     assert "stopped" in rest
     assert not [p for s in sessions for p in session_members(s)]
