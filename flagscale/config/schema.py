@@ -25,6 +25,12 @@ class DeployConfig(Strict):
         90, gt=0, description="How long a replica may stay unscheduled before `run` gives up."
     )
     drain_timeout_s: float = Field(30, ge=0, description="Bound on `stop` waiting for in-flight requests.")
+    cpu_affinity: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: when vLLM's CPU backend binds a worker to some cores, its engine core joins those "
+        "cores and its API server and the router keep to the others (flagscale/serve/cpu_layout.py); off: leave "
+        "CPU placement to the OS.",
+    )
     use_fs_serve: bool | None = Field(None, description="FlagScale key, accepted and ignored.")
     # Graph entry (deployment graphs): route and request fields.
     name: str | None = Field(None, description="HTTP route of a graph's entry, e.g. /generate.")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flagscale.serve import registry
+from flagscale.serve.cpu_layout import pin_engine
 
 @dataclass
 class EngineSpec:
@@ -28,6 +29,7 @@ class EngineSpec:
     log_dir: str
     env: dict[str, str]
     startup_timeout_s: float
+    pin_cpus: bool = True  # deploy.cpu_affinity == "auto" (see flagscale/serve/cpu_layout.py)
 
 
 class EngineStartError(RuntimeError):
@@ -86,10 +88,16 @@ class VLLMEngine:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=_engine_env(spec.env))  # fmt: skip
         self._wait_healthy(spec.startup_timeout_s)
+        layout = pin_engine(self.proc.pid) if spec.pin_cpus else None
+        if layout:
+            with open(self.log_path, "a") as log:
+                log.write(f"flagscale: CPU layout: worker(s) on cores {layout.worker_cpus}, engine core(s) "
+                          f"{layout.engine_core_pids} joined them; API server on cores {layout.frontend_cpus}\n")  # fmt: skip
         self.record = registry.ReplicaRecord(
             app=spec.app, serve_id=spec.serve_id, replica_id=self.replica_id, models=spec.model_names,
             url=self.url, node_id=ray.get_runtime_context().get_node_id(), node_ip=ray.util.get_node_ip_address(),
             pid=os.getpid(), engine_pid=self.proc.pid, log_path=str(self.log_path), updated_at=time.time(),
+            worker_cpus=layout.worker_cpus if layout else [],
         )  # fmt: skip
         registry.publish(self.record)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 STALE_AFTER_S = 30.0
 KV_NAMESPACE = "flagscale"
@@ -28,6 +28,7 @@ class ReplicaRecord:
     engine_pid: int
     log_path: str
     updated_at: float
+    worker_cpus: list[int] = field(default_factory=list)  # cores the engine's workers are bound to (CPU engines)
 
     @property
     def stale(self) -> bool:

@@ -19,6 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from flagscale.serve import registry
+from flagscale.serve.cpu_layout import RouterPinning
 
 log = logging.getLogger("flagscale.router")
 
@@ -35,6 +36,7 @@ class RouterSpec:
     models: dict[str, str]  # served model name -> serve_id
     refresh_s: float = 2.0
     graph_route: str | None = None  # deployment graph entry (POST, JSON in/out), served by the graph driver
+    pin_cpus: bool = True  # stay off the cores of engine workers on this host (flagscale/serve/cpu_layout.py)
 
 
 @dataclass
@@ -80,6 +82,11 @@ class Router:
         self._engines = engines  # handles keep the engine deployments part of this application
         self._graph = graph  # DeploymentHandle of the graph driver, when the config has custom nodes
         self._table = _Table()
+        self._pinning = None
+        if spec.pin_cpus:
+            import ray
+
+            self._pinning = RouterPinning(ray.get_runtime_context().get_node_id())
         self._rr = itertools.count()
         self._inflight = 0
         self._draining = False
@@ -156,6 +163,8 @@ class Router:
             for model in record.models:
                 table.by_model.setdefault(model, []).append(upstream)
         self._table = table
+        if self._pinning is not None:
+            self._pinning.update(records)
 
     def _candidates(self, model: str) -> list[_Upstream]:
         return rank_replicas(self._table.by_model.get(model, []), next(self._rr), time.monotonic())

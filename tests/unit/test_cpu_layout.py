@@ -1,0 +1,80 @@
+"""CPU layout of a CPU engine, on a real process tree shaped like vLLM's:
+watchdog -> API server -> engine core -> worker (the worker binds itself to core 0)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from flagscale.serve.cpu_layout import affinity, pin_engine, plan_engine_layout, process_tree
+
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs at least 2 usable CPUs")
+
+CHAIN = """
+import os, subprocess, sys, time
+depth = int(sys.argv[1])
+bind_worker = sys.argv[2] == "bind"
+if depth == 0:
+    if bind_worker:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    time.sleep(120)
+else:
+    child = subprocess.Popen([sys.executable, __file__, str(depth - 1), sys.argv[2]])
+    child.wait()
+"""
+
+
+def start_chain(tmp_path, bind: bool) -> tuple[subprocess.Popen, list[int]]:
+    script = tmp_path / "chain.py"
+    script.write_text(CHAIN)
+    root = subprocess.Popen([sys.executable, str(script), "3", "bind" if bind else "free"])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        tree = process_tree(root.pid)
+        if len(tree) == 4 and (not bind or len(affinity(tree[-1]) or ()) == 1):
+            return root, tree
+        time.sleep(0.1)
+    root.kill()
+    raise AssertionError(f"process chain did not come up: {process_tree(root.pid)}")
+
+
+def stop_chain(tree: list[int]) -> None:
+    for pid in reversed(tree):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def test_engine_core_joins_the_worker_and_the_frontend_leaves_its_cores(tmp_path):
+    root, tree = start_chain(tmp_path, bind=True)
+    watchdog, api_server, engine_core, worker = tree
+    try:
+        host = affinity(watchdog)
+        worker_cpus = affinity(worker)
+        layout = pin_engine(root.pid)
+        assert layout is not None
+        assert layout.engine_core_pids == [engine_core]
+        assert set(layout.frontend_pids) == {watchdog, api_server}
+        assert affinity(engine_core) == worker_cpus
+        assert affinity(api_server) == affinity(watchdog) == host - worker_cpus
+        assert affinity(worker) == worker_cpus
+    finally:
+        stop_chain(tree)
+        root.wait()
+
+
+def test_nothing_moves_when_no_worker_is_bound(tmp_path):
+    root, tree = start_chain(tmp_path, bind=False)
+    try:
+        before = [affinity(pid) for pid in tree]
+        assert plan_engine_layout(root.pid) is None
+        assert pin_engine(root.pid) is None
+        assert [affinity(pid) for pid in tree] == before
+    finally:
+        stop_chain(tree)
+        root.wait()
