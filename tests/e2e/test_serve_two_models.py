@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from flagscale.cluster.processes import session_members
+from flagscale.serve.cpu_layout import affinity, process_tree
 from tests.conftest import demo_engine_args, run_cli, write_config
 
 PORT = 18411
@@ -105,6 +106,36 @@ def test_load_spreads_evenly_over_replicas(deployment, client):
     counts = [r["requests_served"] - before.get(r["replica_id"], 0) for r in after]
     assert len(counts) == 2 and sum(counts) == 60
     assert max(counts) <= 1.2 * min(counts), counts
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="vLLM binds its CPU worker to a subset only with 2+ cores")
+def test_cpu_engines_keep_their_cores(deployment, client):
+    """cpu_affinity: auto (default): engine core on its worker's cores; API server and router off them."""
+    host_cpus = os.sched_getaffinity(0)
+    all_worker_cpus: set[int] = set()
+    for replica in status_json(deployment)["replicas"]:
+        tree = process_tree(replica["engine_pid"])  # watchdog, API server, ...
+        by_name: dict[str, list[int]] = {}
+        for pid in tree:
+            by_name.setdefault(process_name(pid), []).append(pid)
+        worker_cpus = affinity(by_name["VLLM::Worker"][0])
+        assert worker_cpus and len(worker_cpus) < len(host_cpus), replica
+        assert affinity(by_name["VLLM::EngineCor"][0]) == worker_cpus, replica
+        assert not affinity(tree[1]) & worker_cpus, replica
+        all_worker_cpus |= worker_cpus
+    routers = [pid for s in deployment["sessions"] for pid in session_members(s)
+               if process_name(pid, cmdline=True).endswith(":router")]  # fmt: skip
+    assert len(routers) == 1
+    if all_worker_cpus != host_cpus:
+        assert affinity(routers[0]) == host_cpus - all_worker_cpus
+
+
+def process_name(pid: int, cmdline: bool = False) -> str:
+    try:
+        with open(f"/proc/{pid}/{'cmdline' if cmdline else 'comm'}", "rb") as f:
+            return f.read().split(b"\0")[0].decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def test_killed_engine_fails_over_and_is_replaced(deployment, client):

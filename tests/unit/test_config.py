@@ -94,3 +94,11 @@ def test_env_values_are_scalars_with_per_host_overrides():
     config = load_config(cfg, SOURCES)
     assert config.experiment.env_for() == {"A": "1", "B": "1"}
     assert config.experiment.env_for("h1") == {"A": "2", "B": "1"}
+
+
+def test_cpu_affinity_is_auto_or_off():
+    assert load_config(base(), SOURCES).experiment.runner.deploy.cpu_affinity == "auto"
+    cfg = base()
+    cfg["experiment"]["runner"]["deploy"]["cpu_affinity"] = "pinned"
+    message = error_of(cfg)
+    assert "cpu_affinity" in message and "pinned" in message
