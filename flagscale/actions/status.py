@@ -57,6 +57,7 @@ def collect(state: RunState) -> dict[str, Any]:
                 "url": record.url,
                 "heartbeat_age_s": round(time.time() - record.updated_at, 1),
                 "state": "STALE" if record.stale else "READY",
+                "worker_cpus": record.worker_cpus,  # cores the CPU layout gave the engine's workers; [] = not pinned
                 "log": record.log_path,
             }
         )

@@ -120,6 +120,7 @@ def test_cpu_engines_keep_their_cores(deployment, client):
             by_name.setdefault(process_name(pid), []).append(pid)
         worker_cpus = affinity(by_name["VLLM::Worker"][0])
         assert worker_cpus and len(worker_cpus) < len(host_cpus), replica
+        assert replica["worker_cpus"] == sorted(worker_cpus), replica
         assert affinity(by_name["VLLM::EngineCor"][0]) == worker_cpus, replica
         assert not affinity(tree[1]) & worker_cpus, replica
         all_worker_cpus |= worker_cpus
