@@ -52,7 +52,7 @@ class Plan:
     startup_timeout_s: float
     schedule_timeout_s: float
     drain_timeout_s: float
-    cpu_affinity: str = "auto"
+    pin_cpus: bool = True  # deploy.cpu_affinity == "auto"
     notes: list[str] = field(default_factory=list)
     graph: GraphPlan | None = None  # custom nodes and the graph's HTTP entry, when the config has any
     cluster: ClusterPlan | None = None  # hosts of the hostfile, when runner.hostfile is set
@@ -238,7 +238,7 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
         startup_timeout_s=deploy.startup_timeout_s,
         schedule_timeout_s=deploy.schedule_timeout_s,
         drain_timeout_s=deploy.drain_timeout_s,
-        cpu_affinity=deploy.cpu_affinity,
+        pin_cpus=deploy.cpu_affinity == "auto",
         notes=notes,
         graph=graph,
         cluster=cluster,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ProcessInfo:
     pid: int
+    ppid: int
     session: int
     start_ticks: int  # /proc/<pid>/stat field 22: guards against PID reuse
 
@@ -32,17 +33,16 @@ def read_process(pid: int) -> ProcessInfo | None:
     state = fields[0]
     if state in ("Z", "X"):
         return None
-    return ProcessInfo(pid=pid, session=int(fields[3]), start_ticks=int(fields[19]))
+    return ProcessInfo(pid=pid, ppid=int(fields[1]), session=int(fields[3]), start_ticks=int(fields[19]))
+
+
+def live_processes() -> list[ProcessInfo]:
+    infos = (read_process(int(entry)) for entry in os.listdir("/proc") if entry.isdigit())
+    return [info for info in infos if info is not None]
 
 
 def session_members(session: int) -> list[int]:
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            info = read_process(int(entry))
-            if info is not None and info.session == session:
-                members.append(info.pid)
-    return sorted(members)
+    return sorted(info.pid for info in live_processes() if info.session == session)
 
 
 def signal_all(pids: list[int], sig: int) -> None:

@@ -41,7 +41,7 @@ def build_app(plan: Plan) -> Application:
             log_dir=log_dir,
             env={} if plan.cluster else plan.envs,  # each host's Ray node already has its own envs
             startup_timeout_s=plan.startup_timeout_s,
-            pin_cpus=plan.cpu_affinity == "auto",
+            pin_cpus=plan.pin_cpus,
         )
         engines.append(deployment.bind(spec))
     router = serve.deployment(
@@ -54,7 +54,7 @@ def build_app(plan: Plan) -> Application:
     models = {name: e.serve_id for e in plan.engines for name in e.model_names}
     spec = RouterSpec(app=plan.app_name, host=plan.host, port=plan.port, models=models,
                       graph_route=plan.graph.route if plan.graph else None,
-                      pin_cpus=plan.cpu_affinity == "auto")  # fmt: skip
+                      pin_cpus=plan.pin_cpus)  # fmt: skip
     graph = {"graph": build_graph_driver(plan)} if plan.graph else {}
     return router.bind(spec, *engines, **graph)
 

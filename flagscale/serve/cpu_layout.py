@@ -19,6 +19,8 @@ import logging
 import os
 from dataclasses import dataclass
 
+from flagscale.cluster.processes import live_processes
+
 log = logging.getLogger(__name__)
 
 
@@ -30,25 +32,12 @@ class EngineLayout:
     frontend_pids: list[int]
 
 
-def _parent_map() -> dict[int, int]:
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # The command name (field 2) may hold spaces and parentheses: parse after the last ')'.
-        parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    return parents
-
-
-def process_tree(root: int) -> list[int]:
-    """`root` and all its descendants, parents before children."""
+def process_tree(root: int, parents: dict[int, int] | None = None) -> list[int]:
+    """`root` and all its descendants, parents before children (`parents`: pid -> ppid, default: read now)."""
+    if parents is None:
+        parents = {info.pid: info.ppid for info in live_processes()}
     children: dict[int, list[int]] = {}
-    for pid, ppid in _parent_map().items():
+    for pid, ppid in parents.items():
         children.setdefault(ppid, []).append(pid)
     tree, todo = [], [root]
     while todo:
@@ -80,7 +69,8 @@ def set_process_affinity(pid: int, cpus: set[int]) -> None:
 
 def plan_engine_layout(root: int) -> EngineLayout | None:
     """Which processes of the engine started as `root` go where; None when nothing should move."""
-    tree = process_tree(root)
+    parents = {info.pid: info.ppid for info in live_processes()}
+    tree = process_tree(root, parents)
     host_cpus = affinity(root)
     if not host_cpus:
         return None
@@ -92,8 +82,7 @@ def plan_engine_layout(root: int) -> EngineLayout | None:
     frontend_cpus = host_cpus - worker_cpus
     if not frontend_cpus:
         return None
-    parents = _parent_map()
-    engine_cores = sorted({parents.get(pid) for pid in workers} - {None, root, *workers} & set(tree))
+    engine_cores = sorted(({parents[pid] for pid in workers} & set(tree)) - {root, *workers})
     frontend = [pid for pid in tree if pid not in workers and pid not in engine_cores]
     return EngineLayout(sorted(worker_cpus), sorted(frontend_cpus), engine_cores, frontend)
 
