@@ -271,7 +271,7 @@ def process_role(proc: psutil.Process) -> str:
     for needle, role in (("gcs_server", "ray gcs"), ("raylet", "raylet"), ("dashboard/agent.py", "ray dashboard agent"),
                          ("dashboard/dashboard.py", "ray dashboard head"), ("runtime_env/agent", "ray runtime-env agent"),
                          ("ray.util.client.server", "ray client server"), ("ServeController", "serve controller"),
-                         ("Router", "router replica"), ("VLLMEngine", "engine replica actor"),
+                         (":router", "router replica"), ("ServeReplica", "engine replica actor"),
                          ("flagscale.serve.engine_proc", "engine watchdog"), ("EngineCore", "vllm engine core"),
                          ("api_server", "vllm api server")):  # fmt: skip
         if needle in cmd or needle in title:
