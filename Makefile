@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(FLAVOR)
 LOCK    := $(wildcard requirements/$(FLAVOR).lock)
 
-.PHONY: setup sshd serve status stop test unit bench clean-venv
+.PHONY: setup sshd serve status stop test unit lint format bench clean-venv
 
 setup: $(STAMP)
 
@@ -29,8 +29,17 @@ status: setup
 stop: setup
 	$(PY) run.py --config-name serve action=stop
 
-test: setup sshd
+test: setup sshd lint
 	$(PY) -m pytest tests
+
+# One style for the whole tree (settings in pyproject.toml); `make format` applies it.
+lint: setup
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+
+format: setup
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
 
 # The multi-host tests run an sshd per test host (tests/e2e/netns.py); install it only when missing.
 sshd:

@@ -7,8 +7,8 @@ import hydra
 from omegaconf import DictConfig
 
 from flagscale.actions import dispatch, main_exit, report_error
-from flagscale.config.resolvers import register_resolvers
 from flagscale.config.cli import check_yaml_files, config_dir_of, upsert_overrides
+from flagscale.config.resolvers import register_resolvers
 from flagscale.errors import FlagScaleError
 
 CONFIG_DIR = Path(__file__).resolve().parent / "conf"

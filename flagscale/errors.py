@@ -23,3 +23,7 @@ class ClusterError(FlagScaleError):
 
 class DeployError(FlagScaleError):
     exit_code = 4
+
+
+class NotSupportedError(ConfigError):
+    """A FlagScale feature whose keys load but which this project does not serve yet."""

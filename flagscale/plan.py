@@ -6,37 +6,57 @@ here, before anything is started.
 
 from __future__ import annotations
 
+import json
+import math
 import os
-import shutil
-import socket
-import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flagscale.cluster.placement import ClusterPlan, endpoint_in_use, load_hostfile, place_engine, plan_cluster
+from flagscale.cluster.placement import (
+    VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
+    ClusterPlan,
+    Reservation,
+    Target,
+    check_gpu_demand,
+    check_gpu_share,
+    check_weights_fit,
+    endpoint_in_use,
+    load_hostfile,
+    plan_cluster,
+    reserve,
+)
+from flagscale.cluster.state import resolve_exp_dir
 from flagscale.config.engine_args import to_argv
 from flagscale.config.graph import CustomNodePlan, GraphPlan, build_graph_plan
 from flagscale.config.load import ConfigSources
 from flagscale.config.replicas import ReplicaSettings, replica_settings
 from flagscale.config.schema import NodeConfig, ServeConfig
-from flagscale.errors import ConfigError
+from flagscale.devices import local_gpus
+from flagscale.errors import ConfigError, NotSupportedError
+from flagscale.net import port_is_free
+from flagscale.serve.routing import DEFAULT_POLICY, RoutingSpec
 
 DEFAULT_PORT = 8000
 ROUTER_DEPLOYMENT = "router"
 
 
-@dataclass
+@dataclass(frozen=True)
 class EnginePlan(ReplicaSettings):
+    """One engine node, planned once: its argv and where its replicas go (cluster.placement.reserve)."""
+
     serve_id: str
     model: str
     model_names: list[str]
     argv: list[str]
-    device: str  # "cpu" or "gpu"
+    device: str  # "cpu", "gpu", or a hostfile chip type
     devices_per_replica: int
+    parallel: tuple[int, int, int] = (1, 1, 1)  # TP, PP, DP
+    host_argv: dict[str, list[str]] = field(default_factory=dict)  # node IP -> argv (experiment.node_args)
     chip: str | None = None  # hostfile chip type the replicas run on (multi-host)
     placement_bundles: list[dict[str, float]] | None = None  # set when TP x PP spans hosts
     placement_strategy: str | None = None
+    routing: RoutingSpec = field(default_factory=RoutingSpec)  # how the router picks a replica (node `routing`)
 
 
 @dataclass
@@ -49,10 +69,12 @@ class Plan:
     head_num_cpus: int
     envs: dict[str, str]
     before_start: str | None
+    after_stop: str | None
     startup_timeout_s: float
     schedule_timeout_s: float
     drain_timeout_s: float
     pin_cpus: bool = True  # deploy.cpu_affinity == "auto"
+    ray_port: int | None = None  # runner.ray_port; None: a free port (a hostfile's head: ClusterPlan.ray_port)
     notes: list[str] = field(default_factory=list)
     graph: GraphPlan | None = None  # custom nodes and the graph's HTTP entry, when the config has any
     cluster: ClusterPlan | None = None  # hosts of the hostfile, when runner.hostfile is set
@@ -67,35 +89,8 @@ class Plan:
         return f"http://{host}:{self.port}"
 
     @property
-    def state_path(self) -> Path:
-        return Path(self.exp_dir) / "state.json"
-
-    @property
     def log_dir(self) -> Path:
         return Path(self.exp_dir) / "serve_logs"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def local_gpu_count() -> int:
-    if not shutil.which("nvidia-smi"):
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
-
-
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _check_model(model: Any, where: str) -> str:
@@ -117,14 +112,35 @@ def _check_model(model: Any, where: str) -> str:
     return model
 
 
-def _engine_plan(node: NodeConfig, index: int, gpus: int, sources: ConfigSources, on_hosts: bool = False) -> EnginePlan:
-    """on_hosts: a hostfile gives the devices (checked by cluster.placement), not this machine."""
-    where = f"{sources.file_for(('serve',))}: serve[{index}]({node.serve_id}).engine_args"
-    args = dict(node.engine_args)
+# Engine args that size a replica's reservation: the same on every host, so not per-host.
+SIZING_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+
+
+def engine_args_of(node: NodeConfig, config: ServeConfig) -> dict[str, Any]:
+    """What one engine node hands to vLLM: runner.cli_args, then engine_args, then engine_args_specific.<engine>."""
+    return {**config.experiment.runner.cli_args, **node.merged_engine_args()}
+
+
+def served_names(node: NodeConfig, engine_args: dict[str, Any]) -> list[str]:
+    """The `model` names clients use for this node: served_model_name, else its serve_id."""
+    names = engine_args.get("served_model_name") or [node.serve_id]
+    return [names] if isinstance(names, str) else list(names)
+
+
+def _engine_plan(
+    node: NodeConfig, index: int, config: ServeConfig, target: Target, sources: ConfigSources
+) -> EnginePlan:
+    """engine args -> vLLM's argv (checked by its parser), and one placement decision on `target`."""
+    node_where = f"{sources.file_for(('serve',))}: serve[{index}]({node.serve_id})"
+    where = f"{node_where}.engine_args"
+    if node.engine != "vllm":
+        raise ConfigError(
+            f"engine {node.engine!r} is recognised but not served by this project; use engine: vllm",
+            f"{node_where}.engine" if node.engine else node_where,
+        )
+    args = engine_args_of(node, config)
     args["model"] = _check_model(args.get("model"), where)
-    names = args.get("served_model_name") or [node.serve_id]
-    names = [names] if isinstance(names, str) else list(names)
-    args["served_model_name"] = names
+    names = args["served_model_name"] = served_names(node, args)
     argv = to_argv(args, where)
 
     def size(key: str) -> int:
@@ -133,37 +149,127 @@ def _engine_plan(node: NodeConfig, index: int, gpus: int, sources: ConfigSources
             raise ConfigError(f"{key} must be a positive integer, got {value!r}", where)
         return value
 
-    tp, pp, dp = size("tensor_parallel_size"), size("pipeline_parallel_size"), size("data_parallel_size")
-    devices = tp * pp * dp
-    res = node.resources
-    res_where = f"{sources.file_for(('serve',))}: serve[{index}]({node.serve_id}).resources"
-    if not on_hosts and res.num_gpus and res.num_gpus > 0 and gpus == 0:
-        raise ConfigError(f"num_gpus={res.num_gpus} per replica, but this machine has no GPU", res_where)
-    on_gpu = (res.num_gpus or 0) > 0 or (res.num_gpus is None and gpus > 0)
-    if on_gpu:
-        offered, kind = gpus, "GPU"
-    else:
-        offered, kind = os.cpu_count() or 1, "CPU"
-    if not on_hosts and devices > offered:
-        raise ConfigError(
-            f"TP x PP x DP = {tp} x {pp} x {dp} = {devices} {kind} devices per replica, "
-            f"but this machine offers {offered}",
-            where,
+    parallel = (size("tensor_parallel_size"), size("pipeline_parallel_size"), size("data_parallel_size"))
+    reservation = reserve(
+        node.resources, parallel, target, config.experiment.runner.placement_strategy, f"{node_where}.resources", where
+    )
+    host_argv = _host_argv(node, config, names, reservation, target, sources)
+    scaling = replica_settings(node.resources, reservation.ray_actor_options, reservation.auto_replicas)
+    if reservation.device == "gpu":
+        utilization = args.get("gpu_memory_utilization", VLLM_DEFAULT_GPU_MEMORY_UTILIZATION)
+        most = max(scaling.initial_replicas, (scaling.autoscaling or {}).get("max_replicas", 0))
+        check_gpu_share(
+            node.serve_id,
+            reservation.ray_actor_options.get("num_gpus", 0),
+            math.prod(parallel),
+            most,
+            utilization,
+            f"{node_where}.resources",
         )
-    replicas = replica_settings(res, default_cpus=1 if on_gpu else devices, default_gpus=devices if on_gpu else 0)
+        check_weights_fit(model_weight_bytes(args["model"]), parallel[0], parallel[1], utilization, target, where)
     return EnginePlan(
         serve_id=node.serve_id,
         model=args["model"],
         model_names=names,
-        argv=argv,
-        device="gpu" if on_gpu else "cpu",
-        devices_per_replica=devices,
-        **vars(replicas),
+        argv=[*argv, *reservation.extra_argv],
+        device=reservation.device,
+        devices_per_replica=parallel[0] * parallel[1] * parallel[2],
+        parallel=parallel,
+        host_argv=host_argv,
+        chip=reservation.chip,
+        placement_bundles=reservation.placement_bundles,
+        placement_strategy=reservation.placement_strategy,
+        routing=RoutingSpec(policy=node.routing or DEFAULT_POLICY, **node.routing_options.model_dump()),
+        **vars(scaling),
     )
+
+
+def model_weight_bytes(model: str) -> int | None:
+    """Size of a local checkpoint's weights: the safetensors index's total, else the weight files'; None for a hub id."""
+    path = Path(model)
+    if not path.is_dir():
+        return None
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        except (OSError, ValueError):
+            total = None
+        if isinstance(total, int):
+            return total
+    for pattern in ("*.safetensors", "*.bin", "*.pt"):
+        files = list(path.glob(pattern))
+        if files:
+            return sum(f.stat().st_size for f in files)
+    return None
+
+
+def _host_argv(
+    node: NodeConfig,
+    config: ServeConfig,
+    names: list[str],
+    reservation: Reservation,
+    target: Target,
+    sources: ConfigSources,
+) -> dict[str, list[str]]:
+    """experiment.node_args.<host>.engine_args: the argv of this node's replicas placed on that host, by node IP."""
+    node_args = config.experiment.node_args
+    if not node_args:
+        return {}
+    where = f"{sources.main}: experiment.node_args"
+    hostfile = target.hostfile
+    if hostfile is None:
+        raise ConfigError("per-host engine args need runner.hostfile (without one, use the node's engine_args)", where)
+    from flagscale.cluster import ssh
+    from flagscale.cluster.multihost import resolve_ip
+
+    settings = ssh.SshSettings.from_runner(config.experiment.runner)
+    known = {entry.host for entry in hostfile.hosts}
+    out = {}
+    for host, extra in node_args.items():
+        host_where = f"{where}.{host}.engine_args"
+        if host not in known:
+            raise ConfigError(
+                f"host {host!r} is not in {hostfile.path} (hosts: {', '.join(sorted(known))})", f"{where}.{host}"
+            )
+        sizing = sorted(set(extra.engine_args) & set(SIZING_ARGS))
+        if sizing:
+            raise ConfigError(
+                f"{', '.join(sizing)} sizes every replica's reservation and cannot differ per host; "
+                "set it in the node's engine_args",
+                host_where,
+            )
+        if not extra.engine_args:
+            continue
+        args = {**engine_args_of(node, config), **extra.engine_args}
+        args["model"] = _check_model(args.get("model"), host_where)
+        args["served_model_name"] = names
+        # The replica finds its argv by its node IP: the host's ssh-config HostName, resolved (as `ray start` uses).
+        out[resolve_ip(ssh.resolve(host, settings).hostname)] = [*to_argv(args, host_where), *reservation.extra_argv]
+    return out
 
 
 def _cpu_sum(engines: list[EnginePlan | CustomNodePlan]) -> str:
     return " + ".join(f"{e.serve_id}: {e.initial_replicas} x {e.ray_actor_options['num_cpus']:g}" for e in engines)
+
+
+def _refuse_unsupported(config: ServeConfig, sources: ConfigSources) -> None:
+    """FlagScale features whose keys are understood but that this project does not serve yet."""
+    deploy = config.experiment.runner.deploy
+    if deploy.prefill_decode_disaggregation:
+        raise NotSupportedError(
+            f"prefill/decode disaggregation is not supported yet (prefill_num={deploy.prefill_num}, "
+            f"decode_num={deploy.decode_num}, strategy {deploy.prefill_decode_strategy}); set "
+            "prefill_decode_disaggregation: false to serve colocated engines",
+            f"{sources.main}: experiment.runner.deploy.prefill_decode_disaggregation",
+        )
+    serve_file = sources.file_for(("serve",))
+    for index, node in enumerate(config.serve):
+        if not node.is_engine and node.resources.num_replicas == "auto":
+            raise ConfigError(
+                "num_replicas: auto counts devices for engine replicas; give a custom node a number",
+                f"{serve_file}: serve[{index}]({node.serve_id}).resources.num_replicas",
+            )
 
 
 def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), check_port: bool = True) -> Plan:
@@ -171,22 +277,33 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
     seen_ids: dict[str, int] = {}
     seen_names: dict[str, str] = {}
     engines: list[EnginePlan] = []
-    gpus = local_gpu_count()
+    notes: list[str] = []
+    gpus = local_gpus()
+    _refuse_unsupported(config, sources)
     hostfile = load_hostfile(config, sources)
+    target = (
+        Target.hosts_of(hostfile)
+        if hostfile
+        else Target.this_machine(len(gpus), os.cpu_count() or 1, min((g.memory_mib for g in gpus), default=None))
+    )
     on_hosts: list[tuple[EnginePlan, NodeConfig]] = []
     for index, node in enumerate(config.serve):
         if node.serve_id in seen_ids:
             raise ConfigError(
-                f"duplicate serve_id '{node.serve_id}' (also serve[{seen_ids[node.serve_id]}])", f"{serve_file}: serve[{index}]"
+                f"duplicate serve_id '{node.serve_id}' (also serve[{seen_ids[node.serve_id]}])",
+                f"{serve_file}: serve[{index}]",
             )
         seen_ids[node.serve_id] = index
         if not node.is_engine:
             continue  # custom nodes: build_graph_plan below
-        engine = _engine_plan(node, index, gpus, sources, on_hosts=hostfile is not None)
+        engine = _engine_plan(node, index, config, target, sources)
         if hostfile is not None:
-            place_engine(engine, node, hostfile, config.experiment.runner.placement_strategy,
-                         f"{serve_file}: serve[{index}]({node.serve_id}).resources")  # fmt: skip
             on_hosts.append((engine, node))
+        if node.resources.num_replicas == "auto":
+            notes.append(
+                f"serve '{node.serve_id}': num_replicas auto -> {engine.num_replicas} "
+                f"({engine.devices_per_replica} {engine.device} device(s) per replica)"
+            )
         for name in engine.model_names:
             if name in seen_names:
                 raise ConfigError(
@@ -200,13 +317,29 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
     deploy = runner.deploy
     port = deploy.port
     if port is None:
-        port = next((n.engine_args["port"] for n in config.serve if isinstance(n.engine_args.get("port"), int)), DEFAULT_PORT)
+        engine_ports = (engine_args_of(n, config).get("port") for n in config.serve if n.is_engine)
+        port = next((p for p in engine_ports if isinstance(p, int)), DEFAULT_PORT)
     if check_port and hostfile is not None and endpoint_in_use(deploy.host, port):
-        raise ConfigError(f"port {port} on {deploy.host} is already in use", f"{sources.main}: experiment.runner.deploy.port")
+        raise ConfigError(
+            f"port {port} on {deploy.host} is already in use", f"{sources.main}: experiment.runner.deploy.port"
+        )
     if check_port and hostfile is None and not port_is_free(deploy.host, port):
-        raise ConfigError(f"port {port} on {deploy.host} is already in use", f"{sources.main}: experiment.runner.deploy.port")
+        raise ConfigError(
+            f"port {port} on {deploy.host} is already in use", f"{sources.main}: experiment.runner.deploy.port"
+        )
 
     graph = build_graph_plan(config, sources, {e.serve_id: e.model_names[0] for e in engines})
+    groups = [*engines, *(graph.nodes if graph else [])]
+    check_gpu_demand(
+        [(g.serve_id, g.initial_replicas, g.ray_actor_options.get("num_gpus", 0)) for g in groups], target, serve_file
+    )
+    if graph is not None and hostfile is None and not gpus:
+        for node in graph.nodes:
+            if node.ray_actor_options.get("num_gpus"):
+                raise ConfigError(
+                    f"num_gpus={node.ray_actor_options['num_gpus']:g} per replica, but this machine has no GPU",
+                    f"{serve_file}: serve[{seen_ids[node.serve_id]}]({node.serve_id}).resources",
+                )
     replica_groups = [*engines, *(graph.nodes if graph else [])]
     required_cpus = sum(e.initial_replicas * e.ray_actor_options["num_cpus"] for e in replica_groups)
     required = int(-(-required_cpus // 1))
@@ -221,11 +354,10 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
         head_cpus = runner.num_cpus
     else:
         head_cpus = max(os.cpu_count() or 1, required)
-    notes = []
     if cluster is None and required > (os.cpu_count() or 1):
         notes.append(f"replicas reserve {required} logical CPUs on a {os.cpu_count()}-core machine: oversubscribed")
 
-    exp_dir = str(Path(config.experiment.exp_dir).expanduser().resolve())
+    exp_dir = resolve_exp_dir(config.experiment.exp_dir)
     return Plan(
         app_name=config.experiment.exp_name,
         exp_dir=exp_dir,
@@ -235,10 +367,12 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
         head_num_cpus=head_cpus,
         envs=config.experiment.env_for(),
         before_start=config.experiment.cmds.before_start,
+        after_stop=config.experiment.cmds.after_stop,
         startup_timeout_s=deploy.startup_timeout_s,
         schedule_timeout_s=deploy.schedule_timeout_s,
         drain_timeout_s=deploy.drain_timeout_s,
         pin_cpus=deploy.cpu_affinity == "auto",
+        ray_port=runner.ray_port,
         notes=notes,
         graph=graph,
         cluster=cluster,

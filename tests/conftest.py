@@ -1,17 +1,39 @@
-"""Helpers shared by the test suites: write a config tree, run the real CLI."""
+"""Helpers shared by the test suites: write a config tree, run the real CLI, wait for asynchronous state."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:
+    """Poll `predicate` until it returns something truthy, and return that. State that other processes change
+    (process trees, replicas, HTTP endpoints, metrics) is asserted through this, never read once: a fresh, busy
+    machine gets there later. An exception from `predicate` (an assert included) counts as "not yet"; after
+    `timeout` seconds an AssertionError names `what` and the last value or exception seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            last: object = predicate()
+            if last:
+                return last
+        except Exception as exc:  # noqa: BLE001 - reported below if it never passes
+            last = exc
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
+        time.sleep(interval)
 
 
 @dataclass
@@ -77,3 +99,36 @@ def demo_model_path() -> Path:
     from flagscale.demo_model import ensure_demo_model
 
     return ensure_demo_model()
+
+
+def replica_record(name: str, url: str):
+    """A registry record of a replica serving model "m" of deployment "s" (router and policy unit tests)."""
+    from flagscale.serve.registry import ReplicaRecord
+
+    return ReplicaRecord(
+        app="a",
+        serve_id="s",
+        replica_id=name,
+        models=["m"],
+        url=url,
+        node_id="n",
+        node_ip="127.0.0.1",
+        pid=1,
+        engine_pid=2,
+        log_path="",
+        updated_at=0.0,
+    )
+
+
+def bare_router(upstreams: list, policy: str):
+    """The router's request path only (no Ray, no refresh thread), routing model "m" over `upstreams`."""
+    from flagscale.serve.router import Router, RouterSpec, _Table
+    from flagscale.serve.routing import RoutingSpec
+
+    router = Router.__new__(Router)
+    router.spec = RouterSpec(
+        app="a", host="127.0.0.1", port=0, models={"m": "s"}, pin_cpus=False, routing={"m": RoutingSpec(policy=policy)}
+    )
+    router._init_state()
+    router._table = _Table(by_model={"m": upstreams}, by_replica={u.record.replica_id: u for u in upstreams})
+    return router

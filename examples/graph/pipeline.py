@@ -15,8 +15,9 @@ class Generate:
         self.llm = llm
 
     async def forward(self, request: dict) -> dict:
-        text = await self.llm.generate(request["prompt"], max_tokens=request["max_tokens"], temperature=0,
-                                       ignore_eos=True)
+        text = await self.llm.generate(
+            request["prompt"], max_tokens=request["max_tokens"], temperature=0, ignore_eos=True
+        )
         return {"prompt": request["prompt"], "completion": text}
 
 

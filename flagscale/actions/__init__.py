@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from flagscale.config.load import hydra_sources, load_config
-from flagscale.errors import FlagScaleError
+from flagscale.errors import FlagScaleError, NotSupportedError
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +30,11 @@ def report_error(exc: FlagScaleError) -> int:
 
 
 def _dispatch(cfg: DictConfig, console: Console) -> int:
-    from pathlib import Path
+    from flagscale.cluster.state import resolve_exp_dir
 
     sources = hydra_sources()
     config = load_config(cfg, sources)
-    exp_dir = str(Path(config.experiment.exp_dir).expanduser().resolve())
+    exp_dir = resolve_exp_dir(config.experiment.exp_dir)
     action = config.action
     if action == "stop":
         from flagscale.actions.stop import stop
@@ -49,13 +49,39 @@ def _dispatch(cfg: DictConfig, console: Console) -> int:
 
         return bench(config, exp_dir, console)
 
+    if action == "auto_tune":
+        raise NotSupportedError(
+            "action=auto_tune (FlagScale's auto-tuner) is not supported yet; the auto_tuner block is read and "
+            "checked, nothing is started. Try the space's values by hand with action=bench",
+            f"{sources.main}: action",
+        )
+
     from flagscale.plan import build_plan
 
+    for notice in config.notices:
+        console.print(f"[yellow]notice:[/] {notice}", soft_wrap=True)
     if action == "dryrun":
         from flagscale.actions.dryrun import dryrun
 
         return dryrun(config, build_plan(config, sources, check_port=False), console)
     from flagscale.actions.run import refuse_if_running, run
+
+    if action == "test":
+        from flagscale.actions.smoke import smoke_test
+        from flagscale.cluster.ray_node import cluster_alive
+        from flagscale.cluster.state import RunState
+
+        state = RunState.load(exp_dir)
+        if state is None or state.phase != "running" or not cluster_alive(state):
+            refuse_if_running(exp_dir, console)
+            with console.status("validating the config ..."):
+                plan = build_plan(config, sources)
+            code = run(plan, console)
+            if code != 0:
+                return code
+            state = RunState.load(exp_dir)
+        assert state is not None
+        return smoke_test(state, console)
 
     refuse_if_running(exp_dir, console)
     with console.status("validating the config ..."):

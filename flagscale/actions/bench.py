@@ -25,8 +25,10 @@ from rich.console import Console
 from rich.table import Table
 
 from flagscale.cluster.state import RunState
-from flagscale.config.schema import BenchConfig, ServeConfig
+from flagscale.config.schema import BenchConfig, NodeConfig, ServeConfig
 from flagscale.errors import FlagScaleError
+from flagscale.net import health_problem
+from flagscale.plan import engine_args_of, served_names
 
 PERCENTILES = (50, 90, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -38,27 +40,48 @@ def vllm_bench_argv(
 ) -> list[str]:
     """Command-line arguments of `vllm bench serve` for one pass at `concurrency`."""
     argv = [
-        "--backend", "openai-chat" if settings.endpoint == CHAT_ENDPOINT else "openai",
-        "--base-url", base_url,
-        "--endpoint", settings.endpoint,
-        "--model", model,
-        "--tokenizer", tokenizer,
-        "--dataset-name", "random",
-        "--input-len", str(settings.input_len),
-        "--output-len", str(settings.output_len),
-        "--num-prompts", str(settings.num_prompts),
-        "--max-concurrency", str(concurrency),
-        "--num-warmups", str(num_warmups),
-        "--seed", str(settings.seed),
+        "--backend",
+        "openai-chat" if settings.endpoint == CHAT_ENDPOINT else "openai",
+        "--base-url",
+        base_url,
+        "--endpoint",
+        settings.endpoint,
+        "--model",
+        model,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "random",
+        "--input-len",
+        str(settings.input_len),
+        "--output-len",
+        str(settings.output_len),
+        "--random-prefix-len",
+        str(settings.prefix_len),
+        "--random-range-ratio",
+        f"{settings.range_ratio:g}",
+        "--num-prompts",
+        str(settings.num_prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--num-warmups",
+        str(num_warmups),
+        "--seed",
+        str(settings.seed),
         "--ignore-eos",
-        "--percentile-metrics", ",".join(LATENCY_METRICS),
-        "--metric-percentiles", ",".join(str(p) for p in PERCENTILES),
+        "--percentile-metrics",
+        ",".join(LATENCY_METRICS),
+        "--metric-percentiles",
+        ",".join(str(p) for p in PERCENTILES),
         "--disable-tqdm",
         # Keeps the per-request `errors` in the returned dict (nothing is written to disk without --save-result).
         "--save-detailed",
-    ]  # fmt: skip
-    slos = [f"{name}:{value:g}" for name, value in (("ttft", settings.slo_ttft_ms), ("tpot", settings.slo_tpot_ms))
-            if value is not None]  # fmt: skip
+    ]
+    slos = [
+        f"{name}:{value:g}"
+        for name, value in (("ttft", settings.slo_ttft_ms), ("tpot", settings.slo_tpot_ms))
+        if value is not None
+    ]
     if slos:
         argv += ["--goodput", *slos]
     return argv
@@ -66,10 +89,10 @@ def vllm_bench_argv(
 
 def run_vllm_bench(argv: list[str]) -> dict[str, Any]:
     """vLLM's serving benchmark, called in this process with a Namespace from its own parser."""
-    from vllm.benchmarks.serve import add_cli_args, main
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from flagscale.config.engine_args import BENCH_MODULES, flexible_argument_parser, vllm_attr
 
-    parser = FlexibleArgumentParser()
+    add_cli_args, main = vllm_attr(BENCH_MODULES, "add_cli_args"), vllm_attr(BENCH_MODULES, "main")
+    parser = flexible_argument_parser()()
     add_cli_args(parser)
     return main(parser.parse_args(argv))
 
@@ -128,11 +151,12 @@ def bench(config: ServeConfig, exp_dir: str, console: Console) -> int:
     state = RunState.load(exp_dir)
     if state is None:
         raise FlagScaleError(f"nothing is running for exp_dir {exp_dir}; start it with action=run first")
-    settings = config.experiment.bench
-    model = settings.model or state.models[0]
+    model = config.experiment.bench.model or state.models[0]
     if model not in state.models:
-        raise FlagScaleError(f"model {model!r} is not served by this run; models: {', '.join(state.models)}",
-                             "experiment.bench.model")  # fmt: skip
+        raise FlagScaleError(
+            f"model {model!r} is not served by this run; models: {', '.join(state.models)}", "experiment.bench.model"
+        )
+    settings = bench_settings(config, model)
     _check_healthy(state.endpoint)
     tokenizer = tokenizer_for(config, model) or _model_root(state.endpoint, model)
 
@@ -141,8 +165,10 @@ def bench(config: ServeConfig, exp_dir: str, console: Console) -> int:
     stem = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
     log_path = stem.with_suffix(".log")
     rows, raw_results, errors = [], [], []
-    console.print(f"benchmarking {model} at {state.endpoint}{settings.endpoint}: random dataset, "
-                  f"{settings.num_prompts} prompts of {settings.input_len} -> {settings.output_len} tokens")  # fmt: skip
+    console.print(
+        f"benchmarking {model} at {state.endpoint}{settings.endpoint}: random dataset, "
+        f"{settings.num_prompts} prompts of {settings.input_len} -> {settings.output_len} tokens"
+    )
     with vllm_bench_worker(log_path) as run_pass:
         for concurrency in settings.concurrency:
             console.print(f"  concurrency {concurrency} ...", end="")
@@ -150,9 +176,12 @@ def bench(config: ServeConfig, exp_dir: str, console: Console) -> int:
             argv = vllm_bench_argv(state.endpoint, model, tokenizer, settings, concurrency)
             try:
                 result = run_pass(argv)
+            except FlagScaleError:  # e.g. vLLM's benchmark not found in the installed release
+                raise
             except Exception as exc:
-                raise FlagScaleError(f"vLLM's serving benchmark failed at concurrency {concurrency}: {exc}; "
-                                     f"its output is in {log_path}") from exc  # fmt: skip
+                raise FlagScaleError(
+                    f"vLLM's serving benchmark failed at concurrency {concurrency}: {exc}; its output is in {log_path}"
+                ) from exc
             console.print(f" {time.monotonic() - t0:.0f}s")
             rows.append(report_row(concurrency, result))
             raw_results.append(scalar_fields(result))
@@ -160,12 +189,20 @@ def bench(config: ServeConfig, exp_dir: str, console: Console) -> int:
                 errors.append(f"concurrency {concurrency}: {result['failed']} failed, e.g. {first_error(result)}")
 
     report = {
-        "exp_dir": exp_dir, "endpoint": state.endpoint, "model": model, "tokenizer": tokenizer,
-        "settings": settings.model_dump(), "rows": rows, "vllm_results": raw_results,
-    }  # fmt: skip
+        "exp_dir": exp_dir,
+        "endpoint": state.endpoint,
+        "model": model,
+        "tokenizer": tokenizer,
+        "settings": settings.model_dump(),
+        "rows": rows,
+        "vllm_results": raw_results,
+    }
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    write_plot(rows, stem.with_suffix(".png"), f"{model} at {state.endpoint}{settings.endpoint}: "
-               f"{settings.input_len} in / {settings.output_len} out tokens")  # fmt: skip
+    write_plot(
+        rows,
+        stem.with_suffix(".png"),
+        f"{model} at {state.endpoint}{settings.endpoint}: {settings.input_len} in / {settings.output_len} out tokens",
+    )
     render(console, rows, show_goodput=settings.slo_ttft_ms is not None or settings.slo_tpot_ms is not None)
     console.print(f"results: {stem.with_suffix('.json')}\nplot   : {stem.with_suffix('.png')}\nlog    : {log_path}")
     if errors:
@@ -174,15 +211,35 @@ def bench(config: ServeConfig, exp_dir: str, console: Console) -> int:
     return 0
 
 
+def node_serving(config: ServeConfig, model: str) -> NodeConfig | None:
+    """The engine node whose served names include `model`."""
+    for node in config.serve:
+        if node.is_engine and model in served_names(node, engine_args_of(node, config)):
+            return node
+    return None
+
+
+def bench_settings(config: ServeConfig, model: str) -> BenchConfig:
+    """experiment.bench, with the serving node's FlagScale `profile` for every key experiment.bench leaves unset."""
+    settings = config.experiment.bench
+    node = node_serving(config, model)
+    if node is None or node.profile is None:
+        return settings
+    from_profile = {
+        key: value
+        for key, value in node.profile.model_dump(exclude_none=True).items()
+        if key not in settings.model_fields_set
+    }
+    return settings.model_copy(update=from_profile)
+
+
 def tokenizer_for(config: ServeConfig, model: str) -> str | None:
     """The tokenizer (or model path) of the engine node that serves `model`, as the config gives it."""
-    for node in config.serve:
-        args = node.engine_args
-        names = args.get("served_model_name") or [node.serve_id]
-        names = [names] if isinstance(names, str) else names
-        if model in names:
-            return args.get("tokenizer") or args.get("model")
-    return None
+    node = node_serving(config, model)
+    if node is None:
+        return None
+    args = engine_args_of(node, config)
+    return args.get("tokenizer") or args.get("model")
 
 
 def _model_root(endpoint: str, model: str) -> str:
@@ -191,22 +248,17 @@ def _model_root(endpoint: str, model: str) -> str:
         entries = json.load(resp)["data"]
     root = next((e.get("root") for e in entries if e["id"] == model), None)
     if not root:
-        raise FlagScaleError(f"cannot tell which tokenizer {model!r} uses: not in the config, and "
-                             f"{endpoint}/v1/models gives no root", "experiment.bench.model")  # fmt: skip
+        raise FlagScaleError(
+            f"cannot tell which tokenizer {model!r} uses: not in the config, and {endpoint}/v1/models gives no root",
+            "experiment.bench.model",
+        )
     return root
 
 
 def _check_healthy(endpoint: str) -> None:
-    try:
-        with urllib.request.urlopen(endpoint + "/health", timeout=5) as resp:
-            if resp.status == 200:
-                return
-            problem = f"HTTP {resp.status}"
-    except urllib.error.HTTPError as exc:
-        problem = f"HTTP {exc.code}: {exc.read().decode(errors='replace').strip()}"
-    except OSError as exc:
-        problem = f"unreachable ({exc})"
-    raise FlagScaleError(f"the deployment at {endpoint} is not serving ({problem}); see action=status")
+    problem = health_problem(endpoint, timeout_s=5)
+    if problem:
+        raise FlagScaleError(f"the deployment at {endpoint} is not serving ({problem}); see action=status")
 
 
 def render(console: Console, rows: list[dict[str, Any]], show_goodput: bool) -> None:
@@ -216,8 +268,14 @@ def render(console: Console, rows: list[dict[str, Any]], show_goodput: bool) -> 
     for column in columns:
         summary.add_column(column, justify="right")
     for r in rows:
-        cells = [str(r["concurrency"]), str(r["completed"]), str(r["failed"]), f"{r['duration_s']:.1f}",
-                 f"{r['output_tok_s']:.1f}", f"{r['req_s']:.2f}"]  # fmt: skip
+        cells = [
+            str(r["concurrency"]),
+            str(r["completed"]),
+            str(r["failed"]),
+            f"{r['duration_s']:.1f}",
+            f"{r['output_tok_s']:.1f}",
+            f"{r['req_s']:.2f}",
+        ]
         if show_goodput:
             cells.append(f"{r['goodput_req_s']:.2f}")
         summary.add_row(*cells)

@@ -12,10 +12,19 @@ from flagscale.plan import Plan
 
 # Engine args worth showing with their defaults even when the config does not set them.
 SHOWN_ENGINE_ARGS = (
-    "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "quantization", "max_model_len",
-    "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "gpu_memory_utilization",
-    "enforce_eager", "dtype", "served_model_name",
-)  # fmt: skip
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "quantization",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_chunked_prefill",
+    "gpu_memory_utilization",
+    "enforce_eager",
+    "dtype",
+    "served_model_name",
+)
 
 
 def dryrun(config: ServeConfig, plan: Plan, console: Console) -> int:
@@ -28,10 +37,15 @@ def dryrun(config: ServeConfig, plan: Plan, console: Console) -> int:
         ns = vars(parsed(engine.argv))
         args = {k: ns.get(k) for k in SHOWN_ENGINE_ARGS}
         args.update({k: ns.get(k) for k in _set_keys(engine.argv)})
-        replicas = engine.describe_replicas()
+        replicas = f"{engine.describe_replicas()}\nrouting: {engine.routing.policy}"
         resources = ", ".join(f"{k}={v}" for k, v in engine.ray_actor_options.items())
-        table.add_row(engine.serve_id, replicas, resources, f"{engine.devices_per_replica} {engine.device}",
-                      "\n".join(f"{k}={v}" for k, v in args.items()))  # fmt: skip
+        table.add_row(
+            engine.serve_id,
+            replicas,
+            resources,
+            f"{engine.devices_per_replica} {engine.device}",
+            "\n".join(f"{k}={v}" for k, v in args.items()),
+        )
     for node in plan.graph.nodes if plan.graph else []:
         replicas = node.describe_replicas()
         resources = ", ".join(f"{k}={v}" for k, v in node.ray_actor_options.items())

@@ -12,16 +12,19 @@ REQUEST, RESPONSE = "request", "response"
 def describe(plan: Plan) -> list[str]:
     graph = plan.graph
     assert graph is not None
-    if graph.request_args is None:
+    if graph.request_fields is None:
         fields = "any JSON object"
     else:
-        types = graph.request_types or ["any"] * len(graph.request_args)
-        fields = ", ".join(f"{arg}: {type_name}" for arg, type_name in zip(graph.request_args, types))
+        fields = ", ".join(
+            f"{f.name}: {f.type}" + ("" if f.required else f" = {f.default!r}") for f in graph.request_fields
+        )
     lines = [f"POST {plan.endpoint}{graph.route}  {{{fields}}}"]
     for node in graph.nodes:
         inputs = ", ".join(node.depends) if node.depends else f"{REQUEST} (keyword arguments)"
         replicas = node.describe_replicas()
-        line = f"  {inputs} -> {node.serve_id}  [{node.class_name} in {Path(node.module_path).name}, replicas {replicas}]"
+        line = (
+            f"  {inputs} -> {node.serve_id}  [{node.class_name} in {Path(node.module_path).name}, replicas {replicas}]"
+        )
         if node.engine_params:
             line += "  calls " + ", ".join(f"engine {sid} (as {param})" for param, sid in node.engine_params.items())
         lines.append(line)
@@ -55,8 +58,9 @@ def draw(plan: Plan, path: Path) -> Path:
     ax = fig.subplots()
     engines = sorted({engine for _, engine in calls})
     custom = [n.serve_id for n in graph.nodes]
-    nx.draw_networkx_nodes(dag, pos, nodelist=[REQUEST, RESPONSE], node_color="#dddddd", node_shape="s",
-                           node_size=1600, ax=ax)  # fmt: skip
+    nx.draw_networkx_nodes(
+        dag, pos, nodelist=[REQUEST, RESPONSE], node_color="#dddddd", node_shape="s", node_size=1600, ax=ax
+    )
     nx.draw_networkx_nodes(dag, pos, nodelist=custom, node_color="#9ecae1", node_size=1800, ax=ax)
     if engines:
         nx.draw_networkx_nodes(dag, pos, nodelist=engines, node_color="#fdae6b", node_shape="h", node_size=2000, ax=ax)

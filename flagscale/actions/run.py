@@ -1,4 +1,4 @@
-"""`action=run`: start (or join) Ray, deploy the graph, wait until healthy, print the endpoint."""
+"""`action=run`: start Ray (this machine or a hostfile's hosts), deploy the graph, wait until healthy, print the endpoint."""
 
 from __future__ import annotations
 
@@ -7,16 +7,19 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from rich.console import Console
 
 from flagscale.actions.teardown import teardown
+from flagscale.cluster.ray_compat import SERVE_WAITING_FOR_RESOURCES, deploy_app
+from flagscale.cluster.ray_env import worker_env
 from flagscale.cluster.ray_node import cluster_alive, connect, start_local_head, write_token
 from flagscale.cluster.state import RunState
+from flagscale.devices import local_gpu_count
 from flagscale.errors import DeployError, FlagScaleError
-from flagscale.plan import Plan, local_gpu_count
+from flagscale.net import health_ok
+from flagscale.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -41,28 +44,48 @@ def run(plan: Plan, console: Console, foreground: bool = False) -> int:
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     _log_to_file(plan.log_dir / "runner.log")
     state = RunState(
-        app_name=plan.app_name, exp_dir=plan.exp_dir, endpoint=plan.endpoint, ray_address="",
-        token_path=str(write_token(Path(plan.exp_dir) / "ray_auth_token")), started_cluster=True,
-        models=plan.model_ids, started_at=time.time(), runner_pid=os.getpid(),
-    )  # fmt: skip
+        app_name=plan.app_name,
+        exp_dir=plan.exp_dir,
+        endpoint=plan.endpoint,
+        ray_address="",
+        token_path=str(write_token(Path(plan.exp_dir) / "ray_auth_token")),
+        models=plan.model_ids,
+        started_at=time.time(),
+        runner_pid=os.getpid(),
+        # cmds.after_stop: recorded at start, so any later teardown (stop, Ctrl-C, failed start) runs it on each host.
+        extra={
+            "after_stop": {
+                "snippet": plan.after_stop,
+                "envs": plan.envs,
+                "host_envs": plan.cluster.host_envs if plan.cluster else {},
+            }
+        }
+        if plan.after_stop
+        else {},
+    )
     t0 = time.monotonic()
     try:
-        from flagscale.serve.app import worker_env
-
         if plan.cluster is not None:
             with console.status(f"starting Ray on {len(plan.cluster.hostfile.hosts)} host(s) over SSH ..."):
                 from flagscale.cluster.multihost import start_cluster
 
-                common_env = {k: v for k, v in worker_env(plan).items() if k not in plan.envs}  # envs go per host
+                common_env = {k: v for k, v in worker_env(plan.envs).items() if k not in plan.envs}  # envs go per host
                 start_cluster(state, plan, common_env, console)
-            console.print(f"Ray cluster up: head {state.ray_address}, {len(plan.cluster.hostfile.hosts)} host(s) "
-                          f"joined ({time.monotonic() - t0:.1f}s)")  # fmt: skip
+            console.print(
+                f"Ray cluster up: head {state.ray_address}, {len(plan.cluster.hostfile.hosts)} host(s) "
+                f"joined ({time.monotonic() - t0:.1f}s)"
+            )
         else:
             with console.status("starting a local Ray head ..."):
                 start_local_head(
-                    state, num_cpus=plan.head_num_cpus, num_gpus=local_gpu_count() or None, envs=worker_env(plan),
-                    before_start=plan.before_start, log_path=plan.log_dir / "ray-head.log",
-                )  # fmt: skip
+                    state,
+                    num_cpus=plan.head_num_cpus,
+                    num_gpus=local_gpu_count() or None,
+                    envs=worker_env(plan.envs),
+                    before_start=plan.before_start,
+                    log_path=plan.log_dir / "ray-head.log",
+                    port=plan.ray_port,
+                )
             _link_ray_logs(state, plan)
             console.print(f"Ray head up at {state.ray_address} ({time.monotonic() - t0:.1f}s)")
         connect(state)
@@ -121,7 +144,7 @@ def _deploy(plan: Plan, console: Console) -> None:
     from flagscale.serve.app import build_app
 
     serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
-    serve._run(build_app(plan), _blocking=False, name=plan.app_name, route_prefix=None)
+    deploy_app(build_app(plan), plan.app_name)
 
 
 def _wait_until_serving(plan: Plan, console: Console, t0: float) -> None:
@@ -143,13 +166,13 @@ def _wait_until_serving(plan: Plan, console: Console, t0: float) -> None:
                     # An engine whose server exited during start-up will not do better on Serve's retries.
                     if dep.status in ("DEPLOY_FAILED", "UNHEALTHY") or "EngineStartError" in (dep.message or ""):
                         raise DeployError(_cause(dep.message), f"deployment {name}")
-                    if "to be scheduled" in (dep.message or ""):  # Serve's words for replicas waiting on resources
+                    if SERVE_WAITING_FOR_RESOURCES in (dep.message or ""):
                         pending_since.setdefault(name, now)
                         if now - pending_since[name] > plan.schedule_timeout_s:
                             raise DeployError(f"replicas cannot be scheduled: {dep.message}", f"deployment {name}")
                     else:
                         pending_since.pop(name, None)
-                if app.status == "RUNNING" and _http_ready(plan):
+                if app.status == "RUNNING" and health_ok(plan.endpoint, timeout_s=2):
                     return
                 if app.status == "DEPLOY_FAILED":
                     raise DeployError(_cause(app.message), f"application {plan.app_name}")
@@ -172,14 +195,6 @@ def _cause(message: str) -> str:
         if hits:
             return "\n".join(lines[hits[0] : hits[0] + 12])
     return "\n".join(lines[-20:]) or "no message from Ray Serve"
-
-
-def _http_ready(plan: Plan) -> bool:
-    try:
-        with urllib.request.urlopen(plan.endpoint + "/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def _print_ready(plan: Plan, console: Console, elapsed: float) -> None:
@@ -228,4 +243,3 @@ def _log_to_file(path: Path) -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
-

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 from rich.console import Console
@@ -16,6 +14,7 @@ from rich.table import Table
 
 from flagscale.cluster.ray_node import cluster_alive, connect
 from flagscale.cluster.state import RunState
+from flagscale.net import health_problem
 from flagscale.plan import ROUTER_DEPLOYMENT
 from flagscale.serve import registry
 
@@ -61,10 +60,13 @@ def collect(state: RunState) -> dict[str, Any]:
                 "log": record.log_path,
             }
         )
-    served = _router_counts(state)
+    routed = _router_stats(state)
     for replica in report["replicas"]:
-        replica["requests_served"] = served.get(replica["replica_id"])
-    report["http_health"] = _http_health(state.endpoint)
+        entry = routed.get(replica["replica_id"], {})
+        replica["requests_served"] = entry.get("served")
+        # The router's view: policy, in-flight, circuit state, prefix-table blocks / sessions (docs/routing.md).
+        replica["router"] = {k: v for k, v in entry.items() if k not in ("serve_id", "url", "served")} or None
+    report["http_health"] = health_problem(state.endpoint, timeout_s=3) or "ok"
     if any(h.remote for h in state.hosts):
         report["hosts"] = _hosts(state, report["replicas"])
     report["healthy"] = (
@@ -87,12 +89,18 @@ def _hosts(state: RunState, replicas: list[dict]) -> list[dict]:
             continue
         node = nodes.get(record.node_id or "")
         on_it = [r for r in replicas if record.node_id and record.node_id.startswith(r["node_id"])]
-        rows.append({
-            "host": record.host, "role": record.role, "chip": record.chip, "slots": record.slots,
-            "ray_node": "alive" if node and node.get("Alive") else "dead",
-            "node_id": (record.node_id or "")[:12], "session": record.session,
-            "replicas": [f"{r['serve_id']}/{r['replica_id']}" for r in on_it],
-        })  # fmt: skip
+        rows.append(
+            {
+                "host": record.host,
+                "role": record.role,
+                "chip": record.chip,
+                "slots": record.slots,
+                "ray_node": "alive" if node and node.get("Alive") else "dead",
+                "node_id": (record.node_id or "")[:12],
+                "session": record.session,
+                "replicas": [f"{r['serve_id']}/{r['replica_id']}" for r in on_it],
+            }
+        )
     return rows
 
 
@@ -101,11 +109,10 @@ def _scaling(app_name: str) -> dict[str, dict[str, Any]]:
 
     The same ServeInstanceDetails the dashboard's /api/serve/applications/ serves; read from the controller
     because the dashboard is off."""
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeInstanceDetails
+    from flagscale.cluster.ray_compat import serve_details
 
     try:
-        details = ServeInstanceDetails(**_get_global_client().get_serve_details())
+        details = serve_details()
     except Exception:
         return {}
     app = details.applications.get(app_name)
@@ -125,8 +132,8 @@ def _scaling(app_name: str) -> dict[str, dict[str, Any]]:
     return scaling
 
 
-def _router_counts(state: RunState) -> dict[str, int]:
-    """Requests the router has sent to each replica since it started."""
+def _router_stats(state: RunState) -> dict[str, dict[str, Any]]:
+    """The router's entry per replica: requests served since it started, in-flight, circuit, routing table."""
     from ray import serve
 
     try:
@@ -134,28 +141,26 @@ def _router_counts(state: RunState) -> dict[str, int]:
         stats = router.stats.remote().result(timeout_s=10)
     except Exception:
         return {}
-    return {replica_id: entry["served"] for replica_id, entry in stats["replicas"].items()}
-
-
-def _http_health(endpoint: str) -> str:
-    try:
-        with urllib.request.urlopen(endpoint + "/health", timeout=3) as resp:
-            return "ok" if resp.status == 200 else f"HTTP {resp.status}"
-    except urllib.error.HTTPError as exc:
-        return f"HTTP {exc.code}: {exc.read().decode(errors='replace').strip()}"
-    except OSError as exc:
-        return f"unreachable ({exc})"
+    return stats["replicas"]
 
 
 def status(exp_dir: str, console: Console, output: str = "table") -> int:
     state = RunState.load(exp_dir)
     if state is None:
-        _emit(console, output, {"healthy": False, "status": "NOT_RUNNING", "exp_dir": exp_dir},
-              f"nothing is running for exp_dir {exp_dir}")  # fmt: skip
+        _emit(
+            console,
+            output,
+            {"healthy": False, "status": "NOT_RUNNING", "exp_dir": exp_dir},
+            f"nothing is running for exp_dir {exp_dir}",
+        )
         return 1
     if not cluster_alive(state):
-        _emit(console, output, {"healthy": False, "status": "CLUSTER_GONE", "exp_dir": exp_dir},
-              f"the Ray cluster of this run ({state.ray_address}) is gone; `action=stop` cleans up the state")  # fmt: skip
+        _emit(
+            console,
+            output,
+            {"healthy": False, "status": "CLUSTER_GONE", "exp_dir": exp_dir},
+            f"the Ray cluster of this run ({state.ray_address}) is gone; `action=stop` cleans up the state",
+        )
         return 1
     report = collect(state)
     import ray
@@ -177,8 +182,10 @@ def _emit(console: Console, output: str, data: dict, line: str) -> None:
 
 def _render(console: Console, report: dict[str, Any]) -> None:
     colour = "green" if report["healthy"] else "red"
-    console.print(f"application [bold]{report['app']}[/]: [{colour}]{report['status']}[/]  endpoint {report['endpoint']}/v1"
-                  f"  (/health: {report['http_health']})")  # fmt: skip
+    console.print(
+        f"application [bold]{report['app']}[/]: [{colour}]{report['status']}[/]  endpoint {report['endpoint']}/v1"
+        f"  (/health: {report['http_health']})"
+    )
     console.print(f"models: {', '.join(report['models'])}")
     deployments = Table(title="deployments", title_justify="left")
     for column in ("deployment", "status", "replicas", "message"):
@@ -187,16 +194,27 @@ def _render(console: Console, report: dict[str, Any]) -> None:
         replicas = " ".join(f"{k.lower()}={v}" for k, v in dep["replicas"].items())
         autoscaling = (dep.get("scaling") or {}).get("autoscaling")
         if autoscaling:
-            replicas += (f" (autoscale {autoscaling['min_replicas']}..{autoscaling['max_replicas']}, "
-                         f"target {dep['scaling']['target_replicas']})")  # fmt: skip
+            replicas += (
+                f" (autoscale {autoscaling['min_replicas']}..{autoscaling['max_replicas']}, "
+                f"target {dep['scaling']['target_replicas']})"
+            )
         deployments.add_row(name, dep["status"], replicas, (dep["message"] or "")[:120])
     console.print(deployments)
     replicas = Table(title="engine replicas", title_justify="left")
     for column in ("serve_id", "replica", "state", "host", "pid", "engine pid", "url", "heartbeat", "served"):
         replicas.add_column(column)
     for r in report["replicas"]:
-        replicas.add_row(r["serve_id"], r["replica_id"], r["state"], r["host"], str(r["pid"]), str(r["engine_pid"]),
-                         r["url"], f"{r['heartbeat_age_s']}s ago", str(r.get("requests_served", "-")))  # fmt: skip
+        replicas.add_row(
+            r["serve_id"],
+            r["replica_id"],
+            r["state"],
+            r["host"],
+            str(r["pid"]),
+            str(r["engine_pid"]),
+            r["url"],
+            f"{r['heartbeat_age_s']}s ago",
+            str(r.get("requests_served", "-")),
+        )
     console.print(replicas)
     if "hosts" in report:
         hosts = Table(title="hosts", title_justify="left")
@@ -204,6 +222,12 @@ def _render(console: Console, report: dict[str, Any]) -> None:
             hosts.add_column(column)
         for h in report["hosts"]:
             colour = "green" if h["ray_node"] == "alive" else "red"
-            hosts.add_row(h["host"], h["role"], h["chip"] or "-", str(h["slots"]), f"[{colour}]{h['ray_node']}[/]",
-                          ", ".join(h["replicas"]) or "-")  # fmt: skip
+            hosts.add_row(
+                h["host"],
+                h["role"],
+                h["chip"] or "-",
+                str(h["slots"]),
+                f"[{colour}]{h['ray_node']}[/]",
+                ", ".join(h["replicas"]) or "-",
+            )
         console.print(hosts)

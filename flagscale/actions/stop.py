@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import socket
-
 from rich.console import Console
 
 from flagscale.actions.teardown import teardown
 from flagscale.cluster.state import RunState
+from flagscale.net import port_open
 
 
 def stop(exp_dir: str, console: Console, drain_timeout_s: float) -> int:
@@ -17,7 +16,7 @@ def stop(exp_dir: str, console: Console, drain_timeout_s: float) -> int:
         return 0
     problems = teardown(state, console, drain_timeout_s)
     host, _, port = state.endpoint.rpartition(":")
-    if _port_open(host.removeprefix("http://"), int(port)):
+    if port_open(host.removeprefix("http://"), int(port)):
         problems.append(f"port {port} still accepts connections")
     if problems:
         console.print("[red]stop finished with problems:[/]\n  " + "\n  ".join(problems))
@@ -25,11 +24,3 @@ def stop(exp_dir: str, console: Console, drain_timeout_s: float) -> int:
     RunState.remove(exp_dir)
     console.print(f"stopped '{state.app_name}'")
     return 0
-
-
-def _port_open(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=1):
-            return True
-    except OSError:
-        return False

@@ -1,4 +1,5 @@
-"""Stop what a run started: drain the router, delete the Serve app, stop the Ray nodes we launched.
+"""Stop what a run started: drain the router, delete the Serve app, stop the Ray nodes we launched, then run
+the user's `cmds.after_stop` on each host that ran `cmds.before_start`.
 
 Shared by `stop`, by `run` when start-up fails, and by `run foreground=true` on Ctrl-C.
 """
@@ -6,20 +7,30 @@ Shared by `stop`, by `run` when start-up fails, and by `run foreground=true` on 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
-from flagscale.cluster.multihost import stop_hosts
-from flagscale.cluster.ray_node import cluster_alive, connect, stop_local_nodes
-from flagscale.cluster.state import RunState
+from flagscale.cluster import ssh
+from flagscale.cluster.ray_compat import delete_app
+from flagscale.cluster.ray_node import cluster_alive, connect, stop_nodes
+from flagscale.cluster.runner import CommandRunner, CommandTimeout, parallel, runner_for
+from flagscale.cluster.state import HostRecord, RunState
+from flagscale.errors import ClusterError
 from flagscale.plan import ROUTER_DEPLOYMENT
 
 log = logging.getLogger(__name__)
+AFTER_STOP_TIMEOUT_S = 120.0
 
 
 def teardown(state: RunState, console: Console, drain_timeout_s: float = 30.0) -> list[str]:
-    """Returns the problems met; an empty list means everything the run started is gone."""
+    """Returns the problems met; an empty list means everything the run started is gone.
+
+    A failing `cmds.after_stop` (run last, see run_after_stop) is printed in yellow and is not among the problems:
+    `stop` still removes the state file and exits 0."""
     problems: list[str] = []
     multi_host = "ssh" in state.extra
     # Multi-host: the driver attaches through the local Ray node; before it exists nothing was deployed.
@@ -34,14 +45,103 @@ def teardown(state: RunState, console: Console, drain_timeout_s: float = 30.0) -
 
     if ray.is_initialized():
         ray.shutdown()
-    if state.started_cluster and multi_host:
-        if state.hosts:
-            console.print(f"stopping the Ray nodes this run started on {len(state.hosts)} host(s) ...")
-        problems += stop_hosts(state)
-    elif state.started_cluster:
+    if not multi_host:
         console.print("stopping the Ray node(s) this run started ...")
-        problems += stop_local_nodes(state)
+    elif state.hosts:
+        console.print(f"stopping the Ray nodes this run started on {len(state.hosts)} host(s) ...")
+    problems += stop_nodes(state)
+    hosts = after_stop_hosts(state)
+    if hosts:
+        console.print(f"running cmds.after_stop on {len(hosts)} host(s) ...")
+        for line in run_after_stop(state):  # reported, not a problem: what the run started is gone either way
+            console.print(f"[yellow]{escape(line)}[/]")
     return problems
+
+
+# ---- cmds.after_stop ----------------------------------------------------------------------------
+
+
+def after_stop_hosts(state: RunState) -> list[HostRecord]:
+    """The hosts that ran `before_start` (every Ray node we started, not the multi-host driver node), when the
+    run recorded an `after_stop` snippet (state.extra["after_stop"], written by `run` at start)."""
+    spec = state.extra.get("after_stop") or {}
+    if not spec.get("snippet"):
+        return []
+    return [r for r in state.hosts if r.role != "driver"]
+
+
+def run_after_stop(state: RunState, timeout_s: float = AFTER_STOP_TIMEOUT_S) -> list[str]:
+    """Run the recorded `cmds.after_stop` snippet on each host that ran `before_start`, all in parallel:
+    `bash -c <snippet>` with the run's envs (nodes_envs applied per host), bounded by `timeout_s`; locally as
+    a subprocess, on remote hosts over SSH. Every host's output and exit code go to
+    <exp_dir>/serve_logs/after_stop.log.
+
+    Returns one line per host where it failed (non-zero exit, timeout, unreachable host), naming the host and
+    the exit code. Each host through its CommandRunner (cluster/runner.py), as its Ray node was started. Callers report these lines and carry on: a failing after_stop never makes `stop` fail, and
+    the state file is still removed (FlagScale: "its failure is reported, `stop` still completes")."""
+    records = after_stop_hosts(state)
+    if not records:
+        return []
+    spec = state.extra["after_stop"]
+    snippet, envs, host_envs = spec["snippet"], spec.get("envs") or {}, spec.get("host_envs") or {}
+    log_path = Path(state.exp_dir) / "serve_logs" / "after_stop.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    settings = ssh.SshSettings(**state.extra.get("ssh", {}))
+    lock = threading.Lock()
+
+    def one(record: HostRecord) -> str | None:
+        with runner_for(record.host, record.remote, settings) as runner:
+            env = host_envs.get(record.host, envs) if record.remote else envs
+            code, output, failure = _after_stop_on(runner, snippet, env, timeout_s)
+        with lock, open(log_path, "a") as out:
+            out.write(
+                f"=== {record.host} {time.strftime('%Y-%m-%d %H:%M:%S')}: after_stop "
+                f"{'exit code ' + str(code) if code is not None else failure}\n{output}"
+            )
+            if output and not output.endswith("\n"):
+                out.write("\n")
+        if failure:
+            return f"{record.host}: cmds.after_stop {failure}; see {log_path}"
+        return None
+
+    results = parallel(records, one)
+    return [
+        f"{r.host}: cmds.after_stop failed: {v}" if isinstance(v, BaseException) else v
+        for r, v in zip(records, results)
+        if v
+    ]
+
+
+def _failure(code: int, timeout_s: float) -> str | None:
+    if code == 0:
+        return None
+    if code == 124:  # coreutils `timeout`, used on remote hosts
+        return f"timed out after {timeout_s:g}s (exit code 124)"
+    return f"failed with exit code {code}"
+
+
+def _after_stop_on(
+    runner: CommandRunner, snippet: str, envs: dict[str, str], timeout_s: float
+) -> tuple[int | None, str, str | None]:
+    """(exit code or None, output, failure or None). Locally the runner kills the snippet's whole session at the
+    bound; on a remote host `timeout` ends it on the host itself and the SSH wait has a margin on top."""
+    try:
+        runner.open()
+    except ClusterError as exc:
+        return None, "", f"not run: host unreachable ({str(exc).removeprefix(f'{runner.host}: ')})"
+    argv = ["bash", "-c", snippet]
+    try:
+        if runner.remote:
+            result = runner.run(["timeout", "-k", "5", f"{timeout_s:g}", *argv], envs, timeout_s=timeout_s + 15)
+        else:
+            result = runner.run(argv, envs, timeout_s=timeout_s)
+    except CommandTimeout as exc:
+        return None, exc.output, f"timed out after {timeout_s:g}s (killed)"
+    except (ClusterError, OSError) as exc:
+        if not runner.remote:
+            raise
+        return None, "", f"failed: {exc}"
+    return result.code, result.stdout + result.stderr, _failure(result.code, timeout_s)
 
 
 def _stop_application(state: RunState, console: Console, drain_timeout_s: float) -> None:
@@ -59,9 +159,8 @@ def _stop_application(state: RunState, console: Console, drain_timeout_s: float)
         except Exception as exc:
             log.info("drain skipped: %s", exc)
         console.print(f"deleting Serve application '{state.app_name}' ...")
-        serve.delete(state.app_name, _blocking=False)
+        delete_app(state.app_name)
         deadline = time.monotonic() + drain_timeout_s + 60
         while state.app_name in serve.status().applications and time.monotonic() < deadline:
             time.sleep(0.5)
-    # No serve.shutdown(): when we started the cluster, stopping its nodes takes Serve down with it;
-    # when we joined one, its Serve instance is not ours to stop.
+    # No serve.shutdown(): the run started every Ray node of its cluster, and stopping them takes Serve down.

@@ -96,7 +96,9 @@ def parse_hostfile(path: str | Path, head: str | None = None, where_head: str = 
     if head is not None:
         head_entry = next((e for e in entries if e.host == head), None)
         if head_entry is None:
-            raise ConfigError(f"head {head!r} is not a host of {path} ({', '.join(e.host for e in entries)})", where_head)
+            raise ConfigError(
+                f"head {head!r} is not a host of {path} ({', '.join(e.host for e in entries)})", where_head
+            )
     return Hostfile(path=str(path), hosts=entries, head=head_entry)
 
 

@@ -1,12 +1,14 @@
-"""Planning against a hostfile: what each engine replica reserves, on which chip type, and whether the
-whole graph fits the hostfile's slots. Nothing here touches the network."""
+"""Placement: what each engine replica reserves on the target (this machine, or a hostfile's hosts), on which
+chip type, and whether the whole graph fits the hostfile's slots. Nothing here touches the network."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from flagscale.cluster.hostfile import Hostfile, HostEntry
+from flagscale.cluster.hostfile import HostEntry, Hostfile
+from flagscale.config.replicas import actor_options
+from flagscale.config.schema import Resources
 from flagscale.errors import ConfigError
 
 
@@ -24,9 +26,161 @@ class ClusterPlan:
     demand: dict[str, str] = field(default_factory=dict)  # chip -> arithmetic line, for dryrun
 
 
-def _parallel_sizes(engine_args: dict) -> tuple[int, int, int]:
-    return tuple(int(engine_args.get(k, 1)) for k in ("tensor_parallel_size", "pipeline_parallel_size",
-                                                         "data_parallel_size"))  # type: ignore[return-value]
+@dataclass(frozen=True)
+class Target:
+    """What replicas are placed on: this machine (one host: its GPUs, or its cores for CPU engines), or the hosts
+    of a hostfile (slots of a chip type each)."""
+
+    description: str  # "this machine" or the hostfile's path
+    hostfile: Hostfile | None = None
+    gpus: int = 0  # this machine only
+    cpus: int = 1  # this machine only
+    gpu_memory_mib: int | None = None  # this machine only: the smallest GPU's memory
+
+    @classmethod
+    def this_machine(cls, gpus: int, cpus: int, gpu_memory_mib: int | None = None) -> Target:
+        return cls("this machine", None, gpus, cpus, gpu_memory_mib)
+
+    @classmethod
+    def hosts_of(cls, hostfile: Hostfile) -> Target:
+        return cls(hostfile.path, hostfile)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Where one engine node's replicas go and what each reserves: decided once, by `reserve`."""
+
+    device: str  # "gpu", "cpu", or a hostfile chip type whose slots are a custom Ray resource
+    chip: str | None  # hostfile chip type (resources.accelerator), None when untyped
+    ray_actor_options: dict[str, Any]
+    auto_replicas: int  # what `num_replicas: auto` comes to on the target
+    placement_bundles: list[dict[str, float]] | None = None  # one replica over several hosts
+    placement_strategy: str | None = None
+    extra_argv: tuple[str, ...] = ()  # what spanning hosts asks of vLLM
+
+
+def auto_replicas(devices_per_replica: int, devices_per_host: list[int]) -> int:
+    """`num_replicas: auto`: replicas the hosts' devices hold; one spanning hosts if it fits no single host."""
+    if devices_per_replica <= max(devices_per_host, default=0):
+        return max(1, sum(n // devices_per_replica for n in devices_per_host))
+    return max(1, sum(devices_per_host) // devices_per_replica)
+
+
+def reserve(
+    res: Resources, parallel: tuple[int, int, int], target: Target, strategy: str, where: str, args_where: str
+) -> Reservation:
+    """The one placement decision for an engine node: from its resources and TP x PP x DP to what every replica
+    reserves on `target`. `where`/`args_where` name resources/engine_args in errors."""
+    tp, pp, dp = parallel
+    devices = tp * pp * dp
+    if target.hostfile is None:
+        return _on_this_machine(res, devices, parallel, target, where, args_where)
+    chip, hosts = _hosts_for(res.accelerator, target.hostfile, where)
+    on_gpu = hosts[0].is_gpu
+    device_key = "GPU" if on_gpu else str(chip)
+    cpus = res.num_cpus if res.num_cpus is not None else 1
+    label = {f"accelerator_type:{chip}": 0.001} if chip else {}
+    options: dict[str, Any] = {"num_cpus": cpus}
+    if res.memory:
+        options["memory"] = res.memory
+    auto = auto_replicas(devices, [h.slots for h in hosts])
+    device = "gpu" if on_gpu else (chip or "cpu")
+    if devices <= max(h.slots for h in hosts):
+        if on_gpu:
+            options["num_gpus"] = res.num_gpus if res.num_gpus is not None else devices
+        else:
+            options["resources"] = {device_key: float(devices)}
+        if label:
+            options.setdefault("resources", {}).update(label)
+        return Reservation(device, chip, options, auto)
+    # More devices than any one host has: the replica takes bundle 0, vLLM's Ray executor the device bundles.
+    if label:
+        options["resources"] = dict(label)
+    bundles = [{"CPU": float(cpus), **label}] + [{device_key: 1.0} for _ in range(devices)]
+    return Reservation(device, chip, options, auto, bundles, strategy, ("--distributed-executor-backend", "ray"))
+
+
+def _on_this_machine(
+    res: Resources, devices: int, parallel: tuple[int, int, int], target: Target, where: str, args_where: str
+) -> Reservation:
+    if res.num_gpus and res.num_gpus > 0 and target.gpus == 0:
+        raise ConfigError(f"num_gpus={res.num_gpus:g} per replica, but this machine has no GPU", where)
+    on_gpu = (res.num_gpus or 0) > 0 or (res.num_gpus is None and target.gpus > 0)
+    offered, kind = (target.gpus, "GPU") if on_gpu else (target.cpus, "CPU")
+    if devices > offered:
+        tp, pp, dp = parallel
+        raise ConfigError(
+            f"TP x PP x DP = {tp} x {pp} x {dp} = {devices} {kind} devices per replica, "
+            f"but this machine offers {offered}",
+            args_where,
+        )
+    options = actor_options(res, default_cpus=1 if on_gpu else devices, default_gpus=devices if on_gpu else 0)
+    return Reservation("gpu" if on_gpu else "cpu", None, options, auto_replicas(devices, [offered]))
+
+
+# vLLM's default gpu_memory_utilization, and the most that replicas sharing one GPU may ask for together (the rest
+# is CUDA context and allocator slack outside any one engine's accounting).
+VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+MAX_SHARED_GPU_MEMORY_UTILIZATION = 0.95
+GIB = 1024**3
+
+
+def check_gpu_share(
+    serve_id: str, gpus_per_replica: float, devices: int, replicas: int, utilization: float, where: str
+) -> None:
+    """Replicas with a fraction of a GPU: the fraction must divide a GPU, and the replicas that share one must not
+    promise vLLM more than the GPU's memory together."""
+    if gpus_per_replica <= 0 or gpus_per_replica == int(gpus_per_replica):
+        return
+    if gpus_per_replica > 1:
+        raise ConfigError(f"num_gpus={gpus_per_replica:g}: a replica takes whole GPUs or a fraction 1/k of one", where)
+    per_gpu = round(1 / gpus_per_replica)
+    if abs(per_gpu * gpus_per_replica - 1) > 1e-6:
+        raise ConfigError(
+            f"num_gpus={gpus_per_replica:g} does not divide a GPU: use 1/k (0.5, 0.25, 0.2, ...) so "
+            "that k replicas share one",
+            where,
+        )
+    if devices > 1:
+        raise ConfigError(
+            f"num_gpus={gpus_per_replica:g} with TP x PP x DP = {devices}: a replica that spans GPUs needs whole GPUs",
+            where,
+        )
+    sharing = min(replicas, per_gpu)
+    if sharing * utilization > MAX_SHARED_GPU_MEMORY_UTILIZATION:
+        raise ConfigError(
+            f"'{serve_id}': {sharing} replica(s) share a GPU (num_gpus={gpus_per_replica:g}) x gpu_memory_utilization "
+            f"{utilization:g} = {sharing * utilization:.2f} of its memory > {MAX_SHARED_GPU_MEMORY_UTILIZATION}; "
+            f"set gpu_memory_utilization <= {MAX_SHARED_GPU_MEMORY_UTILIZATION / sharing:.2f}",
+            where,
+        )
+
+
+def check_weights_fit(
+    weight_bytes: int | None, tp: int, pp: int, utilization: float, target: Target, where: str
+) -> None:
+    """The checkpoint's weights, split over TP x PP GPUs, must fit the GPU memory the config gives each engine."""
+    if weight_bytes is None or not target.gpu_memory_mib:
+        return
+    per_gpu = weight_bytes / (tp * pp)
+    budget = utilization * target.gpu_memory_mib * 1024**2
+    if per_gpu > budget:
+        raise ConfigError(
+            f"the weights do not fit: {weight_bytes / GIB:.1f} GiB / (TP {tp} x PP {pp}) = {per_gpu / GIB:.1f} GiB per "
+            f"GPU > gpu_memory_utilization {utilization:g} x {target.gpu_memory_mib / 1024:.1f} GiB = "
+            f"{budget / GIB:.1f} GiB",
+            where,
+        )
+
+
+def check_gpu_demand(demand: list[tuple[str, int, float]], target: Target, where: str) -> None:
+    """This machine: the GPUs every engine's replicas reserve together (Serve would leave the rest pending)."""
+    if target.hostfile is not None or target.gpus == 0:
+        return
+    total = sum(replicas * gpus for _, replicas, gpus in demand if gpus)
+    if total > target.gpus + 1e-9:
+        terms = " + ".join(f"{serve_id}: {replicas} x {gpus:g}" for serve_id, replicas, gpus in demand if gpus)
+        raise ConfigError(f"the replicas reserve {terms} = {total:g} GPU(s), but this machine has {target.gpus}", where)
 
 
 def _hosts_for(accelerator: str | None, hostfile: Hostfile, where: str) -> tuple[str | None, list[HostEntry]]:
@@ -34,56 +188,29 @@ def _hosts_for(accelerator: str | None, hostfile: Hostfile, where: str) -> tuple
     if accelerator is not None:
         if accelerator not in groups:
             types = ", ".join(str(t) for t in groups) or "none"
-            raise ConfigError(f"resources.accelerator={accelerator!r}, but {hostfile.path} has no host of that type "
-                              f"(types: {types})", where)  # fmt: skip
+            raise ConfigError(
+                f"resources.accelerator={accelerator!r}, but {hostfile.path} has no host of that type (types: {types})",
+                where,
+            )
         return accelerator, groups[accelerator]
     if len(groups) > 1:
-        raise ConfigError(f"{hostfile.path} mixes chip types ({', '.join(map(str, groups))}); "
-                          "set resources.accelerator to say which one this node runs on", where)  # fmt: skip
+        raise ConfigError(
+            f"{hostfile.path} mixes chip types ({', '.join(map(str, groups))}); "
+            "set resources.accelerator to say which one this node runs on",
+            where,
+        )
     chip, hosts = next(iter(groups.items()))
     return chip, hosts
 
 
-def place_engine(engine, node, hostfile: Hostfile, strategy: str, where: str) -> None:
-    """Rewrite `engine`'s reservations for the hostfile's hosts (the local machine's devices do not matter)."""
-    res = node.resources
-    chip, hosts = _hosts_for(res.accelerator, hostfile, where)
-    devices = engine.devices_per_replica
-    on_gpu = hosts[0].is_gpu
-    device_key = "GPU" if on_gpu else chip
-    cpus = res.num_cpus if res.num_cpus is not None else 1
-    label = {f"accelerator_type:{chip}": 0.001} if chip else {}
-    options: dict[str, Any] = {"num_cpus": cpus}
-    if res.memory:
-        options["memory"] = res.memory
-    largest = max(h.slots for h in hosts)
-    if devices <= largest:
-        if on_gpu:
-            options["num_gpus"] = res.num_gpus if res.num_gpus is not None else devices
-        else:
-            options["resources"] = {chip: float(devices)}
-        if label:
-            options.setdefault("resources", {}).update(label)
-    else:
-        # More devices than any one host has: the replica takes bundle 0, vLLM's Ray executor the device bundles.
-        if label:
-            options["resources"] = dict(label)
-        engine.placement_bundles = [{"CPU": float(cpus), **label}] + [{device_key: 1.0} for _ in range(devices)]
-        engine.placement_strategy = strategy
-        if "--distributed-executor-backend" not in engine.argv:
-            engine.argv += ["--distributed-executor-backend", "ray"]
-    engine.ray_actor_options = options
-    engine.device = "gpu" if on_gpu else (chip or "cpu")
-    engine.chip = chip
-
-
-def check_fits(engines_nodes: list[tuple[Any, Any]], hostfile: Hostfile, num_cpus_per_host: int | None,
-               where: str) -> dict[str, str]:  # fmt: skip
+def check_fits(
+    engines_nodes: list[tuple[Any, Any]], hostfile: Hostfile, num_cpus_per_host: int | None, where: str
+) -> dict[str, str]:
     """Reject a graph whose replicas need more devices of a chip type than the hostfile lists, showing the sum."""
     demand: dict[str | None, list[str]] = {}
     need: dict[str | None, int] = {}
-    for engine, node in engines_nodes:
-        tp, pp, dp = _parallel_sizes(node.engine_args)
+    for engine, _node in engines_nodes:
+        tp, pp, dp = engine.parallel
         replicas = engine.initial_replicas
         demand.setdefault(engine.chip, []).append(
             f"{engine.serve_id}: {replicas} replica(s) x {engine.devices_per_replica} (TP {tp} x PP {pp} x DP {dp})"
@@ -94,8 +221,10 @@ def check_fits(engines_nodes: list[tuple[Any, Any]], hostfile: Hostfile, num_cpu
         hosts = hostfile.by_chip()[chip]
         offered = sum(h.slots for h in hosts)
         kind = f"type={chip}" if chip else "untyped"
-        line = (f"{' + '.join(demand[chip])} = {total} device(s); {hostfile.path} offers "
-                f"{' + '.join(str(h.slots) for h in hosts)} = {offered} slot(s) of {kind}")  # fmt: skip
+        line = (
+            f"{' + '.join(demand[chip])} = {total} device(s); {hostfile.path} offers "
+            f"{' + '.join(str(h.slots) for h in hosts)} = {offered} slot(s) of {kind}"
+        )
         if total > offered:
             raise ConfigError(f"the graph does not fit the hostfile: {line}", where)
         lines[str(chip)] = line
@@ -103,8 +232,11 @@ def check_fits(engines_nodes: list[tuple[Any, Any]], hostfile: Hostfile, num_cpu
         cpus = sum(e.initial_replicas * e.ray_actor_options.get("num_cpus", 0) for e, _ in engines_nodes)
         offered = num_cpus_per_host * len(hostfile.hosts)
         if cpus > offered:
-            raise ConfigError(f"replicas reserve {cpus:g} CPUs, but {len(hostfile.hosts)} host(s) x num_cpus="
-                              f"{num_cpus_per_host} = {offered}", where)  # fmt: skip
+            raise ConfigError(
+                f"replicas reserve {cpus:g} CPUs, but {len(hostfile.hosts)} host(s) x num_cpus="
+                f"{num_cpus_per_host} = {offered}",
+                where,
+            )
     return lines
 
 
@@ -136,11 +268,7 @@ def plan_cluster(config, sources, hostfile: Hostfile, engines_nodes: list[tuple[
 
 def endpoint_in_use(host: str, port: int) -> bool:
     """Whether something already answers at host:port (the router binds on a remote head, so no local bind test)."""
-    import socket
+    from flagscale.net import port_open
 
     target = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    try:
-        with socket.create_connection((target, port), timeout=2):
-            return True
-    except OSError:
-        return False
+    return port_open(target, port, timeout_s=2)

@@ -13,36 +13,56 @@ import sys
 import time
 from dataclasses import dataclass
 
+import psutil
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+
 
 @dataclass(frozen=True)
 class ProcessInfo:
     pid: int
     ppid: int
     session: int
-    start_ticks: int  # /proc/<pid>/stat field 22: guards against PID reuse
+    start_ticks: int  # clock ticks from boot to the process's start (/proc/<pid>/stat field 22): guards PID reuse
 
 
 def read_process(pid: int) -> ProcessInfo | None:
+    """The live process `pid` (None when it does not exist or is a zombie)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            if proc.status() in GONE:
+                return None
+            # create_time() is boot time + start ticks; the difference is immune to wall-clock changes.
+            ticks = round((proc.create_time() - psutil.boot_time()) * CLOCK_TICKS)
+            return ProcessInfo(pid=pid, ppid=proc.ppid(), session=os.getsid(pid), start_ticks=ticks)
+    except (psutil.Error, ProcessLookupError):
         return None
-    # comm (field 2) may contain spaces and parens: split after the last ')'.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    state = fields[0]
-    if state in ("Z", "X"):
-        return None
-    return ProcessInfo(pid=pid, ppid=int(fields[1]), session=int(fields[3]), start_ticks=int(fields[19]))
 
 
-def live_processes() -> list[ProcessInfo]:
-    infos = (read_process(int(entry)) for entry in os.listdir("/proc") if entry.isdigit())
-    return [info for info in infos if info is not None]
+def leader_pid_reused(session: int, leader_start_ticks: int | None) -> bool:
+    """True when a process that started at another time than the recorded leader now holds the session's PID.
+    The kernel hands a PID out again only once no process is left in the session it names, so then that
+    session has ended and whatever runs under this id is someone else's."""
+    if leader_start_ticks is None:
+        return False
+    leader = read_process(session)
+    return leader is not None and leader.start_ticks != leader_start_ticks
 
 
-def session_members(session: int) -> list[int]:
-    return sorted(info.pid for info in live_processes() if info.session == session)
+def session_members(session: int, leader_start_ticks: int | None = None) -> list[int]:
+    """Live processes of `session`; none when its leader's PID was reused (given the leader's recorded start)."""
+    if leader_pid_reused(session, leader_start_ticks):
+        return []
+    members = []
+    for pid in psutil.pids():
+        try:
+            if os.getsid(pid) == session and psutil.Process(pid).status() not in GONE:
+                members.append(pid)
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return sorted(members)
 
 
 def signal_all(pids: list[int], sig: int) -> None:
@@ -54,19 +74,26 @@ def signal_all(pids: list[int], sig: int) -> None:
 
 
 def stop_session(session: int, leader_start_ticks: int | None, grace_s: float = 10.0) -> list[int]:
-    """SIGTERM the leader (Ray's `--block` launcher cleans up its children), then everyone left in the
-    session, then SIGKILL after the grace period. Returns the PIDs that had to be killed."""
-    leader = read_process(session)
-    if leader is not None and leader_start_ticks is not None and leader.start_ticks != leader_start_ticks:
-        leader = None  # PID reused by an unrelated process: leave it alone
-    if leader is not None:
+    """SIGTERM the leader if it still runs (`ray start` usually exited once its daemons were up), then everyone
+    left in the session, then SIGKILL after the grace period. Returns the PIDs that had to be killed.
+
+    `leader_start_ticks`: the leader's `ProcessInfo.start_ticks` as recorded at launch (None: unknown, no
+    guard). When the leader's PID now belongs to a process started at another time, the session has ended
+    and nothing is signalled."""
+    if leader_pid_reused(session, leader_start_ticks):
+        return []
+    if read_process(session) is not None:
         signal_all([session], signal.SIGTERM)
         _wait_gone(lambda: read_process(session) is None, grace_s)
-    signal_all(session_members(session), signal.SIGTERM)
-    _wait_gone(lambda: not session_members(session), grace_s)
-    left = session_members(session)
+
+    def members() -> list[int]:
+        return session_members(session, leader_start_ticks)
+
+    signal_all(members(), signal.SIGTERM)
+    _wait_gone(lambda: not members(), grace_s)
+    left = members()
     signal_all(left, signal.SIGKILL)
-    _wait_gone(lambda: not session_members(session), 5)
+    _wait_gone(lambda: not members(), 5)
     return left
 
 
@@ -79,16 +106,18 @@ def _wait_gone(done, timeout_s: float) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m flagscale.cluster.processes stop <session>`: what `stop` runs on a remote host over SSH.
+    """`python -m flagscale.cluster.processes stop <session> [<leader_start_ticks>]`: what `stop` runs on a remote
+    host over SSH (the ticks, when the launch recorded them, guard against a reused leader PID).
     Prints one JSON line {"killed": [...], "left": [...]}; exit 0 when nothing of the session is left."""
     import json
 
-    if len(argv) != 2 or argv[0] != "stop" or not argv[1].isdigit():
-        print("usage: python -m flagscale.cluster.processes stop <session-id>", file=sys.stderr)
+    if len(argv) not in (2, 3) or argv[0] != "stop" or not all(a.isdigit() for a in argv[1:]):
+        print("usage: python -m flagscale.cluster.processes stop <session-id> [<leader-start-ticks>]", file=sys.stderr)
         return 2
     session = int(argv[1])
-    killed = stop_session(session, None)
-    left = session_members(session)
+    ticks = int(argv[2]) if len(argv) == 3 else None
+    killed = stop_session(session, ticks)
+    left = session_members(session, ticks)
     print(json.dumps({"killed": killed, "left": left}))
     return 0 if not left else 1
 

@@ -1,4 +1,7 @@
-"""Ray node lifecycle: start a head (or worker) as a new session, wait for it, connect a driver, stop it.
+"""Ray node lifecycle: start a Ray node (head, worker or driver) as a recorded session on a host, through that
+host's CommandRunner (cluster/runner.py: this machine or SSH), wait for it, connect a driver, stop exactly that
+session. No hostfile is a one-host cluster on the local runner; cluster/multihost.py starts every host through
+the same start_node.
 
 Token auth stays on: `run` writes a token file under exp_dir (mode 0600); every Ray process we start
 and every driver we connect gets RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH pointing at it.
@@ -11,24 +14,20 @@ import json
 import logging
 import os
 import secrets
-import socket
-import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
-from flagscale.cluster.processes import read_process, session_members, stop_session
+from flagscale.cluster import ssh
+from flagscale.cluster.ray_compat import RAY_CLI_MODULE, node_ip_init_kwargs, reload_ray_config
+from flagscale.cluster.runner import CommandRunner, CommandTimeout, LocalRunner, parallel, runner_for
 from flagscale.cluster.state import HostRecord, RunState
 from flagscale.errors import ClusterError
+from flagscale.net import free_port, port_open, wait_for_port
 
 log = logging.getLogger(__name__)
 RAY_NAMESPACE = "flagscale"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+_state_lock = threading.Lock()  # hosts start in parallel; each records its session in the one state file
 
 
 def write_token(path: Path) -> Path:
@@ -53,8 +52,12 @@ def ray_temp_dir(exp_dir: str) -> str:
     return f"/tmp/flagscale-ray-{hashlib.sha256(exp_dir.encode()).hexdigest()[:10]}"
 
 
-def ray_executable() -> str:
-    return str(Path(sys.executable).parent / "ray")
+def ray_cli() -> list[str]:
+    """The `ray` command as this interpreter runs it, wherever (or whether) the console script was installed.
+    Remote hosts run the same interpreter path: the hosts of a run share one install. `-P` (3.11+) keeps the
+    current directory off sys.path, as it is for the console script."""
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, *safe_path, "-m", RAY_CLI_MODULE]
 
 
 def with_before_start(argv: list[str], before_start: str | None) -> list[str]:
@@ -65,23 +68,37 @@ def with_before_start(argv: list[str], before_start: str | None) -> list[str]:
     return ["bash", "-c", f'set -e\n{before_start}\nexec "$@"', "flagscale-before-start", *argv]
 
 
-def head_argv(port: int, num_cpus: int, num_gpus: int | None, temp_dir: str, resources: dict | None = None) -> list[str]:
+def head_argv(
+    port: int, num_cpus: int, num_gpus: int | None, temp_dir: str, resources: dict | None = None
+) -> list[str]:
     argv = [
-        ray_executable(), "start", "--head",
-        "--port", str(port),
-        "--num-cpus", str(num_cpus),
-        "--temp-dir", temp_dir,
-        "--include-dashboard", "false",
+        *ray_cli(),
+        "start",
+        "--head",
+        "--port",
+        str(port),
+        "--num-cpus",
+        str(num_cpus),
+        "--temp-dir",
+        temp_dir,
+        "--include-dashboard",
+        "false",
         "--disable-usage-stats",
-        "--ray-client-server-port", str(free_port()),
+        "--ray-client-server-port",
+        str(free_port()),
         # What a static serving cluster does not use (~160 MB RSS less on the head):
         "--no-monitor",  # the autoscaler monitor
-        "--include-log-monitor", "false",  # drivers don't stream worker logs; they stay in the session dir
-        "--dashboard-port", str(free_port()),
-        "--dashboard-agent-listen-port", str(free_port()),
-        "--node-manager-port", "0",
-        "--object-manager-port", "0",
-    ]  # fmt: skip
+        "--include-log-monitor",
+        "false",  # drivers don't stream worker logs; they stay in the session dir
+        "--dashboard-port",
+        str(free_port()),
+        "--dashboard-agent-listen-port",
+        str(free_port()),
+        "--node-manager-port",
+        "0",
+        "--object-manager-port",
+        "0",
+    ]
     if num_gpus is not None:
         argv += ["--num-gpus", str(num_gpus)]
     if resources:
@@ -89,45 +106,79 @@ def head_argv(port: int, num_cpus: int, num_gpus: int | None, temp_dir: str, res
     return argv
 
 
-def start_local_head(
-    state: RunState, num_cpus: int, num_gpus: int | None, envs: dict[str, str], before_start: str | None,
-    log_path: Path, timeout_s: float = 90,
+def start_node(
+    state: RunState,
+    runner: CommandRunner,
+    role: str,
+    ray_argv: list[str],
+    env: dict[str, str],
+    log_path: str,
+    timeout_s: float,
+    before_start: str | None = None,
+    what: str = "`ray start`",
+    **record: object,
 ) -> HostRecord:
-    """Start a Ray head on this machine in a new session; record it in `state` before waiting on it."""
-    port = free_port()
-    temp_dir = ray_temp_dir(state.exp_dir)
-    argv = with_before_start(head_argv(port, num_cpus, num_gpus, temp_dir), before_start)
-    env = {**os.environ, **envs, **auth_env(state.token_path)}
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)  # fmt: skip
-    info = read_process(proc.pid)
-    record = HostRecord(host="localhost", role="head", session=proc.pid,
-                        leader_start_ticks=info.start_ticks if info else None, temp_dir=temp_dir)  # fmt: skip
-    state.hosts.append(record)
-    state.ray_address = f"127.0.0.1:{port}"
-    state.save()
+    """Start one Ray node (`role`: head, worker or driver) on the runner's host as a new session, after the user's
+    `before_start` in the same shell; record the session in `state` (saved) before waiting for `ray start` to
+    exit, so a failure from here on is torn down by session id. `record`: further HostRecord fields."""
+    argv = with_before_start(ray_argv, before_start)
+    log.info("%s: %s", runner.host, " ".join(argv))
+    session = runner.start_session(argv, env, log_path, timeout_s)
+    node = HostRecord(
+        host=runner.host,
+        role=role,
+        session=session.id,
+        leader_start_ticks=session.start_ticks,
+        remote=runner.remote,
+        **record,
+    )
+    with _state_lock:
+        state.hosts.append(node)
+        state.save()
     try:
-        code = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise ClusterError(f"`ray start --head` did not finish within {timeout_s:.0f}s; see {log_path}", "localhost") from None
-    if code != 0:
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-8:]
-        raise ClusterError("`ray start --head` failed:\n  " + "\n  ".join(tail), "localhost")
+        result = session.wait()
+    except CommandTimeout as exc:
+        raise ClusterError(f"{what} {exc.message}", runner.host) from None
+    if result.code != 0:
+        tail = "\n    ".join(result.stdout.splitlines())
+        raise ClusterError(f"{what} exited with {result.code}:\n    {tail}", runner.host)
+    return node
+
+
+def start_local_head(
+    state: RunState,
+    num_cpus: int,
+    num_gpus: int | None,
+    envs: dict[str, str],
+    before_start: str | None,
+    log_path: Path,
+    timeout_s: float = 90,
+    port: int | None = None,
+) -> HostRecord:
+    """No hostfile: a one-host cluster, the head on this machine through the local runner.
+    `port`: the GCS port (runner.ray_port), default a free one."""
+    port = port or free_port()
+    temp_dir = ray_temp_dir(state.exp_dir)
+    state.ray_address = f"127.0.0.1:{port}"
+    record = start_node(
+        state,
+        LocalRunner(),
+        "head",
+        head_argv(port, num_cpus, num_gpus, temp_dir),
+        {**envs, **auth_env(state.token_path)},
+        str(log_path),
+        timeout_s,
+        before_start,
+        "`ray start --head`",
+        temp_dir=temp_dir,
+    )
     _wait_for_port("127.0.0.1", port, timeout_s=30, what="Ray GCS")
     return record
 
 
 def _wait_for_port(host: str, port: int, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise ClusterError(f"{what} at {host}:{port} did not accept connections within {timeout_s:.0f}s", host)
+    if not wait_for_port(host, port, timeout_s):
+        raise ClusterError(f"{what} at {host}:{port} did not accept connections within {timeout_s:.0f}s", host)
 
 
 def connect(state: RunState) -> None:
@@ -139,15 +190,18 @@ def connect(state: RunState) -> None:
     env = auth_env(state.token_path)
     if env and os.environ.get("RAY_AUTH_TOKEN_PATH") != env["RAY_AUTH_TOKEN_PATH"]:
         os.environ.update(env)
-        # Ray reads RAY_AUTH_MODE into its config when imported; refresh it as Ray itself does.
-        from ray._raylet import Config
-
-        Config.initialize("")
+        reload_ray_config()  # Ray reads RAY_AUTH_MODE into its config when imported
     # Multi-host: attach to the run's Ray node on this machine, whose IP is on the route to the head.
-    node_ip = {"_node_ip_address": state.extra["driver_ip"]} if state.extra.get("driver_ip") else {}
+    node_ip = node_ip_init_kwargs(state.extra.get("driver_ip"))
     try:
-        ray.init(address=state.ray_address, namespace=RAY_NAMESPACE, log_to_driver=False,
-                 logging_level=logging.ERROR, configure_logging=True, **node_ip)  # fmt: skip
+        ray.init(
+            address=state.ray_address,
+            namespace=RAY_NAMESPACE,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+            configure_logging=True,
+            **node_ip,
+        )
     except Exception as exc:  # ray raises ConnectionError / RuntimeError / AuthenticationError
         raise ClusterError(f"cannot connect to Ray at {state.ray_address}: {exc}", state.ray_address) from None
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
@@ -156,21 +210,38 @@ def connect(state: RunState) -> None:
 def cluster_alive(state: RunState) -> bool:
     host, _, port = state.ray_address.rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=2):
-            return True
-    except (OSError, ValueError):
+        return port_open(host, int(port), timeout_s=2)
+    except ValueError:  # no address recorded yet
         return False
 
 
-def stop_local_nodes(state: RunState) -> list[str]:
-    """Stop every Ray node this run started on this machine. Returns a line per session that survived."""
-    problems = []
-    for record in state.hosts:
-        if record.session is None:
-            continue
-        killed = stop_session(record.session, None)
-        if killed:
-            log.info("%s: SIGKILLed %d process(es) after the grace period: %s", record.host, len(killed), killed)
-        if session_members(record.session):
-            problems.append(f"{record.host}: processes of session {record.session} are still alive")
-    return problems
+def stop_node(record: HostRecord, settings: ssh.SshSettings) -> str | None:
+    """Stop exactly the session `record` names, on its host, through that host's runner (and remove the auth token
+    copied there). Returns a line when something of it may be left (host unreachable, processes alive), else None."""
+    runner = runner_for(record.host, record.remote, settings)
+    try:
+        runner.open()
+    except ClusterError as exc:
+        return f"{record.host}: unreachable, skipped ({exc})"
+    try:
+        left = runner.stop_session(record.session, record.leader_start_ticks)
+        if record.remote and record.temp_dir:
+            runner.run(["rm", "-f", f"{record.temp_dir}/auth_token"], timeout_s=30)
+        if left:
+            return f"{record.host}: processes of session {record.session} are still alive: {left}"
+        return None
+    except Exception as exc:  # noqa: BLE001 - one host failing must not keep the others running
+        return f"{record.host}: stopping failed: {exc}"
+    finally:
+        runner.close()
+
+
+def stop_nodes(state: RunState) -> list[str]:
+    """Stop every Ray node this run started, on every host, all in parallel. Returns one line per host not cleanly
+    stopped."""
+    settings = ssh.SshSettings(**state.extra.get("ssh", {}))
+    records = [r for r in state.hosts if r.session is not None]
+    results = parallel(records, lambda r: stop_node(r, settings))
+    return [
+        f"{r.host}: stopping failed: {v}" if isinstance(v, BaseException) else v for r, v in zip(records, results) if v
+    ]

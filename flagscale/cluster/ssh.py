@@ -2,6 +2,11 @@
 
 Commands cross as one string only at the last step, built with shlex.join from an argv list, so
 no value (env var, path, user snippet) is ever re-parsed by the remote shell.
+
+A host is looked up in the ssh config file (`~/.ssh/config` unless runner.ssh_config says otherwise) as
+OpenSSH would: Host aliases (HostName), User, Port, IdentityFile, IdentitiesOnly and ProxyJump (the next hop
+reached through a direct-tcpip channel of the previous one). Explicit runner.ssh_user / ssh_port / ssh_key win
+over the file.
 """
 
 from __future__ import annotations
@@ -9,9 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import socket
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import paramiko
@@ -20,22 +24,30 @@ from flagscale.errors import ClusterError
 
 _known_hosts_lock = threading.Lock()
 logging.getLogger("paramiko").setLevel(logging.WARNING)  # its INFO lines are per-connection noise
+DEFAULT_PORT = 22
 
 
 @dataclass(frozen=True)
 class SshSettings:
-    port: int = 22
-    user: str | None = None
-    key: str | None = None
+    port: int | None = None  # None: the host's Port in the ssh config file, else 22
+    user: str | None = None  # None: the ssh config file's User, else the current user
+    key: str | None = None  # None: the ssh config file's IdentityFile, else the agent's and ~/.ssh's keys
     timeout_s: float = 10.0
     accept_new_host_keys: bool = False
     known_hosts: str | None = None  # default ~/.ssh/known_hosts
+    config: str | None = None  # ssh config file; default ~/.ssh/config (a missing file is no config)
 
     @classmethod
-    def from_runner(cls, runner) -> "SshSettings":
-        return cls(port=runner.ssh_port, user=runner.ssh_user, key=runner.ssh_key, timeout_s=runner.ssh_timeout_s,
-                   accept_new_host_keys=runner.ssh_accept_new_host_keys,
-                   known_hosts=getattr(runner, "ssh_known_hosts", None))  # fmt: skip
+    def from_runner(cls, runner) -> SshSettings:
+        return cls(
+            port=runner.ssh_port,
+            user=runner.ssh_user,
+            key=runner.ssh_key,
+            timeout_s=runner.ssh_timeout_s,
+            accept_new_host_keys=runner.ssh_accept_new_host_keys,
+            known_hosts=getattr(runner, "ssh_known_hosts", None),
+            config=getattr(runner, "ssh_config", None),
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -43,6 +55,95 @@ class SshSettings:
     @property
     def known_hosts_path(self) -> Path:
         return Path(os.path.expanduser(self.known_hosts or "~/.ssh/known_hosts"))
+
+    @property
+    def config_path(self) -> Path:
+        return Path(os.path.expanduser(self.config or "~/.ssh/config"))
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where `host` (as the hostfile names it) is reached, after the ssh config file and the explicit settings."""
+
+    host: str
+    hostname: str
+    port: int
+    user: str | None
+    keys: list[str] = field(default_factory=list)
+    explicit_key: bool = False
+    identities_only: bool = False
+    proxy_jump: list[str] = field(default_factory=list)  # hops, first one first ([user@]host[:port])
+
+
+def _lookup(host: str, settings: SshSettings) -> dict:
+    path = settings.config_path
+    if not path.is_file():
+        return {}
+    try:
+        return dict(paramiko.SSHConfig.from_path(str(path)).lookup(host))
+    except Exception as exc:  # noqa: BLE001 - a config paramiko cannot read must name the file
+        raise ClusterError(f"cannot read ssh config {path} for {host}: {exc}", host) from None
+
+
+def resolve(host: str, settings: SshSettings) -> Target:
+    """The ssh config file's answer for `host`, explicit settings winning (OpenSSH's -p/-l/-i over the file)."""
+    found = _lookup(host, settings)
+    port = settings.port if settings.port is not None else int(found.get("port", DEFAULT_PORT))
+    if settings.key:
+        keys, explicit = [os.path.expanduser(settings.key)], True
+    else:
+        keys = [k for k in map(os.path.expanduser, found.get("identityfile", [])) if os.path.isfile(k)]
+        explicit = False
+    jump = found.get("proxyjump", "")
+    hops = [] if not jump or jump.lower() == "none" else [h.strip() for h in jump.split(",") if h.strip()]
+    return Target(
+        host=host,
+        hostname=found.get("hostname", host),
+        port=port,
+        user=settings.user or found.get("user"),
+        keys=keys,
+        explicit_key=explicit,
+        identities_only=found.get("identitiesonly", "no").lower() == "yes",
+        proxy_jump=hops,
+    )
+
+
+def _hop_target(spec: str, settings: SshSettings) -> Target:
+    """A ProxyJump hop `[user@]host[:port]` (or ssh://...): its own ssh config entry, the spec's user/port on top."""
+    spec = spec.removeprefix("ssh://")
+    user, _, rest = spec.rpartition("@")
+    name, port = rest, None
+    if rest.startswith("["):  # [v6]:port
+        name, _, tail = rest[1:].partition("]")
+        port = tail.removeprefix(":") or None
+    elif rest.count(":") == 1:
+        name, port = rest.split(":")
+    own = SshSettings(
+        timeout_s=settings.timeout_s,
+        accept_new_host_keys=settings.accept_new_host_keys,
+        known_hosts=settings.known_hosts,
+        config=settings.config,
+    )
+    hop = resolve(name, own)
+    return Target(
+        host=name,
+        hostname=hop.hostname,
+        port=int(port) if port else hop.port,
+        user=user or hop.user,
+        keys=hop.keys,
+        identities_only=hop.identities_only,
+    )
+
+
+class Client(paramiko.SSHClient):
+    """An SSH client that also closes the ProxyJump hops it was reached through."""
+
+    jumps: list[paramiko.SSHClient]
+
+    def close(self) -> None:
+        super().close()
+        for hop in reversed(getattr(self, "jumps", [])):
+            hop.close()
 
 
 @dataclass
@@ -69,8 +170,41 @@ class _SaveNewKeyPolicy(paramiko.MissingHostKeyPolicy):
 
 
 def connect(host: str, settings: SshSettings) -> paramiko.SSHClient:
-    """An open SSH session to `host`, or a ClusterError naming the host and why."""
-    client = paramiko.SSHClient()
+    """An open SSH session to `host` (through its ProxyJump hops, if any), or a ClusterError naming the host and why."""
+    target = resolve(host, settings)
+    hops = [_hop_target(spec, settings) for spec in target.proxy_jump]
+    jumps: list[paramiko.SSHClient] = []
+    sock = None
+    try:
+        for i, hop in enumerate(hops):
+            jumps.append(_connect_one(hop, settings, sock, via=host))
+            nxt = hops[i + 1] if i + 1 < len(hops) else target
+            try:
+                sock = (
+                    jumps[-1]
+                    .get_transport()
+                    .open_channel(
+                        "direct-tcpip", (nxt.hostname, nxt.port), ("127.0.0.1", 0), timeout=settings.timeout_s
+                    )
+                )
+            except (paramiko.SSHException, OSError) as exc:
+                raise ClusterError(
+                    f"SSH jump host {hop.host} cannot reach {nxt.hostname}:{nxt.port}: {exc}", host
+                ) from None
+        client = _connect_one(target, settings, sock)
+    except BaseException:
+        for hop in reversed(jumps):
+            hop.close()
+        raise
+    client.jumps = jumps
+    return client
+
+
+def _connect_one(target: Target, settings: SshSettings, sock=None, via: str | None = None) -> Client:
+    host = target.host
+    named = host if via is None else via  # errors name the hostfile's host
+    hop = "" if via is None else f" (jump host {host})"
+    client = Client()
     known = settings.known_hosts_path
     if known.exists():
         client.load_host_keys(str(known))
@@ -78,25 +212,36 @@ def connect(host: str, settings: SshSettings) -> paramiko.SSHClient:
         client.set_missing_host_key_policy(_SaveNewKeyPolicy(known))
     else:
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
-    key = os.path.expanduser(settings.key) if settings.key else None
+    agent = not target.explicit_key and not target.identities_only
     try:
         client.connect(
-            host, port=settings.port, username=settings.user, key_filename=key,
-            look_for_keys=key is None, allow_agent=key is None,
-            timeout=settings.timeout_s, banner_timeout=settings.timeout_s, auth_timeout=settings.timeout_s,
-        )  # fmt: skip
+            target.hostname,
+            port=target.port,
+            username=target.user,
+            key_filename=target.keys or None,
+            look_for_keys=not target.keys,
+            allow_agent=agent,
+            sock=sock,
+            timeout=settings.timeout_s,
+            banner_timeout=settings.timeout_s,
+            auth_timeout=settings.timeout_s,
+        )
     except paramiko.BadHostKeyException:
-        raise ClusterError(f"host key of {host} does not match {known}: possible impostor, refusing", host) from None
+        raise ClusterError(
+            f"host key of {host}{hop} does not match {known}: possible impostor, refusing", named
+        ) from None
     except paramiko.SSHException as exc:
         if "not found in known_hosts" in str(exc):
             raise ClusterError(
-                f"{host} is not in {known}; add its key (ssh-keyscan) or set "
-                "experiment.runner.ssh_accept_new_host_keys=true", host) from None  # fmt: skip
-        raise ClusterError(f"SSH to {host}:{settings.port} failed: {exc}", host) from None
-    except (socket.timeout, TimeoutError):
-        raise ClusterError(f"SSH to {host}:{settings.port} timed out after {settings.timeout_s:g}s", host) from None
+                f"{host}{hop} is not in {known}; add its key (ssh-keyscan) or set "
+                "experiment.runner.ssh_accept_new_host_keys=true",
+                named,
+            ) from None
+        raise ClusterError(f"SSH to {host}:{target.port}{hop} failed: {exc}", named) from None
+    except TimeoutError:
+        raise ClusterError(f"SSH to {host}:{target.port}{hop} timed out after {settings.timeout_s:g}s", named) from None
     except OSError as exc:
-        raise ClusterError(f"SSH to {host}:{settings.port} failed: {exc.strerror or exc}", host) from None
+        raise ClusterError(f"SSH to {host}:{target.port}{hop} failed: {exc.strerror or exc}", named) from None
     return client
 
 
@@ -106,14 +251,23 @@ def remote_command(argv: list[str], env: dict[str, str] | None = None) -> str:
     return shlex.join([*prefix, *argv])
 
 
-def run(client: paramiko.SSHClient, argv: list[str], env: dict[str, str] | None = None,
-        timeout_s: float | None = None) -> Result:  # fmt: skip
+def start(
+    client: paramiko.SSHClient, argv: list[str], env: dict[str, str] | None = None, timeout_s: float | None = None
+):
+    """Start argv on the host; (stdout, stderr) channel files to read as it runs (reads time out after timeout_s)."""
     _, stdout, stderr = client.exec_command(remote_command(argv, env), timeout=timeout_s)
     stdout.channel.shutdown_write()
+    return stdout, stderr
+
+
+def run(
+    client: paramiko.SSHClient, argv: list[str], env: dict[str, str] | None = None, timeout_s: float | None = None
+) -> Result:
+    stdout, stderr = start(client, argv, env, timeout_s)
     try:
         out = stdout.read().decode(errors="replace")
         err = stderr.read().decode(errors="replace")
-    except socket.timeout:
+    except TimeoutError:
         raise ClusterError(f"remote command did not finish within {timeout_s:g}s: {argv[0]}") from None
     return Result(stdout.channel.recv_exit_status(), out, err)
 

@@ -10,6 +10,11 @@ from pathlib import Path
 from typing import Any
 
 
+def resolve_exp_dir(exp_dir: str | os.PathLike) -> str:
+    """The one spelling of a run's exp_dir (state file, logs, token): absolute, `~` expanded, links resolved."""
+    return str(Path(exp_dir).expanduser().resolve())
+
+
 @dataclass
 class HostRecord:
     """One host's Ray node as we started it: the session that owns all its processes."""
@@ -17,7 +22,9 @@ class HostRecord:
     host: str
     role: str  # "head" or "worker"
     session: int | None = None
-    leader_start_ticks: int | None = None
+    leader_start_ticks: int | None = (
+        None  # the leader's ProcessInfo.start_ticks: stop skips a session whose PID was reused
+    )
     temp_dir: str | None = None
     node_id: str | None = None
     remote: bool = False  # reached over SSH (multi-host); False: this machine
@@ -33,7 +40,6 @@ class RunState:
     endpoint: str
     ray_address: str
     token_path: str | None
-    started_cluster: bool
     hosts: list[HostRecord] = field(default_factory=list)
     models: list[str] = field(default_factory=list)
     phase: str = "starting"  # starting -> running
@@ -53,11 +59,12 @@ class RunState:
         os.replace(f.name, target)
 
     @classmethod
-    def load(cls, exp_dir: str | Path) -> "RunState | None":
+    def load(cls, exp_dir: str | Path) -> RunState | None:
         target = cls.path(exp_dir)
         if not target.exists():
             return None
         data = json.loads(target.read_text())
+        data.pop("started_cluster", None)  # written by earlier versions: every run starts its own cluster
         data["hosts"] = [HostRecord(**h) for h in data.get("hosts", [])]
         return cls(**data)
 

@@ -30,12 +30,57 @@ from flagscale.errors import ConfigError
 MANAGED_ARGS = ("host", "port")
 
 
+# Where vLLM keeps what we import, newest location first; each was read in the released wheels.
+# `make_arg_parser` (the `vllm serve` parser): 0.33 in common/, 0.29 - 0.32 in launchers/, 0.26 - 0.28 in openai/.
+SERVE_PARSER_MODULES = (
+    "vllm.entrypoints.common.cli_args",
+    "vllm.entrypoints.launchers.cli_args",
+    "vllm.entrypoints.openai.cli_args",
+)
+# `FlexibleArgumentParser`: vllm.utils.argparse_utils in 0.26 - 0.33; vllm.utils itself in older releases.
+ARGPARSE_MODULES = ("vllm.utils.argparse_utils", "vllm.utils")
+# `vllm bench serve`'s `add_cli_args` and `main`: vllm.benchmarks.serve in 0.26 - 0.33 (used by action=bench).
+BENCH_MODULES = ("vllm.benchmarks.serve",)
+
+
+def _import_module(name: str):  # one seam, so tests can stand in for vLLM's module layout
+    return importlib.import_module(name)
+
+
+def vllm_attr(modules: tuple[str, ...], name: str) -> Any:
+    """`name` from the first of `modules` that has it, or a ConfigError naming the installed vLLM and every
+    place tried. Only a missing candidate module moves on to the next; any other import failure is reported."""
+    tried = []
+    for module_name in modules:
+        try:
+            module = _import_module(module_name)
+        except ModuleNotFoundError as exc:
+            missing = exc.name or ""
+            if module_name == missing or module_name.startswith(missing + "."):
+                tried.append(f"{module_name}.{name}")
+                continue
+            raise ConfigError(f"importing {module_name} from {vllm_version()} failed: {exc}", "vLLM") from None
+        except ImportError as exc:
+            raise ConfigError(f"importing {module_name} from {vllm_version()} failed: {exc}", "vLLM") from None
+        if hasattr(module, name):
+            return getattr(module, name)
+        tried.append(f"{module_name}.{name}")
+    raise ConfigError(
+        f"cannot find {name} in the installed {vllm_version()} (tried {', '.join(tried)}); "
+        "the known locations cover vLLM 0.26 - 0.33",
+        "vLLM",
+    )
+
+
+def flexible_argument_parser() -> type[argparse.ArgumentParser]:
+    """vLLM's FlexibleArgumentParser class, wherever the installed release keeps it."""
+    return vllm_attr(ARGPARSE_MODULES, "FlexibleArgumentParser")
+
+
 @functools.lru_cache(maxsize=1)
 def vllm_serve_parser() -> argparse.ArgumentParser:
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    make_arg_parser = vllm_attr(SERVE_PARSER_MODULES, "make_arg_parser")
+    return make_arg_parser(flexible_argument_parser()(prog="vllm serve"))
 
 
 def vllm_version() -> str:

@@ -17,20 +17,19 @@ import inspect
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from flagscale.config.load import ConfigSources
 from flagscale.config.replicas import ReplicaSettings, replica_settings
+from flagscale.config.request import RequestField, parse_fields
 from flagscale.config.schema import NodeConfig, ServeConfig
 from flagscale.errors import ConfigError
 
 DEFAULT_ROUTE = "/generate"
 GRAPH_DRIVER_DEPLOYMENT = "graph"  # the deployment that runs the DAG
-REQUEST_TYPES: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool, "list": list, "dict": dict}
 RESERVED_ROUTES = ("/v1", "/health")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CustomNodePlan(ReplicaSettings):
     serve_id: str
     module_path: str  # absolute
@@ -42,11 +41,14 @@ class CustomNodePlan(ReplicaSettings):
 @dataclass
 class GraphPlan:
     route: str
-    request_args: list[str] | None  # None: the roots get the JSON body's fields as they come
-    request_types: list[str] | None
+    request_fields: list[RequestField] | None  # None: the roots get the JSON body's fields as they come
     nodes: list[CustomNodePlan]  # in topological order
     sink: str
     engine_models: dict[str, str] = field(default_factory=dict)  # engine serve_id -> model name to request
+
+    @property
+    def request_args(self) -> list[str] | None:
+        return None if self.request_fields is None else [f.name for f in self.request_fields]
 
     def node(self, serve_id: str) -> CustomNodePlan:
         return next(n for n in self.nodes if n.serve_id == serve_id)
@@ -157,12 +159,22 @@ def check_forward_arity(cls: type, node: NodeConfig, request_args: list[str] | N
         return
     by_keyword = {p.name for p in params if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
     unaccepted = [a for a in request_args if a not in by_keyword] if not has_varkw else []
-    missing = [p.name for p in params if p.default is p.empty and p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)
-               and p.name not in request_args]  # fmt: skip
+    missing = [
+        p.name
+        for p in params
+        if p.default is p.empty
+        and p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)
+        and p.name not in request_args
+    ]
     if unaccepted or missing:
-        problem = f"does not accept request field(s) {unaccepted}" if unaccepted else f"needs {missing}, not request fields"
-        raise ConfigError(f"{signature} {problem}; a node without depends gets the request fields "
-                          f"{request_args} as keyword arguments", where)  # fmt: skip
+        problem = (
+            f"does not accept request field(s) {unaccepted}" if unaccepted else f"needs {missing}, not request fields"
+        )
+        raise ConfigError(
+            f"{signature} {problem}; a node without depends gets the request fields "
+            f"{request_args} as keyword arguments",
+            where,
+        )
 
 
 def engine_parameters(cls: type, engines: dict[str, str], where: str) -> dict[str, str]:
@@ -177,39 +189,21 @@ def engine_parameters(cls: type, engines: dict[str, str], where: str) -> dict[st
             injected[param.name] = by_param[param.name]
         elif param.default is param.empty:
             known = ", ".join(by_param) or "none in this graph"
-            raise ConfigError(f"constructor parameter '{param.name}' of {cls.__name__} has no default and names no "
-                              f"engine node (engine clients: {known})", where)  # fmt: skip
+            raise ConfigError(
+                f"constructor parameter '{param.name}' of {cls.__name__} has no default and names no "
+                f"engine node (engine clients: {known})",
+                where,
+            )
     return injected
-
-
-def _request_fields(request: dict[str, Any] | None, where: str) -> tuple[list[str] | None, list[str] | None]:
-    if request is None:
-        return None, None
-    unknown = set(request) - {"args", "types"}
-    if unknown:
-        raise ConfigError(f"unknown key(s) {sorted(unknown)} in request; it has `args` and `types`", where)
-    args, types = request.get("args"), request.get("types")
-    if not isinstance(args, list) or not all(isinstance(a, str) and a for a in args):
-        raise ConfigError(f"request.args must be a list of field names, got {args!r}", where)
-    if len(set(args)) != len(args):
-        raise ConfigError(f"request.args has duplicates: {args}", where)
-    if types is None:
-        return args, None
-    if not isinstance(types, list) or len(types) != len(args):
-        raise ConfigError(f"request.types {types!r} does not match request.args {args}: one type per field", where)
-    for arg, name in zip(args, types):
-        if name not in REQUEST_TYPES:
-            raise ConfigError(f"unsupported type {name!r} for request field '{arg}'; "
-                              f"supported: {', '.join(REQUEST_TYPES)}", where)  # fmt: skip
-    return args, types
 
 
 def _route(name: str | None, where: str) -> str:
     route = name or DEFAULT_ROUTE
     route = route if route.startswith("/") else "/" + route
     if route == "/" or any(route == r or route.startswith(r + "/") for r in RESERVED_ROUTES):
-        raise ConfigError(f"route {route!r} collides with the OpenAI routes (/v1/..., /health); pick e.g. /generate",
-                          where)  # fmt: skip
+        raise ConfigError(
+            f"route {route!r} collides with the OpenAI routes (/v1/..., /health); pick e.g. /generate", where
+        )
     return route
 
 
@@ -227,15 +221,21 @@ def build_graph_plan(config: ServeConfig, sources: ConfigSources, engine_models:
     reserved = {"router", GRAPH_DRIVER_DEPLOYMENT} if custom else {"router"}  # the app's own deployments
     for node in config.serve:
         if node.serve_id in reserved:
-            raise ConfigError(f"serve_id '{node.serve_id}' is reserved for the application's own deployment; "
-                              "rename the node", where(node))  # fmt: skip
+            raise ConfigError(
+                f"serve_id '{node.serve_id}' is reserved for the application's own deployment; rename the node",
+                where(node),
+            )
     if not custom:
         if deploy.name is not None or deploy.request is not None:
-            raise ConfigError("no sink: deploy.name/request describe a graph entry, but the graph has no custom node "
-                              "(module + name) to answer it", deploy_where)  # fmt: skip
+            raise ConfigError(
+                "no sink: deploy.name/request describe a graph entry, but the graph has no custom node "
+                "(module + name) to answer it",
+                deploy_where,
+            )
         return None
     route = _route(deploy.name, f"{deploy_where}.name")
-    request_args, request_types = _request_fields(deploy.request, f"{deploy_where}.request")
+    request_fields = parse_fields(deploy.request, f"{deploy_where}.request")
+    request_args = None if request_fields is None else [f.name for f in request_fields]
 
     depends: dict[str, list[str]] = {}
     for node in custom:
@@ -243,10 +243,13 @@ def build_graph_plan(config: ServeConfig, sources: ConfigSources, engine_models:
             if dep in engine_models:
                 raise ConfigError(
                     f"depends on engine node '{dep}': engine nodes are not graph steps; call it from the node through "
-                    f"the client injected into its constructor parameter '{dep.replace('-', '_')}'", where(node))  # fmt: skip
+                    f"the client injected into its constructor parameter '{dep.replace('-', '_')}'",
+                    where(node),
+                )
             if dep not in index_of:
-                raise ConfigError(f"unknown dependency '{dep}' (custom nodes: {', '.join(n.serve_id for n in custom)})",
-                                  where(node))  # fmt: skip
+                raise ConfigError(
+                    f"unknown dependency '{dep}' (custom nodes: {', '.join(n.serve_id for n in custom)})", where(node)
+                )
         if len(set(node.depends)) != len(node.depends):
             raise ConfigError(f"depends lists a node twice: {node.depends}", where(node))
         depends[node.serve_id] = list(node.depends)
@@ -256,8 +259,11 @@ def build_graph_plan(config: ServeConfig, sources: ConfigSources, engine_models:
     depended_on = {dep for deps in depends.values() for dep in deps}
     sinks = [serve_id for serve_id in depends if serve_id not in depended_on]
     if len(sinks) != 1:
-        raise ConfigError(f"the graph needs exactly one sink (a node nothing depends on) to answer the request; "
-                          f"found {len(sinks)}: {', '.join(sinks)}", serve_file)  # fmt: skip
+        raise ConfigError(
+            f"the graph needs exactly one sink (a node nothing depends on) to answer the request; "
+            f"found {len(sinks)}: {', '.join(sinks)}",
+            serve_file,
+        )
 
     plans: dict[str, CustomNodePlan] = {}
     for node in custom:
@@ -275,34 +281,17 @@ def build_graph_plan(config: ServeConfig, sources: ConfigSources, engine_models:
         check_forward_arity(cls, node, request_args, node_where)
         engine_params = engine_parameters(cls, engine_models, node_where)
         plans[node.serve_id] = CustomNodePlan(
-            serve_id=node.serve_id, module_path=str(path), class_name=node.name, depends=list(node.depends),
-            engine_params=engine_params, **vars(replica_settings(node.resources)),
-        )  # fmt: skip
+            serve_id=node.serve_id,
+            module_path=str(path),
+            class_name=node.name,
+            depends=list(node.depends),
+            engine_params=engine_params,
+            **vars(replica_settings(node.resources)),
+        )
     return GraphPlan(
         route=route,
-        request_args=request_args,
-        request_types=request_types,
+        request_fields=request_fields,
         nodes=[plans[serve_id] for serve_id in topological_order(depends)],
         sink=sinks[0],
         engine_models=dict(engine_models),
     )
-
-
-def check_request(graph: GraphPlan, payload: Any) -> str | None:
-    """Why a request body does not fit the graph's request fields, or None."""
-    if not isinstance(payload, dict):
-        return "the request body must be a JSON object"
-    if graph.request_args is None:
-        return None
-    missing = [a for a in graph.request_args if a not in payload]
-    extra = [k for k in payload if k not in graph.request_args]
-    if missing or extra:
-        return f"request fields must be {graph.request_args}; missing {missing}, unexpected {extra}"
-    for arg, type_name in zip(graph.request_args, graph.request_types or []):
-        value, expected = payload[arg], REQUEST_TYPES[type_name]
-        ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-        if not ok:
-            return f"request field '{arg}' must be {type_name}, got {type(value).__name__}"
-    return None

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
+from flagscale.config import compat
 from flagscale.config.schema import ServeConfig
 from flagscale.errors import ConfigError
 
@@ -38,9 +39,7 @@ def hydra_sources() -> ConfigSources:
         hc = HydraConfig.get()
     except Exception:
         return ConfigSources()
-    config_dir = next(
-        (s.path for s in hc.runtime.config_sources if s.provider == "main" and s.schema == "file"), None
-    )
+    config_dir = next((s.path for s in hc.runtime.config_sources if s.provider == "main" and s.schema == "file"), None)
     name = hc.job.config_name or "config"
     main = str(Path(config_dir) / f"{name}.yaml") if config_dir else f"{name}.yaml"
     choice = hc.runtime.choices.get("serve")
@@ -67,25 +66,6 @@ def to_container(cfg: DictConfig | dict, sources: ConfigSources = ConfigSources(
     return data
 
 
-def apply_legacy_spellings(data: dict[str, Any]) -> list[str]:
-    """Rewrite FlagScale's older layouts in place; return one note per rewrite."""
-    notes = []
-    experiment = data.get("experiment")
-    if isinstance(experiment, dict) and "deploy" in experiment:
-        runner = experiment.setdefault("runner", {}) or {}
-        experiment["runner"] = runner
-        if "deploy" in runner:
-            raise ConfigError("both experiment.deploy (old) and experiment.runner.deploy are set; keep one", "experiment")
-        runner["deploy"] = experiment.pop("deploy")
-        notes.append("experiment.deploy is the old spelling of experiment.runner.deploy")
-    for node in data.get("serve") or []:
-        if isinstance(node, dict) and isinstance(node.get("engine_args"), dict):
-            args = node["engine_args"]
-            for key in [k for k in args if isinstance(k, str) and "-" in k]:
-                args[key.replace("-", "_")] = args.pop(key)
-    return notes
-
-
 def load_config(cfg: DictConfig | dict, sources: ConfigSources = ConfigSources()) -> ServeConfig:
     """Build and validate the typed config. Raises ConfigError naming file and key."""
     data = to_container(cfg, sources)
@@ -95,11 +75,13 @@ def load_config(cfg: DictConfig | dict, sources: ConfigSources = ConfigSources()
         raise ConfigError(
             "`serve` must be a list of nodes (- serve_id: ...); got a mapping", sources.serve or sources.main
         )
-    apply_legacy_spellings(data)
+    notices = compat.normalize(data, sources.main, sources.serve or sources.main)
     try:
-        return ServeConfig.model_validate(data)
+        config = ServeConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(*_describe(exc.errors()[0], data, sources)) from None
+    config.notices.extend(notices + compat.ignored(config))
+    return config
 
 
 def _describe(error: dict[str, Any], data: dict[str, Any], sources: ConfigSources) -> tuple[str, str]:

@@ -9,13 +9,14 @@ from typing import Any
 from flagscale.config.schema import Resources
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReplicaSettings:
     """Base of every planned node (EnginePlan, CustomNodePlan)."""
 
     num_replicas: int | None  # None when autoscaling
     autoscaling: dict[str, Any] | None
     ray_actor_options: dict[str, Any]
+    max_ongoing_requests: int | None  # None: the deployment's own default
 
     @property
     def initial_replicas(self) -> int:
@@ -24,11 +25,15 @@ class ReplicaSettings:
         assert self.autoscaling is not None
         return max(1, self.autoscaling.get("min_replicas", 1))
 
-    def serve_scaling(self) -> dict[str, Any]:
-        """The replica keyword of `serve.deployment`."""
-        if self.autoscaling:
-            return {"autoscaling_config": self.autoscaling}
-        return {"num_replicas": self.num_replicas or 1}
+    def serve_scaling(self, default_max_ongoing: int | None = None) -> dict[str, Any]:
+        """The replica keywords of `serve.deployment`: count or autoscaling, and requests per replica."""
+        scaling: dict[str, Any] = (
+            {"autoscaling_config": self.autoscaling} if self.autoscaling else {"num_replicas": self.num_replicas or 1}
+        )
+        max_ongoing = self.max_ongoing_requests or default_max_ongoing
+        if max_ongoing:
+            scaling["max_ongoing_requests"] = max_ongoing
+        return scaling
 
     def describe_replicas(self) -> str:
         if self.num_replicas is not None:
@@ -40,8 +45,11 @@ class ReplicaSettings:
         )
 
 
-def replica_settings(res: Resources, default_cpus: float = 1, default_gpus: float = 0) -> ReplicaSettings:
-    """`default_*` apply where `resources` leaves num_cpus / num_gpus unset."""
+AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s")
+
+
+def actor_options(res: Resources, default_cpus: float = 1, default_gpus: float = 0) -> dict[str, Any]:
+    """Ray actor options of one replica; `default_*` apply where `resources` leaves num_cpus / num_gpus unset."""
     options: dict[str, Any] = {"num_cpus": res.num_cpus if res.num_cpus is not None else default_cpus}
     gpus = res.num_gpus if res.num_gpus is not None else default_gpus
     if gpus:
@@ -50,12 +58,18 @@ def replica_settings(res: Resources, default_cpus: float = 1, default_gpus: floa
         options["memory"] = res.memory
     if res.accelerator:
         options["resources"] = {f"accelerator_type:{res.accelerator}": 0.001}
+    return options
+
+
+def replica_settings(
+    res: Resources, ray_actor_options: dict[str, Any] | None = None, auto_replicas: int | None = None
+) -> ReplicaSettings:
+    """Replica count or autoscaling from `resources`. `ray_actor_options`: what placement decided (engine nodes),
+    default `actor_options(res)`; `auto_replicas`: what `num_replicas: auto` comes to on the target."""
+    options = ray_actor_options if ray_actor_options is not None else actor_options(res)
     if not res.autoscaling:
-        return ReplicaSettings(res.num_replicas or 1, None, options)
-    autoscaling = {
-        key: value
-        for key, value in (("min_replicas", res.min_replicas), ("max_replicas", res.max_replicas),
-                           ("target_ongoing_requests", res.target_ongoing_requests))
-        if value is not None
-    }  # fmt: skip
-    return ReplicaSettings(None, autoscaling, options)
+        count = auto_replicas if res.num_replicas == "auto" else res.num_replicas
+        assert count != "auto", "num_replicas: auto needs the caller's device count"
+        return ReplicaSettings(count or 1, None, options, res.max_ongoing_requests)
+    autoscaling = {key: getattr(res, key) for key in AUTOSCALING_KEYS if getattr(res, key) is not None}
+    return ReplicaSettings(None, autoscaling, options, res.max_ongoing_requests)

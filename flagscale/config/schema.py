@@ -4,13 +4,26 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, PrivateAttr, field_validator, model_validator
 
-ACTIONS = ("run", "stop", "status", "dryrun", "bench")
+ACTIONS = ("run", "stop", "status", "dryrun", "bench", "test", "auto_tune")
+ENGINES = ("vllm", "sglang")
+SUPPORTED_ENGINES = ("vllm",)
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def launcher_key(default: Any, why: str, **kwargs: Any) -> Any:
+    """A FlagScale key that configures FlagScale's own launcher and has no meaning here: typed (a wrong value is
+    still an error), accepted, and listed by `run`/`dryrun` with `why` (flagscale/config/compat.py)."""
+    return Field(
+        default,
+        description=f"FlagScale key, accepted and ignored: {why}.",
+        json_schema_extra={"ignored_because": why},
+        **kwargs,
+    )
 
 
 class DeployConfig(Strict):
@@ -31,65 +44,163 @@ class DeployConfig(Strict):
         "cores and its API server and the router keep to the others (flagscale/serve/cpu_layout.py); off: leave "
         "CPU placement to the OS.",
     )
-    use_fs_serve: bool | None = Field(None, description="FlagScale key, accepted and ignored.")
+    use_fs_serve: bool | None = launcher_key(
+        None,
+        "FlagScale's choice between its own server and Ray Serve; this project always serves through Ray Serve "
+        "with its own router (FlagScale's slides spell it use_fs_server)",
+    )
+    enable_composition: bool | None = launcher_key(
+        None, "a config with custom nodes is a graph here, composed without this switch"
+    )
     # Graph entry (deployment graphs): route and request fields.
     name: str | None = Field(None, description="HTTP route of a graph's entry, e.g. /generate.")
-    request: dict[str, Any] | None = Field(None, description="Graph request fields: {args: [...], types: [...]}.")
+    request: dict[str, Any] | list[dict[str, Any]] | None = Field(
+        None,
+        description="Graph request fields: a list of {arg, type, required?, default?}, or the older "
+        "{args: [...], types: [...]}. Types: str int float bool list dict tuple set Any Optional[..] Union[..].",
+    )
+    # Prefill/decode disaggregation (FlagScale's keys; parsed and checked, not served yet).
+    prefill_decode_disaggregation: bool = Field(False, description="Serve prefill and decode on separate engines.")
+    prefill_num: int = Field(1, ge=1, description="Prefill replicas (with prefill_decode_disaggregation).")
+    decode_num: int = Field(1, ge=1, description="Decode replicas (with prefill_decode_disaggregation).")
+    prefill_address: str = Field("auto", min_length=1, description="Host the prefill pool is pinned to, or auto.")
+    decode_address: str = Field("auto", min_length=1, description="Host the decode pool is pinned to, or auto.")
+    prefill_decode_strategy: Literal["slo", "random", "robin"] = Field(
+        "slo", description="How a request's prefill and decode replicas are picked."
+    )
+    decode_gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="gpu_memory_utilization of the decode engines."
+    )
 
 
 class RunnerConfig(Strict):
     hostfile: str | None = Field(None, description="FlagScale hostfile; null serves on this machine.")
     head: str | None = Field(None, description="Host of the hostfile that runs the Ray head (default: first).")
-    ray_port: int | None = Field(None, ge=1, le=65535, description="Ray GCS port (default: a free port).")
-    num_cpus: int | None = Field(
-        None, ge=1, description="Logical CPUs the local Ray head declares (default: sized to the plan)."
+    ray_port: int | None = Field(
+        None, ge=1, le=65535, description="GCS port of the Ray head (default: a free port; 6379 on a hostfile's head)."
     )
-    ssh_port: int = 22
-    ssh_user: str | None = None
-    ssh_key: str | None = None
-    ssh_timeout_s: float = Field(10, gt=0)
-    ssh_accept_new_host_keys: bool = False
-    ssh_known_hosts: str | None = Field(None, description="known_hosts file checked for host keys (default ~/.ssh/known_hosts).")
-    join_timeout_s: float = Field(120, gt=0)
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    deploy: DeployConfig = Field(default_factory=DeployConfig)
-    # FlagScale keys that do not change anything here.
-    type: str | None = None
-    master_addr: str | None = None
-    master_port: int | None = None
+    num_cpus: int | None = Field(
+        None,
+        ge=1,
+        description="Logical CPUs each Ray node this run starts declares: the local head, or every "
+        "hostfile host (default: the machine's cores, at least what the replicas reserve).",
+    )
+    ssh_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="SSH port of the hostfile's hosts (default: the host's Port in ssh_config, else 22).",
+    )
+    ssh_user: str | None = Field(
+        None, description="SSH user (default: the host's User in ssh_config, else the current user)."
+    )
+    ssh_key: str | None = Field(
+        None,
+        description="Private key file (default: the host's IdentityFile in ssh_config, else the agent's and ~/.ssh's keys).",
+    )
+    ssh_timeout_s: float = Field(10, gt=0, description="Bound on connecting to one host.")
+    ssh_accept_new_host_keys: bool = Field(
+        False, description="Trust and record a host key seen for the first time (default: it must be known)."
+    )
+    ssh_known_hosts: str | None = Field(
+        None, description="known_hosts file checked for host keys (default ~/.ssh/known_hosts)."
+    )
+    ssh_config: str | None = Field(
+        None,
+        description="OpenSSH client config read for each host: Host aliases, HostName, User, Port, IdentityFile, "
+        "ProxyJump (default ~/.ssh/config; the ssh_* keys above win over it).",
+    )
+    join_timeout_s: float = Field(120, gt=0, description="Bound on waiting for every host to join the Ray cluster.")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Placement group strategy of an engine replica that spans hosts."
+    )
+    deploy: DeployConfig = Field(default_factory=DeployConfig, description="The HTTP entry point: see below.")
+    cli_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="FlagScale key: engine args given to every engine node (a node's own engine_args win).",
+    )
+    # FlagScale keys that configure its own launcher; nothing here depends on them.
+    type: str | None = launcher_key(None, "FlagScale's runner kind (ssh/cloud); hosts come from `hostfile` here")
+    nnodes: int | None = launcher_key(None, "the hosts are the hostfile's lines", ge=1)
+    nproc_per_node: int | None = launcher_key(
+        None, "devices per host come from the hostfile's slots, devices per replica from TP x PP x DP", ge=1
+    )
+    docker: str | None = launcher_key(None, "processes start on each host directly, not in a container")
+    no_shared_fs: bool | None = launcher_key(None, "nothing is copied between hosts except the Ray auth token")
+    device_type: str | None = launcher_key(None, "chip types come from the hostfile's type=")
+    master_addr: str | None = launcher_key(None, "the Ray head is runner.head (default: the hostfile's first host)")
+    master_port: int | None = launcher_key(None, "Ray's port is runner.ray_port", ge=1, le=65535)
 
 
 class TaskConfig(Strict):
-    type: Literal["serve"] = "serve"
-    backend: Literal["vllm"] | None = None
+    type: Literal["serve"] = Field("serve", description="Only `serve`.")
+    backend: Literal["vllm", "sglang", "native"] | None = Field(
+        None,
+        description="Default engine of every node without `engine` or `module`; `native`: a graph of custom nodes.",
+    )
     entrypoint: None = Field(None, description="FlagScale's custom entrypoint script is not supported.")
 
 
 class CmdsConfig(Strict):
     before_start: str | None = Field(None, description="Shell snippet run before `ray start` on each host.")
+    after_stop: str | None = Field(
+        None, description="Shell snippet run after `stop` on each host that ran before_start; a failure is reported."
+    )
+
+
+class ProfileConfig(Strict):
+    """FlagScale's per-node benchmark profile: the default of `action=bench` for that node's model."""
+
+    prefix_len: int | None = Field(None, ge=0, description="Shared prefix tokens in every prompt.")
+    input_len: int | None = Field(None, ge=1, description="Prompt tokens.")
+    output_len: int | None = Field(None, ge=1, description="Output tokens.")
+    num_prompts: int | None = Field(None, ge=1, description="Requests per concurrency level.")
+    range_ratio: float | None = Field(None, ge=0, lt=1.0000001, description="Length spread: len x [1-r, 1+r].")
 
 
 class BenchConfig(Strict):
-    input_len: int = Field(128, ge=1)
-    output_len: int = Field(64, ge=1)
-    num_prompts: int = Field(200, ge=1)
-    concurrency: list[PositiveInt] = Field(default_factory=lambda: [1, 16], min_length=1,
-                                           description="One benchmark pass per max-concurrency value.")
+    input_len: int = Field(128, ge=1, description="Random-dataset prompt tokens.")
+    output_len: int = Field(64, ge=1, description="Output tokens (the benchmark ignores EOS).")
+    num_prompts: int = Field(200, ge=1, description="Requests per concurrency level.")
+    prefix_len: int = Field(0, ge=0, description="Shared prefix tokens in every prompt.")
+    range_ratio: float = Field(0.0, ge=0, le=1, description="Input/output lengths vary by this ratio.")
+    concurrency: list[PositiveInt] = Field(
+        default_factory=lambda: [1, 16], min_length=1, description="One benchmark pass per max-concurrency value."
+    )
     model: str | None = Field(None, description="Model id to load (default: the first served model).")
-    endpoint: Literal["/v1/completions", "/v1/chat/completions"] = "/v1/completions"
-    slo_ttft_ms: float | None = Field(None, gt=0)
-    slo_tpot_ms: float | None = Field(None, gt=0)
-    seed: int = 0
+    endpoint: Literal["/v1/completions", "/v1/chat/completions"] = Field(
+        "/v1/completions", description="The OpenAI route the load goes to."
+    )
+    slo_ttft_ms: float | None = Field(None, gt=0, description="Goodput SLO on time to first token.")
+    slo_tpot_ms: float | None = Field(None, gt=0, description="Goodput SLO on time per output token.")
+    seed: int = Field(0, description="Dataset seed.")
+
+
+class NodeArgs(Strict):
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Engine args over the node's own for replicas on this host."
+    )
+
+
+class AutoTunerConfig(Strict):
+    space: dict[str, list[Any]] = Field(default_factory=dict, description="Engine arg -> values to try.")
+    control: dict[str, Any] = Field(default_factory=dict, description="interval, run_best, ...")
 
 
 class ExperimentConfig(Strict):
-    exp_name: str
-    exp_dir: str
-    task: TaskConfig = Field(default_factory=TaskConfig)
-    runner: RunnerConfig = Field(default_factory=RunnerConfig)
+    exp_name: str = Field(description="Also the Ray Serve application name.")
+    exp_dir: str = Field(
+        description="State file, serve_logs/, bench/, hydra/; a relative path is from the working directory."
+    )
+    task: TaskConfig = Field(default_factory=TaskConfig, description="What kind of job: see below.")
+    runner: RunnerConfig = Field(default_factory=RunnerConfig, description="Where and how it runs: see below.")
     envs: dict[str, Any] = Field(default_factory=dict, description="Env vars for every host; nodes_envs per host.")
-    cmds: CmdsConfig = Field(default_factory=CmdsConfig)
-    bench: BenchConfig = Field(default_factory=BenchConfig)
+    cmds: CmdsConfig = Field(default_factory=CmdsConfig, description="Shell snippets around the run: see below.")
+    bench: BenchConfig = Field(default_factory=BenchConfig, description="`action=bench` settings: see below.")
+    node_args: dict[str, NodeArgs] = Field(
+        default_factory=dict, description="Per host of the hostfile: engine args for the replicas placed there."
+    )
+    auto_tuner: AutoTunerConfig | None = Field(None, description="FlagScale's auto-tuner (action=auto_tune).")
 
     @field_validator("envs")
     @classmethod
@@ -118,18 +229,40 @@ def _env_str(value: Any) -> str:
 class Resources(Strict):
     """Replicas and what each replica reserves. Engine nodes reserve devices for TP x PP x DP themselves."""
 
-    num_replicas: int | None = Field(None, ge=1)
-    min_replicas: int | None = Field(None, ge=0)
-    max_replicas: int | None = Field(None, ge=1)
-    target_ongoing_requests: float | None = Field(None, gt=0)
-    num_cpus: float | None = Field(None, ge=0, description="Logical CPUs per replica (default 1).")
+    num_replicas: int | Literal["auto"] | None = Field(
+        None, description="Fixed replica count, or auto: as many as the target's devices fit."
+    )
+    min_replicas: int | None = Field(None, ge=0, description="Autoscaling (instead of num_replicas): lower bound.")
+    max_replicas: int | None = Field(None, ge=1, description="Autoscaling: upper bound.")
+    target_ongoing_requests: float | None = Field(
+        None, gt=0, description="Autoscaling: in-flight requests per replica."
+    )
+    upscale_delay_s: float | None = Field(None, ge=0, description="Autoscaling: load must last this long to add.")
+    downscale_delay_s: float | None = Field(None, ge=0, description="Autoscaling: idle this long to remove.")
+    max_ongoing_requests: int | None = Field(None, ge=1, description="Requests one replica takes at once.")
+    num_cpus: float | None = Field(
+        None, ge=0, description="Logical CPUs per replica (default: CPU engines TP x PP x DP, others 1)."
+    )
     num_gpus: float | None = Field(None, ge=0, description="GPUs per replica (default: TP x PP x DP on GPU).")
     accelerator: str | None = Field(None, description="Hostfile chip type the replica must land on.")
     memory: int | None = Field(None, ge=0, description="Bytes of RAM reserved per replica.")
 
+    @field_validator("num_replicas")
+    @classmethod
+    def _count(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("num_replicas must be at least 1 (or auto)")
+        return value
+
     @model_validator(mode="after")
-    def _replicas(self) -> "Resources":
-        autoscale = [self.min_replicas, self.max_replicas, self.target_ongoing_requests]
+    def _replicas(self) -> Resources:
+        autoscale = [
+            self.min_replicas,
+            self.max_replicas,
+            self.target_ongoing_requests,
+            self.upscale_delay_s,
+            self.downscale_delay_s,
+        ]
         if self.num_replicas is not None and any(v is not None for v in autoscale):
             raise ValueError("give either num_replicas or min_replicas/max_replicas, not both")
         if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
@@ -138,46 +271,111 @@ class Resources(Strict):
 
     @property
     def autoscaling(self) -> bool:
-        return any(v is not None for v in (self.min_replicas, self.max_replicas, self.target_ongoing_requests))
+        return any(
+            v is not None
+            for v in (
+                self.min_replicas,
+                self.max_replicas,
+                self.target_ongoing_requests,
+                self.upscale_delay_s,
+                self.downscale_delay_s,
+            )
+        )
+
+
+class RoutingOptions(Strict):
+    """Settings of the routing policies (docs/routing.md)."""
+
+    balance_abs_threshold: int = Field(
+        4,
+        ge=0,
+        description="cache_aware: the replica with the longest cached prefix is skipped (least load "
+        "instead) when its in-flight requests exceed the least busy replica's by more than this.",
+    )
+    cache_threshold: float = Field(
+        0.3,
+        ge=0,
+        le=1,
+        description="cache_aware: a cached prefix shorter than this fraction of the prompt "
+        "(e.g. only a shared system prompt) does not count: the request goes by least load.",
+    )
+    prefix_block_chars: int = Field(
+        64, ge=1, description="cache_aware: characters per block of the prompt prefix table."
+    )
+    max_prefix_blocks: int = Field(
+        100_000,
+        ge=1,
+        description="cache_aware: blocks the prefix table of a model holds, least recently used evicted first.",
+    )
+    max_sessions: int = Field(
+        100_000, ge=1, description="session: sessions remembered, least recently used forgotten first."
+    )
 
 
 class NodeConfig(Strict):
-    """A graph node: an engine node (`engine: vllm`) or a custom Python node (`module` + `name`)."""
+    """A graph node: an engine node (`engine: vllm`, or no `module` under task.backend vllm) or a custom Python
+    node (`module` + `name`)."""
 
-    serve_id: str = Field(min_length=1)
-    engine: str | None = None
-    engine_args: dict[str, Any] = Field(default_factory=dict)
-    resources: Resources = Field(default_factory=Resources)
-    module: str | None = None
-    name: str | None = None
-    depends: list[str] = Field(default_factory=list)
-    profile: dict[str, Any] | None = Field(None, description="FlagScale per-node bench profile.")
+    serve_id: str = Field(min_length=1, description="Unique node name; the Serve deployment; default model name.")
+    engine: str | None = Field(None, description="vllm (sglang is recognised, not served); default task.backend.")
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="Any `vllm serve` argument.")
+    engine_args_specific: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Per engine: args merged over engine_args for that engine only."
+    )
+    resources: Resources = Field(default_factory=Resources, description="Replicas and what each reserves: below.")
+    module: str | None = Field(None, description="Custom node: its .py file (docs/graphs.md).")
+    name: str | None = Field(None, description="Custom node: the class in `module`.")
+    depends: list[str] = Field(default_factory=list, description="Custom node: the nodes whose outputs it takes.")
+    profile: ProfileConfig | None = Field(None, description="FlagScale per-node default of action=bench.")
+    routing: Literal["cache_aware", "least_load", "session", "round_robin"] | None = Field(
+        None,
+        description="Engine node: how the router picks a replica per request (docs/routing.md). cache_aware "
+        "(default): the replica that was sent the longest prefix of the prompt (chat: of the conversation), within "
+        "a load bound; least_load: the least busy; session: sticky per OpenAI `user` field or X-Session-Id "
+        "header, else least_load; round_robin: in turn.",
+    )
+    routing_options: RoutingOptions = Field(
+        default_factory=RoutingOptions, description="Engine node: settings of the routing policies: see below."
+    )
 
     @model_validator(mode="after")
-    def _kind(self) -> "NodeConfig":
-        if self.engine is None and self.module is None:
-            raise ValueError("a node needs `engine: vllm` or `module` + `name`")
+    def _kind(self) -> NodeConfig:
         if self.engine is not None and self.module is not None:
             raise ValueError("a node is either an engine node (`engine`) or a custom node (`module`), not both")
-        if self.engine is not None and self.engine != "vllm":
-            raise ValueError(f"unknown engine {self.engine!r}; supported: vllm")
+        if self.engine is not None and self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}; supported: {', '.join(SUPPORTED_ENGINES)}")
+        if self.module is not None and self.routing is not None:
+            raise ValueError("`routing` is for engine nodes; a custom node is called by the graph, not routed")
         if self.module is not None and not self.name:
             raise ValueError("a custom node with `module` also needs `name` (the class)")
+        unknown = sorted(set(self.engine_args_specific) - set(ENGINES))
+        if unknown:
+            raise ValueError(f"engine_args_specific has unknown engine(s) {unknown}; known: {', '.join(ENGINES)}")
         return self
+
+    def merged_engine_args(self) -> dict[str, Any]:
+        """engine_args with engine_args_specific.<engine> over them."""
+        return {**self.engine_args, **self.engine_args_specific.get(self.engine or "", {})}
 
     @property
     def is_engine(self) -> bool:
-        return self.engine is not None
+        return self.module is None
 
 
 class ServeConfig(Strict):
     """The whole resolved config: what `run.py --config-name serve` composes."""
 
-    experiment: ExperimentConfig
-    serve: list[NodeConfig] = Field(min_length=1)
-    action: str = "run"
+    experiment: ExperimentConfig = Field(description="The experiment: see below.")
+    serve: list[NodeConfig] = Field(min_length=1, description="The graph's nodes, at least one: see below.")
+    action: str = Field("run", description=f"One of {', '.join(ACTIONS)}.")
     foreground: bool = Field(False, description="Keep `run` attached; Ctrl-C stops everything.")
     output: Literal["table", "json"] = Field("table", description="`status` output format.")
+    _notices: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def notices(self) -> list[str]:
+        """What loading mapped or ignored (flagscale/config/compat.py); `run` and `dryrun` print them."""
+        return self._notices
 
     @field_validator("action")
     @classmethod

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from ray import serve
 from ray.serve import Application
 
@@ -27,8 +24,7 @@ def build_app(plan: Plan) -> Application:
             health_check_period_s=HEALTH_CHECK_PERIOD_S,
             health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
             graceful_shutdown_timeout_s=plan.drain_timeout_s,
-            max_ongoing_requests=1000,
-            **engine.serve_scaling(),
+            **engine.serve_scaling(default_max_ongoing=1000),
             **_placement_group(engine),
         )
         spec = EngineSpec(
@@ -36,6 +32,7 @@ def build_app(plan: Plan) -> Application:
             serve_id=engine.serve_id,
             model_names=engine.model_names,
             argv=engine.argv,
+            host_argv=engine.host_argv,
             # Multi-host: the router on the head reaches engines at their node IP ("node-ip" = not loopback).
             bind_host="node-ip" if plan.cluster else "127.0.0.1",
             log_dir=log_dir,
@@ -51,12 +48,23 @@ def build_app(plan: Plan) -> Application:
         ray_actor_options={"num_cpus": 0, **_on_head(plan)},
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )
-    models = {name: e.serve_id for e in plan.engines for name in e.model_names}
-    spec = RouterSpec(app=plan.app_name, host=plan.host, port=plan.port, models=models,
-                      graph_route=plan.graph.route if plan.graph else None,
-                      pin_cpus=plan.pin_cpus)  # fmt: skip
     graph = {"graph": build_graph_driver(plan)} if plan.graph else {}
-    return router.bind(spec, *engines, **graph)
+    return router.bind(router_spec(plan), *engines, **graph)
+
+
+def router_spec(plan: Plan) -> RouterSpec:
+    """What the router is told: the models (served name -> node), each model's routing (its node's), the route."""
+    models = {name: e.serve_id for e in plan.engines for name in e.model_names}
+    routing = {name: e.routing for e in plan.engines for name in e.model_names}
+    return RouterSpec(
+        app=plan.app_name,
+        host=plan.host,
+        port=plan.port,
+        models=models,
+        graph_route=plan.graph.route if plan.graph else None,
+        pin_cpus=plan.pin_cpus,
+        routing=routing,
+    )
 
 
 def build_graph_driver(plan: Plan) -> Application:
@@ -74,8 +82,9 @@ def build_graph_driver(plan: Plan) -> Application:
             graceful_shutdown_timeout_s=plan.drain_timeout_s,
             **node.serve_scaling(),
         )
-        clients = {param: (plan.endpoint, plan.graph.engine_models[serve_id])
-                   for param, serve_id in node.engine_params.items()}  # fmt: skip
+        clients = {
+            param: (plan.endpoint, plan.graph.engine_models[serve_id]) for param, serve_id in node.engine_params.items()
+        }
         nodes[node.serve_id] = deployment.bind(NodeSpec(node.serve_id, node.module_path, node.class_name, clients))
     driver = serve.deployment(
         GraphDriver,
@@ -99,21 +108,3 @@ def _on_head(plan: Plan) -> dict:
     from flagscale.cluster.hostfile import HEAD_RESOURCE
 
     return {"resources": {HEAD_RESOURCE: 0.001}} if plan.cluster else {}
-
-
-def project_root() -> str:
-    return str(Path(__file__).resolve().parents[2])
-
-
-# Defaults for the Ray processes of a run (the user's envs override them):
-# - Ray starts workers at nice 15, and the vLLM server a replica starts inherits it: under any CPU contention
-#   the engine then loses to everything else on the host. The engine is the point of the cluster: nice 0.
-# - Serve's controller loop runs every 0.1 s; on a box where the engine wants every core that steady CPU
-#   shows up as engine latency. 0.5 s still reacts to a failed health check within a second.
-SERVE_DEFAULTS = {"RAY_worker_niceness": "0", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
-
-
-def worker_env(plan: Plan) -> dict[str, str]:
-    """Env every Ray process of the run gets: the user's envs and an importable flagscale package."""
-    pythonpath = os.pathsep.join(p for p in (project_root(), os.environ.get("PYTHONPATH")) if p)
-    return {**SERVE_DEFAULTS, **plan.envs, "PYTHONPATH": pythonpath}

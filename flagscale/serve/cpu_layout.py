@@ -19,7 +19,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from flagscale.cluster.processes import live_processes
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +32,16 @@ class EngineLayout:
     frontend_pids: list[int]
 
 
+def parent_pids() -> dict[int, int]:
+    """pid -> ppid of every live process (zombies left out), read once."""
+    procs = psutil.process_iter(["ppid", "status"])
+    return {p.pid: p.info["ppid"] for p in procs if p.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)}
+
+
 def process_tree(root: int, parents: dict[int, int] | None = None) -> list[int]:
     """`root` and all its descendants, parents before children (`parents`: pid -> ppid, default: read now)."""
     if parents is None:
-        parents = {info.pid: info.ppid for info in live_processes()}
+        parents = parent_pids()
     children: dict[int, list[int]] = {}
     for pid, ppid in parents.items():
         children.setdefault(ppid, []).append(pid)
@@ -57,8 +63,8 @@ def affinity(pid: int) -> set[int] | None:
 def set_process_affinity(pid: int, cpus: set[int]) -> None:
     """sched_setaffinity is per thread: apply it to every thread of `pid` (threads started later inherit it)."""
     try:
-        threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-    except FileNotFoundError:
+        threads = [t.id for t in psutil.Process(pid).threads()]
+    except psutil.Error:
         return
     for tid in threads:
         try:
@@ -69,7 +75,7 @@ def set_process_affinity(pid: int, cpus: set[int]) -> None:
 
 def plan_engine_layout(root: int) -> EngineLayout | None:
     """Which processes of the engine started as `root` go where; None when nothing should move."""
-    parents = {info.pid: info.ppid for info in live_processes()}
+    parents = parent_pids()
     tree = process_tree(root, parents)
     host_cpus = affinity(root)
     if not host_cpus:
@@ -95,8 +101,12 @@ def pin_engine(root: int) -> EngineLayout | None:
         set_process_affinity(pid, set(layout.worker_cpus))
     for pid in layout.frontend_pids:
         set_process_affinity(pid, set(layout.frontend_cpus))
-    log.info("CPU layout: workers on %s; engine core(s) %s joined them; API server and the rest on %s",
-             layout.worker_cpus, layout.engine_core_pids, layout.frontend_cpus)  # fmt: skip
+    log.info(
+        "CPU layout: workers on %s; engine core(s) %s joined them; API server and the rest on %s",
+        layout.worker_cpus,
+        layout.engine_core_pids,
+        layout.frontend_cpus,
+    )
     return layout
 
 

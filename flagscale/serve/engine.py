@@ -11,13 +11,14 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from flagscale.net import free_port, health_ok
 from flagscale.serve import registry
 from flagscale.serve.cpu_layout import pin_engine
+from flagscale.serve.startup_lock import gpu_start_lock
+
 
 @dataclass
 class EngineSpec:
@@ -25,23 +26,16 @@ class EngineSpec:
     serve_id: str
     model_names: list[str]
     argv: list[str]
-    bind_host: str  # "127.0.0.1" when router and engines share one machine, else the node IP
+    bind_host: str  # "127.0.0.1" (one machine); "node-ip" (multi-host): the replica binds its own Ray node's IP
     log_dir: str
     env: dict[str, str]
     startup_timeout_s: float
     pin_cpus: bool = True  # deploy.cpu_affinity == "auto" (see flagscale/serve/cpu_layout.py)
+    host_argv: dict[str, list[str]] = field(default_factory=dict)  # node IP -> argv there (experiment.node_args)
 
 
 class EngineStartError(RuntimeError):
     pass
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _cause_from_log(path: Path, lines: int = 10) -> str:
@@ -74,39 +68,74 @@ class VLLMEngine:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         host = spec.bind_host
-        if host != "127.0.0.1":
+        if host != "127.0.0.1":  # "node-ip": known only here, on the node Serve placed this replica on
             host = ray.util.get_node_ip_address()
-        port = _free_port(host)
-        self.url = f"http://{host}:{port}"
         Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
         self.log_path = Path(spec.log_dir) / f"engine-{spec.serve_id}-{self.replica_id}.log"
-        # engine_proc keeps the server from outliving this replica if the replica is killed outright.
-        argv = [sys.executable, "-m", "flagscale.serve.engine_proc", sys.executable, "-m", "vllm.entrypoints.openai.api_server", *spec.argv, "--host", host, "--port", str(port)]
-        with open(self.log_path, "ab") as log:
-            log.write(f"$ {' '.join(argv)}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=_engine_env(spec.env))  # fmt: skip
-        self._wait_healthy(spec.startup_timeout_s)
+        gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
+        try:
+            self._start(spec, host, gpu_ids)
+        except TimeoutError as exc:  # the GPU start-up lock
+            raise EngineStartError(f"vLLM server for '{spec.serve_id}' could not start: {exc}") from None
+        self._after_start(spec)
+
+    def _start(self, spec: EngineSpec, host: str, gpu_ids: list[str]) -> None:
+        import ray
+
+        with gpu_start_lock(gpu_ids, spec.startup_timeout_s, self._note):  # engines sharing a GPU start in turn
+            port = free_port(host)
+            self.url = f"http://{host}:{port}"
+            # engine_proc keeps the server from outliving this replica if the replica is killed outright.
+            argv = [
+                sys.executable,
+                "-m",
+                "flagscale.serve.engine_proc",
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                *spec.host_argv.get(ray.util.get_node_ip_address(), spec.argv),
+                "--host",
+                host,
+                "--port",
+                str(port),
+            ]
+            with open(self.log_path, "ab") as log:
+                log.write(f"$ {' '.join(argv)}\n".encode())
+                log.flush()
+                self.proc = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_engine_env(spec.env)
+                )
+            self._wait_healthy(spec.startup_timeout_s)
+
+    def _after_start(self, spec: EngineSpec) -> None:
+        import ray
+
         layout = pin_engine(self.proc.pid) if spec.pin_cpus else None
         if layout:
             with open(self.log_path, "a") as log:
-                log.write(f"flagscale: CPU layout: worker(s) on cores {layout.worker_cpus}, engine core(s) "
-                          f"{layout.engine_core_pids} joined them; API server on cores {layout.frontend_cpus}\n")  # fmt: skip
+                log.write(
+                    f"flagscale: CPU layout: worker(s) on cores {layout.worker_cpus}, engine core(s) "
+                    f"{layout.engine_core_pids} joined them; API server on cores {layout.frontend_cpus}\n"
+                )
         self.record = registry.ReplicaRecord(
-            app=spec.app, serve_id=spec.serve_id, replica_id=self.replica_id, models=spec.model_names,
-            url=self.url, node_id=ray.get_runtime_context().get_node_id(), node_ip=ray.util.get_node_ip_address(),
-            pid=os.getpid(), engine_pid=self.proc.pid, log_path=str(self.log_path), updated_at=time.time(),
+            app=spec.app,
+            serve_id=spec.serve_id,
+            replica_id=self.replica_id,
+            models=spec.model_names,
+            url=self.url,
+            node_id=ray.get_runtime_context().get_node_id(),
+            node_ip=ray.util.get_node_ip_address(),
+            pid=os.getpid(),
+            engine_pid=self.proc.pid,
+            log_path=str(self.log_path),
+            updated_at=time.time(),
             worker_cpus=layout.worker_cpus if layout else [],
-        )  # fmt: skip
+        )
         registry.publish(self.record)
 
-    def _probe(self, timeout_s: float) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=timeout_s) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+    def _note(self, line: str) -> None:
+        with open(self.log_path, "a") as log:
+            log.write(f"flagscale: {line}\n")
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -117,7 +146,7 @@ class VLLMEngine:
                     f"vLLM server for '{self.spec.serve_id}' exited with code {code} during start-up; "
                     f"log {self.log_path}:\n{_cause_from_log(self.log_path)}"
                 )
-            if self._probe(2):
+            if health_ok(self.url, timeout_s=2):
                 return
             time.sleep(0.5)
         self._terminate()
@@ -131,12 +160,9 @@ class VLLMEngine:
         code = self.proc.poll()
         if code is not None:
             raise RuntimeError(f"vLLM server exited with code {code}; log {self.log_path}")
-        if not self._probe(5):
+        if not health_ok(self.url, timeout_s=5):
             raise RuntimeError(f"vLLM server at {self.url} failed its /health probe")
         registry.publish(self.record)
-
-    def info(self) -> dict:
-        return {"url": self.url, "replica_id": self.replica_id, "log": str(self.log_path)}
 
     def _terminate(self, grace_s: float = 10.0) -> None:
         if self.proc.poll() is None:

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from flagscale.config.graph import GRAPH_DRIVER_DEPLOYMENT, GraphPlan, check_request, load_class  # noqa: F401
+from flagscale.config.graph import GRAPH_DRIVER_DEPLOYMENT, GraphPlan, load_class  # noqa: F401
+from flagscale.config.request import bind
 
 
 class EngineCallError(RuntimeError):
@@ -111,7 +112,7 @@ class GraphDriver:
         self.handles = handles  # serve_id -> DeploymentHandle of the CustomNode deployment
 
     async def run(self, payload: Any, with_trace: bool = False) -> dict[str, Any]:
-        problem = check_request(self.graph, payload)
+        request, problem = bind(self.graph.request_fields, payload)
         if problem:
             return {"status": 400, "error": problem}
         traces: list[dict[str, Any]] = []
@@ -121,7 +122,7 @@ class GraphDriver:
             if depends:
                 args, kwargs = list(await asyncio.gather(*(tasks[d] for d in depends))), {}
             else:
-                args, kwargs = [], payload
+                args, kwargs = [], request
             try:
                 output, trace = await self.handles[serve_id].forward.remote(args, kwargs)
             except Exception as exc:

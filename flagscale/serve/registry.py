@@ -11,6 +11,8 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
+from flagscale.cluster.ray_compat import kv_del, kv_get, kv_list, kv_put
+
 STALE_AFTER_S = 30.0
 KV_NAMESPACE = "flagscale"
 
@@ -40,25 +42,19 @@ def _prefix(app: str) -> bytes:
 
 
 def publish(record: ReplicaRecord) -> None:
-    from ray.experimental.internal_kv import _internal_kv_put
-
     record.updated_at = time.time()
     key = _prefix(record.app) + record.replica_id.encode()
-    _internal_kv_put(key, json.dumps(asdict(record)).encode(), overwrite=True, namespace=KV_NAMESPACE)
+    kv_put(key, json.dumps(asdict(record)).encode(), namespace=KV_NAMESPACE)
 
 
 def withdraw(app: str, replica_id: str) -> None:
-    from ray.experimental.internal_kv import _internal_kv_del
-
-    _internal_kv_del(_prefix(app) + replica_id.encode(), namespace=KV_NAMESPACE)
+    kv_del(_prefix(app) + replica_id.encode(), namespace=KV_NAMESPACE)
 
 
 def list_replicas(app: str, include_stale: bool = False) -> list[ReplicaRecord]:
-    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
-
     records = []
-    for key in _internal_kv_list(_prefix(app), namespace=KV_NAMESPACE):
-        raw = _internal_kv_get(key, namespace=KV_NAMESPACE)
+    for key in kv_list(_prefix(app), namespace=KV_NAMESPACE):
+        raw = kv_get(key, namespace=KV_NAMESPACE)
         if raw is None:
             continue
         record = ReplicaRecord(**json.loads(raw))

@@ -1,16 +1,25 @@
 """The OpenAI-compatible entry point: a lean byte-streaming router in front of the engines' own servers.
 
 It runs inside a Ray Serve replica (so Serve places, health-checks and restarts it) but serves HTTP
-itself with aiohttp on its own event loop thread. Per request it reads the body, picks a replica of
-the requested `model` (see `rank_replicas`), and streams the upstream
-response back chunk by chunk. A replica that refuses connections is set aside for a few seconds and
-the request goes to the next one, as long as no byte was sent to the client yet.
+itself with aiohttp on its own event loop thread. Per request it reads the body, asks the requested
+`model`'s routing policy (flagscale/serve/routing.py: cache_aware, least_load, session, round_robin) for the
+order to try its replicas in, and streams the upstream response back chunk by chunk.
+
+Failures, per replica, feed a circuit breaker (routing.CircuitBreaker):
+- a replica that cannot be connected to (refused, unreachable) has its circuit opened at once and the request
+  goes to the next one: the only retry, as nothing reached that replica yet;
+- a replica that takes the request and drops the connection before answering may already have run (part
+  of) it: that counts as a failure, and the request is not sent again; the client gets a 502 and decides
+  (OpenAI clients retry 5xx themselves); a stream cut in the middle counts as a failure too;
+- a 5xx answer is passed to the client as is and counts as a failure; a 4xx answer is passed as is and
+  counts as a success (the client's problem, not the replica's);
+- BREAKER_FAILURES failures in a row open the circuit: the replica is skipped for COOLDOWN_S, then one probe
+  (the next request, or the router's own /health probe every refresh) closes it again or reopens it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import threading
@@ -20,12 +29,24 @@ from dataclasses import dataclass, field
 
 from flagscale.serve import registry
 from flagscale.serve.cpu_layout import RouterPinning
+from flagscale.serve.routing import (  # noqa: F401 - LOAD_SLACK, rank_replicas: re-exported
+    COOLDOWN_S,
+    LOAD_SLACK,
+    Policy,
+    RequestInfo,
+    RoutingSpec,
+    Upstream,
+    make_policy,
+    rank_replicas,
+)
 
 log = logging.getLogger("flagscale.router")
 
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
-COOLDOWN_S = 5.0
-LOAD_SLACK = 1  # in-flight requests a replica may be above the least busy one and still count as "as free"
+# Idle upstream connections are closed before vLLM's server closes them (uvicorn keep-alive, 5 s by default:
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so the router does not send a request on a connection being closed.
+UPSTREAM_KEEPALIVE_S = 4.0
+HEALTH_PROBE_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -37,15 +58,10 @@ class RouterSpec:
     refresh_s: float = 2.0
     graph_route: str | None = None  # deployment graph entry (POST, JSON in/out), served by the graph driver
     pin_cpus: bool = True  # stay off the cores of engine workers on this host (flagscale/serve/cpu_layout.py)
+    routing: dict[str, RoutingSpec] = field(default_factory=dict)  # served model name -> its node's routing
 
 
-@dataclass
-class _Upstream:
-    record: registry.ReplicaRecord
-    inflight: int = 0
-    sent: int = 0  # requests routed here, counted when picked (served only counts once headers are back)
-    served: int = 0
-    down_until: float = 0.0
+_Upstream = Upstream  # the name the tests and older code use
 
 
 @dataclass
@@ -54,19 +70,15 @@ class _Table:
     by_replica: dict[str, _Upstream] = field(default_factory=dict)
 
 
-def rank_replicas(upstreams: list[_Upstream], turn: int, now: float) -> list[_Upstream]:
-    """The order to try a model's replicas in.
+def upstream_session():
+    """The router's one HTTP client to the replicas (call inside its event loop)."""
+    import aiohttp
 
-    Replicas at most LOAD_SLACK in-flight requests above the least busy one come first, fewest requests
-    sent first, so equal replicas get equal shares even when one of them runs a little faster (pure
-    least-in-flight hands the faster one every freed slot). Busier replicas follow, least busy first.
-    Ties rotate with `turn`; replicas in their cool-down after a refused connection are left out."""
-    ups = [u for u in upstreams if u.down_until <= now]
-    if len(ups) > 1:
-        ups = ups[turn % len(ups) :] + ups[: turn % len(ups)]
-        free_enough = min(u.inflight for u in ups) + LOAD_SLACK
-        ups.sort(key=lambda u: (0, u.sent) if u.inflight <= free_enough else (1, u.inflight))  # stable sort
-    return ups
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+        auto_decompress=False,
+    )
 
 
 def _error(status: int, message: str, kind: str):
@@ -81,15 +93,12 @@ class Router:
         self.spec = spec
         self._engines = engines  # handles keep the engine deployments part of this application
         self._graph = graph  # DeploymentHandle of the graph driver, when the config has custom nodes
-        self._table = _Table()
+        self._init_state()
         self._pinning = None
         if spec.pin_cpus:
             import ray
 
             self._pinning = RouterPinning(ray.get_runtime_context().get_node_id())
-        self._rr = itertools.count()
-        self._inflight = 0
-        self._draining = False
         self._started = threading.Event()
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._serve_forever, name="flagscale-router", daemon=True)
@@ -98,6 +107,15 @@ class Router:
             raise RuntimeError(f"router did not start listening on {spec.host}:{spec.port} within 30s")
         if self._failure is not None:
             raise RuntimeError(f"router cannot listen on {spec.host}:{spec.port}: {self._failure}")
+
+    def _init_state(self) -> None:
+        """The request path's state (the unit tests build a Router with this only: no Ray, no thread)."""
+        self._table = _Table()
+        self._policies: dict[str, Policy] = {
+            model: make_policy(self.spec.routing.get(model, RoutingSpec())) for model in self.spec.models
+        }
+        self._inflight = 0
+        self._draining = False
 
     # ---- event loop thread -------------------------------------------------------------------
 
@@ -120,14 +138,9 @@ class Router:
         loop.run_forever()
 
     async def _start(self) -> None:
-        import aiohttp
         from aiohttp import web
 
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-            auto_decompress=False,
-        )
+        self._session = upstream_session()
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
@@ -148,10 +161,35 @@ class Router:
                 await self._refresh()
             except Exception as exc:  # GCS hiccup: keep the last table
                 log.warning("replica refresh failed: %s", exc)
+            await self._probe_half_open()
+
+    async def _probe_half_open(self) -> None:
+        """Replicas whose circuit cool-down is over get one /health probe, so an idle router readmits them too."""
+        now = time.monotonic()
+        probes = [u for u in self._table.by_replica.values() if u.breaker.state(now) == "half_open"]
+        if probes:
+            await asyncio.gather(*(self._probe(u) for u in probes))
+
+    async def _probe(self, upstream: Upstream) -> None:
+        import aiohttp
+
+        if not upstream.breaker.begin(time.monotonic()):
+            return
+        try:
+            timeout = aiohttp.ClientTimeout(total=HEALTH_PROBE_TIMEOUT_S)
+            async with self._session.get(upstream.record.url + "/health", timeout=timeout) as resp:
+                healthy = resp.status == 200
+        except Exception:
+            healthy = False
+        if healthy:
+            upstream.breaker.success()
+        else:
+            upstream.breaker.failure(time.monotonic())
 
     async def _refresh(self) -> None:
         records = await asyncio.get_running_loop().run_in_executor(None, registry.list_replicas, self.spec.app)
         old = self._table.by_replica
+        old_by_model = self._table.by_model
         table = _Table()
         for record in records:
             upstream = old.get(record.replica_id)
@@ -163,11 +201,19 @@ class Router:
             for model in record.models:
                 table.by_model.setdefault(model, []).append(upstream)
         self._table = table
+        self._update_policies(old_by_model, table.by_model)
         if self._pinning is not None:
             self._pinning.update(records)
 
-    def _candidates(self, model: str) -> list[_Upstream]:
-        return rank_replicas(self._table.by_model.get(model, []), next(self._rr), time.monotonic())
+    def _update_policies(self, old: dict[str, list[Upstream]], new: dict[str, list[Upstream]]) -> None:
+        """Tell each model's policy which replicas left and joined (a replica at a new URL: both)."""
+        for model, policy in self._policies.items():
+            before = {id(u): u for u in old.get(model, [])}
+            after = {id(u): u for u in new.get(model, [])}
+            for key in before.keys() - after.keys():
+                policy.on_replica_left(before[key].replica_id)
+            for key in after.keys() - before.keys():
+                policy.on_replica_joined(after[key])
 
     async def _health(self, request):
         from aiohttp import web
@@ -185,7 +231,7 @@ class Router:
         data = []
         for serve_id in dict.fromkeys(self.spec.models.values()):
             names = [m for m, sid in self.spec.models.items() if sid == serve_id]
-            ups = self._candidates(names[0])
+            ups = rank_replicas(self._table.by_model.get(names[0], []), 0, time.monotonic())
             entries = None
             for upstream in ups[:2]:
                 try:
@@ -193,7 +239,7 @@ class Router:
                         entries = (await resp.json())["data"]
                         break
                 except Exception:
-                    upstream.down_until = time.monotonic() + COOLDOWN_S
+                    upstream.breaker.failure(time.monotonic())
             if entries is None:
                 entries = [{"id": n, "object": "model", "owned_by": "flagscale", "created": 0} for n in names]
             data.extend(entries)
@@ -205,9 +251,11 @@ class Router:
             return _error(503, "server is shutting down", "ServiceUnavailableError")
         body = await request.read()
         model = None
+        payload: dict = {}
         if body:
             try:
-                model = json.loads(body).get("model")
+                payload = json.loads(body)
+                model = payload.get("model")
             except (ValueError, AttributeError):
                 return _error(400, "request body is not a JSON object", "BadRequestError")
         if model is None and len(set(self.spec.models.values())) == 1:
@@ -215,18 +263,22 @@ class Router:
         if model not in self.spec.models:
             known = ", ".join(self.spec.models)
             return _error(404, f"model {model!r} is not served here; models: {known}", "NotFoundError")
-        candidates = self._candidates(model)
+        policy = self._policies[model]
+        info = RequestInfo(model, payload, {k.lower(): v for k, v in request.headers.items()})
+        candidates = policy.select(self._table.by_model.get(model, []), info, time.monotonic())
         if not candidates:
             return _error(503, f"no ready replica for model {model!r}", "ServiceUnavailableError")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         self._inflight += 1
         try:
             for upstream in candidates:
+                if not upstream.breaker.begin(time.monotonic()):  # another request took its half-open probe
+                    continue
                 try:
-                    return await self._forward(request, upstream, body, headers)
-                except _Unreachable:
-                    upstream.down_until = time.monotonic() + COOLDOWN_S
-            return _error(503, f"every replica of {model!r} refused the connection", "ServiceUnavailableError")
+                    return await self._forward(request, upstream, body, headers, policy, info)
+                except _Unreachable:  # nothing was sent: the next replica may take it
+                    upstream.breaker.trip(time.monotonic())
+            return _error(503, f"no replica of {model!r} could be reached", "ServiceUnavailableError")
         finally:
             self._inflight -= 1
 
@@ -257,31 +309,73 @@ class Router:
         except TypeError as exc:
             return _error(500, f"the sink's output is not JSON serializable: {exc}", "InternalServerError")
 
-    async def _forward(self, request, upstream: _Upstream, body: bytes, headers: dict):
+    async def _forward(
+        self, request, upstream: Upstream, body: bytes, headers: dict, policy: Policy, info: RequestInfo
+    ):
         import aiohttp
         from aiohttp import web
 
         url = upstream.record.url + str(request.rel_url)
+        breaker = upstream.breaker
+        ok = None  # what the replica's answer says of it: True, False, or None (unknown: nothing recorded)
+        policy.before_request(upstream, info)
         upstream.inflight += 1
         upstream.sent += 1
         try:
             try:
                 upstream_resp = await self._session.request(request.method, url, data=body, headers=headers)
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+            except aiohttp.ClientConnectorError as exc:  # no connection: nothing sent, the next replica may take it
+                ok = False  # the caller trips the circuit
                 raise _Unreachable(str(exc)) from exc
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # The request went out, no answer came: the replica may have started it, so it is not sent again.
+                ok = False
+                breaker.failure(time.monotonic())
+                return _error(
+                    502,
+                    f"replica {upstream.record.replica_id} of {upstream.record.serve_id!r} dropped the "
+                    f"connection before answering ({exc}); not retried: it may have started the request",
+                    "BadGatewayError",
+                )
             upstream.served += 1
+            ok = upstream_resp.status < 500  # a 4xx is the client's problem: passed on, the replica is fine
+            if ok:
+                breaker.success()
+            else:
+                breaker.failure(time.monotonic())
             async with upstream_resp:
                 out_headers = {k: v for k, v in upstream_resp.headers.items() if k.lower() not in HOP_BY_HOP}
                 if "text/event-stream" not in upstream_resp.headers.get("Content-Type", ""):
-                    return web.Response(status=upstream_resp.status, body=await upstream_resp.read(), headers=out_headers)
+                    try:
+                        data = await upstream_resp.read()
+                    except aiohttp.ClientError as exc:
+                        ok = False
+                        breaker.failure(time.monotonic())
+                        message = (
+                            f"replica {upstream.record.replica_id} of {upstream.record.serve_id!r} broke off "
+                            f"its answer ({exc!r}); not retried: it ran the request"
+                        )
+                        return _error(502, message, "BadGatewayError")
+                    return web.Response(status=upstream_resp.status, body=data, headers=out_headers)
                 response = web.StreamResponse(status=upstream_resp.status, headers=out_headers)
                 await response.prepare(request)
-                async for chunk in upstream_resp.content.iter_any():
+                while True:
+                    try:
+                        chunk = await upstream_resp.content.readany()
+                    except aiohttp.ClientError:  # the replica broke off mid-stream (a client gone raises on write)
+                        ok = False
+                        breaker.failure(time.monotonic())
+                        raise
+                    if not chunk:
+                        break
                     await response.write(chunk)
                 await response.write_eof()
                 return response
         finally:
             upstream.inflight -= 1
+            if ok is None and breaker.probing:  # cancelled before the replica answered: let another probe
+                breaker.probing = False
+            policy.after_request(upstream, info, bool(ok))
 
     # ---- Serve-side methods (called through deployment handles) ------------------------------
 
@@ -298,14 +392,34 @@ class Router:
         return self._inflight
 
     def stats(self) -> dict:
+        """Per replica: served, in-flight, circuit, the routing policy's table. Read on the event loop thread,
+        which is the one changing the policies' tables."""
+        loop = getattr(self, "_loop", None)
+        if loop is not None and loop.is_running() and threading.current_thread() is not self._thread:
+
+            async def collect() -> dict:
+                return self._collect_stats()
+
+            return asyncio.run_coroutine_threadsafe(collect(), loop).result(timeout=10)
+        return self._collect_stats()
+
+    def _collect_stats(self) -> dict:
         counts: dict[str, dict] = defaultdict(dict)
         for upstream in self._table.by_replica.values():
-            counts[upstream.record.replica_id] = {
+            entry = {
                 "serve_id": upstream.record.serve_id,
                 "url": upstream.record.url,
                 "served": upstream.served,
                 "inflight": upstream.inflight,
+                "circuit": upstream.breaker.state(),
+                "circuit_opened": upstream.breaker.opened,
             }
+            for model in upstream.record.models:
+                policy = self._policies.get(model)
+                if policy is not None:
+                    entry["routing"] = policy.name
+                    entry.update(policy.stats(upstream.replica_id))
+            counts[upstream.record.replica_id] = entry
         return {"inflight": self._inflight, "replicas": dict(counts)}
 
 

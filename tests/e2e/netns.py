@@ -38,8 +38,15 @@ class TestHosts:
     root_ip: str = f"{SUBNET}.1"
 
     def runner(self, hostfile: Path, **extra) -> dict:
-        return {"hostfile": str(hostfile), "ssh_port": SSH_PORT, "ssh_user": "root", "ssh_key": str(self.key),
-                "ssh_known_hosts": str(self.known_hosts), "ssh_timeout_s": 5, **extra}  # fmt: skip
+        return {
+            "hostfile": str(hostfile),
+            "ssh_port": SSH_PORT,
+            "ssh_user": "root",
+            "ssh_key": str(self.key),
+            "ssh_known_hosts": str(self.known_hosts),
+            "ssh_timeout_s": 5,
+            **extra,
+        }
 
     def netns_pids(self, host: TestHost) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout
@@ -73,12 +80,25 @@ def _ip(*args: str) -> None:
 
 
 def _sshd_config(workdir: Path, ip: str, authorized: Path) -> str:
-    return "\n".join([
-        f"ListenAddress {ip}", f"Port {SSH_PORT}", f"HostKey {workdir / 'host_key'}",
-        f"PidFile {workdir / 'sshd.pid'}", f"AuthorizedKeysFile {authorized}",
-        "PermitRootLogin prohibit-password", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
-        "UsePAM no", "StrictModes no", "PrintMotd no", "Subsystem sftp internal-sftp", "LogLevel VERBOSE", "MaxStartups 50", "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"ListenAddress {ip}",
+            f"Port {SSH_PORT}",
+            f"HostKey {workdir / 'host_key'}",
+            f"PidFile {workdir / 'sshd.pid'}",
+            f"AuthorizedKeysFile {authorized}",
+            "PermitRootLogin prohibit-password",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            "UsePAM no",
+            "StrictModes no",
+            "PrintMotd no",
+            "Subsystem sftp internal-sftp",
+            "LogLevel VERBOSE",
+            "MaxStartups 50",
+            "",
+        ]
+    )
 
 
 def available() -> str | None:
@@ -119,8 +139,20 @@ def build(count: int, workdir: Path) -> TestHosts:
         host_dir.mkdir()
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(host_dir / "host_key")], check=True)
         (host_dir / "sshd_config").write_text(_sshd_config(host_dir, host.ip, authorized))
-        subprocess.run(["ip", "netns", "exec", host.netns, SSHD, "-f", str(host_dir / "sshd_config"),
-                        "-E", str(host_dir / "sshd.log")], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                host.netns,
+                SSHD,
+                "-f",
+                str(host_dir / "sshd_config"),
+                "-E",
+                str(host_dir / "sshd.log"),
+            ],
+            check=True,
+        )
         public = (host_dir / "host_key.pub").read_text().split()
         known_lines.append(f"[{host.ip}]:{SSH_PORT} {public[0]} {public[1]}")
         hosts.append(host)

@@ -23,12 +23,17 @@ def test_ctrl_c_stops_everything(tmp_path):
     """Started the way a shell starts a background job (SIGINT ignored, as CI runners often do):
     SIGINT must still stop the run."""
     exp_dir = tmp_path / "exp"
-    conf = write_config(tmp_path / "conf", [{"serve_id": "fg", "engine": "vllm", "engine_args": demo_engine_args()}],
-                        exp_dir, PORT)  # fmt: skip
+    conf = write_config(
+        tmp_path / "conf", [{"serve_id": "fg", "engine": "vllm", "engine_args": demo_engine_args()}], exp_dir, PORT
+    )
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "run.py"), "--config-path", str(conf), "--config-name", "serve", "foreground=true"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, preexec_fn=ignore_sigint,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        preexec_fn=ignore_sigint,
+    )
     lines = []
     try:
         deadline = time.monotonic() + 600

@@ -1,7 +1,8 @@
 """Deployment graphs end to end: the shipped examples (examples/graph) on real Ray Serve, real HTTP.
 
 1. The diamond A -> B, A -> C, (B, C) -> D of deterministic string nodes: exact response, B and C overlap,
-   a sync forward does not block its replica, autoscaling settings read back from Serve, status, stop.
+   a sync forward does not block its replica, autoscaling settings read back from Serve, status, stop, and
+   cmds.after_stop run by that stop.
 2. rewrite -> generate (calls a real vLLM engine node on the demo model) -> post-process.
 Plus dryrun's picture and a validation error through the real CLI (nothing started).
 """
@@ -24,8 +25,12 @@ PIPELINE_PORT = 18701
 
 
 def post(port: int, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:
             return resp.status, json.load(resp)
@@ -57,10 +62,19 @@ def test_cli_rejects_a_cycle_before_starting_anything(tmp_path):
         {"serve_id": "B", "module": nodes_py, "name": "Shout", "depends": ["A", "C"]},
         {"serve_id": "C", "module": nodes_py, "name": "Reverse", "depends": ["B"]},
     ]
-    deploy = {"host": "127.0.0.1", "port": GRAPH_PORT + 50, "name": "/generate",
-              "request": {"args": ["prompt", "times"], "types": ["str", "int"]}}  # fmt: skip
-    conf = write_config(tmp_path / "conf", nodes, tmp_path / "exp", GRAPH_PORT + 50,
-                        experiment={"runner": {"hostfile": None, "deploy": deploy}})  # fmt: skip
+    deploy = {
+        "host": "127.0.0.1",
+        "port": GRAPH_PORT + 50,
+        "name": "/generate",
+        "request": {"args": ["prompt", "times"], "types": ["str", "int"]},
+    }
+    conf = write_config(
+        tmp_path / "conf",
+        nodes,
+        tmp_path / "exp",
+        GRAPH_PORT + 50,
+        experiment={"runner": {"hostfile": None, "deploy": deploy}},
+    )
     result = run_cli(conf, timeout=300)
     assert result.returncode == 2, result.output
     assert "dependency cycle: B -> C -> B" in result.output and "nodes.yaml" in result.output
@@ -70,9 +84,14 @@ def test_cli_rejects_a_cycle_before_starting_anything(tmp_path):
 @pytest.fixture(scope="module")
 def diamond(tmp_path_factory):
     exp_dir = tmp_path_factory.mktemp("graph") / "exp"
-    overrides = example_overrides(exp_dir, GRAPH_PORT)
+    marker = exp_dir.parent / "after_stop_ran"  # written by cmds.after_stop, with a value from experiment.envs
+    overrides = [
+        *example_overrides(exp_dir, GRAPH_PORT),
+        "+experiment.envs.AFTER_STOP_WORD=done",
+        f"+experiment.cmds.after_stop='echo \"$AFTER_STOP_WORD\" > {marker}'",
+    ]
     result = run_cli(EXAMPLE_CONF, *overrides, timeout=600)
-    yield {"run": result, "exp_dir": exp_dir, "overrides": overrides}
+    yield {"run": result, "exp_dir": exp_dir, "overrides": overrides, "after_stop_marker": marker}
     if (exp_dir / "state.json").exists():
         run_cli(EXAMPLE_CONF, *overrides, "action=stop", timeout=300)
 
@@ -102,8 +121,9 @@ def test_b_and_c_run_concurrently_after_a(diamond_up):
 def test_sync_forward_does_not_block_its_replica(diamond_up):
     # B's forward is a plain function that sleeps; two requests on its one replica must still overlap.
     with ThreadPoolExecutor(2) as pool:
-        replies = list(pool.map(lambda i: post(GRAPH_PORT, "/generate?trace=1", {"prompt": f"r{i}", "times": 1}),
-                                range(2)))  # fmt: skip
+        replies = list(
+            pool.map(lambda i: post(GRAPH_PORT, "/generate?trace=1", {"prompt": f"r{i}", "times": 1}), range(2))
+        )
     b_runs = [next(t for t in body["trace"] if t["node"] == "B") for status, body in replies if status == 200]
     assert len(b_runs) == 2
     assert b_runs[0]["replica"] == b_runs[1]["replica"]
@@ -114,27 +134,37 @@ def test_bad_requests_are_400_naming_the_field(diamond_up):
     status, body = post(GRAPH_PORT, "/generate", {"prompt": "x", "times": "two"})
     assert status == 400 and "'times' must be int" in body["error"]["message"]
     status, body = post(GRAPH_PORT, "/generate", {"prompt": "x"})
-    assert status == 400 and "missing ['times']" in body["error"]["message"]
+    assert status == 400 and "missing required request field(s) ['times']" in body["error"]["message"]
 
 
 def test_status_shows_every_node_and_autoscaling_from_serve(diamond_up):
     result = run_cli(EXAMPLE_CONF, *diamond_up["overrides"], "action=status", "output=json", timeout=120)
     assert result.returncode == 0, result.output
-    report = json.loads(result.stdout[result.stdout.index("{"):])
+    report = json.loads(result.stdout[result.stdout.index("{") :])
     deployments = report["deployments"]
     assert set(deployments) == {"A", "B", "C", "D", "graph", "router"}
     assert all(d["status"] == "HEALTHY" and d["replicas"] == {"RUNNING": 1} for d in deployments.values())
     autoscaling = deployments["B"]["scaling"]["autoscaling"]  # as Serve's controller applies it
-    assert (autoscaling["min_replicas"], autoscaling["max_replicas"], autoscaling["target_ongoing_requests"]) == (1, 2, 2)
+    assert (autoscaling["min_replicas"], autoscaling["max_replicas"], autoscaling["target_ongoing_requests"]) == (
+        1,
+        2,
+        2,
+    )
+    assert (autoscaling["upscale_delay_s"], autoscaling["downscale_delay_s"]) == (3, 60)
     assert deployments["C"]["scaling"] == {"target_replicas": 1, "num_replicas": 1, "autoscaling": None}
     table = run_cli(EXAMPLE_CONF, *diamond_up["overrides"], "action=status", timeout=120)
     assert "autoscale 1..2" in table.stdout
 
 
 def test_stop_diamond(diamond_up):
+    marker = diamond_up["after_stop_marker"]
+    assert not marker.exists()
     result = run_cli(EXAMPLE_CONF, *diamond_up["overrides"], "action=stop", timeout=300)
     assert result.returncode == 0, result.output
     assert not (diamond_up["exp_dir"] / "state.json").exists()
+    # cmds.after_stop ran (synchronously, before stop returned) with the run's envs; its log names the host.
+    assert marker.read_text() == "done\n"
+    assert "=== localhost" in (diamond_up["exp_dir"] / "serve_logs" / "after_stop.log").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +183,12 @@ def test_pipeline_returns_generated_text_through_custom_nodes(pipeline):
     assert status == 200, body
     assert body["prompt"] == "Question: what is a graph?\nAnswer:"
     assert isinstance(body["text"], str) and body["text"] and body["chars"] == len(body["text"])
+    # max_tokens is optional in the list-form request: its default (16) fills in.
+    status, body = post(PIPELINE_PORT, "/generate", {"prompt": "what is a node?"}, timeout=300)
+    assert status == 200, body
+    assert body["prompt"] == "Question: what is a node?\nAnswer:" and body["text"]
+    status, body = post(PIPELINE_PORT, "/generate", {"max_tokens": 4}, timeout=300)
+    assert status == 400 and "missing required request field(s) ['prompt']" in body["error"]["message"]
     # The engine node keeps its OpenAI route on the same port.
     status, completion = post(PIPELINE_PORT, "/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 4})
     assert status == 200 and completion["usage"]["completion_tokens"] == 4

@@ -46,21 +46,30 @@ def write_hostfile(path, lines):
 @pytest.fixture(scope="module")
 def hostfile(hosts, tmp_path_factory):
     h1, h2, h3 = (h.ip for h in hosts.hosts)
-    return write_hostfile(tmp_path_factory.mktemp("hostfile") / "hostfile",
-                          [f"{h1} slots=1 type=chipA", f"{h2} slots=1 type=chipA", f"{h3} slots=1 type=chipB"])  # fmt: skip
+    return write_hostfile(
+        tmp_path_factory.mktemp("hostfile") / "hostfile",
+        [f"{h1} slots=1 type=chipA", f"{h2} slots=1 type=chipA", f"{h3} slots=1 type=chipB"],
+    )
 
 
-def deploy(tmp_path, hosts, hostfile, nodes, name):
+def deploy(tmp_path, hosts, hostfile, nodes, name, **experiment):
     exp_dir = tmp_path / name
-    runner = hosts.runner(hostfile, ray_port=RAY_PORT, num_cpus=1, join_timeout_s=120,
-                          deploy={"host": hosts.hosts[0].ip, "port": PORT, "startup_timeout_s": 600})  # fmt: skip
-    conf = write_config(tmp_path / f"conf-{name}", nodes, exp_dir, PORT, experiment={"exp_name": name, "runner": runner})
+    runner = hosts.runner(
+        hostfile,
+        ray_port=RAY_PORT,
+        num_cpus=1,
+        join_timeout_s=120,
+        deploy={"host": hosts.hosts[0].ip, "port": PORT, "startup_timeout_s": 600},
+    )
+    conf = write_config(
+        tmp_path / f"conf-{name}", nodes, exp_dir, PORT, experiment={"exp_name": name, "runner": runner, **experiment}
+    )
     return conf, exp_dir
 
 
 def status_json(conf):
     result = run_cli(conf, "action=status", "output=json", timeout=120)
-    return result, json.loads(result.stdout[result.stdout.index("{"):])
+    return result, json.loads(result.stdout[result.stdout.index("{") :])
 
 
 def assert_no_ray_left(hosts):
@@ -81,11 +90,17 @@ def stop_on_failure():
             shutil.rmtree(host_temp_dir(str(exp_dir.resolve()), ip), ignore_errors=True)  # Ray's logs of the run
 
 
-def serve_on_hosts(tmp_path, hosts, hostfile, stop_on_failure, name, model, replicas, chip):
+def serve_on_hosts(tmp_path, hosts, hostfile, stop_on_failure, name, model, replicas, chip, **experiment):
     """Run one engine node of `replicas` replicas pinned to `chip`; returns conf, exp_dir and a client."""
-    nodes = [{"serve_id": model, "engine": "vllm", "engine_args": demo_engine_args(served_model_name=model),
-              "resources": {"num_replicas": replicas, "num_cpus": 1, "accelerator": chip}}]  # fmt: skip
-    conf, exp_dir = deploy(tmp_path, hosts, hostfile, nodes, name)
+    nodes = [
+        {
+            "serve_id": model,
+            "engine": "vllm",
+            "engine_args": demo_engine_args(served_model_name=model),
+            "resources": {"num_replicas": replicas, "num_cpus": 1, "accelerator": chip},
+        }
+    ]
+    conf, exp_dir = deploy(tmp_path, hosts, hostfile, nodes, name, **experiment)
     stop_on_failure((conf, exp_dir))
     run = run_cli(conf, timeout=900)
     assert run.returncode == 0, run.output
@@ -94,7 +109,9 @@ def serve_on_hosts(tmp_path, hosts, hostfile, stop_on_failure, name, model, repl
 
 
 def test_two_replicas_on_two_hosts_serve_and_stop_cleanly(hosts, hostfile, tmp_path, stop_on_failure):
-    conf, exp_dir, client = serve_on_hosts(tmp_path, hosts, hostfile, stop_on_failure, "two-replicas", "demo", 2, "chipA")
+    conf, exp_dir, client = serve_on_hosts(
+        tmp_path, hosts, hostfile, stop_on_failure, "two-replicas", "demo", 2, "chipA"
+    )
     state = json.loads((exp_dir / "state.json").read_text())
     assert sorted(h["host"] for h in state["hosts"] if h["remote"]) == sorted(h.ip for h in hosts.hosts)
     assert all(h["session"] and h["node_id"] for h in state["hosts"])
@@ -120,10 +137,17 @@ def test_two_replicas_on_two_hosts_serve_and_stop_cleanly(hosts, hostfile, tmp_p
 
 
 def test_chip_pinned_node_runs_on_its_chip_and_a_dead_worker_shows(hosts, hostfile, tmp_path, stop_on_failure):
-    conf, exp_dir, client = serve_on_hosts(tmp_path, hosts, hostfile, stop_on_failure, "chip-b", "b", 1, "chipB")
+    # FlagScale's experiment.node_args: engine args for the replicas on one host (max_num_seqs is 8 elsewhere).
+    node_args = {hosts.hosts[2].ip: {"engine_args": {"max_num_seqs": 3}}}
+    conf, exp_dir, client = serve_on_hosts(
+        tmp_path, hosts, hostfile, stop_on_failure, "chip-b", "b", 1, "chipB", node_args=node_args
+    )
     assert client.completions.create(model="b", prompt="hi", max_tokens=4).usage.completion_tokens == 4
     _, report = status_json(conf)
     assert [r["host"] for r in report["replicas"]] == [hosts.hosts[2].ip]
+    (engine_log,) = (exp_dir / "serve_logs").glob("engine-b-*.log")
+    command = next(line for line in engine_log.read_text().splitlines() if line.startswith("$ "))
+    assert "--max-num-seqs 3" in command and "--max-num-seqs 8" not in command, command
 
     # Kill the Ray node of worker host 2 (no replica on it) outright: its whole recorded session.
     state = json.loads((exp_dir / "state.json").read_text())
@@ -151,10 +175,18 @@ def test_chip_pinned_node_runs_on_its_chip_and_a_dead_worker_shows(hosts, hostfi
 def test_unreachable_host_fails_fast_and_leaves_nothing(hosts, tmp_path, stop_on_failure):
     h1, h2, _ = (h.ip for h in hosts.hosts)
     unreachable = f"{netns.SUBNET}.250"  # on the test subnet, no host behind it
-    hostfile = write_hostfile(tmp_path / "hostfile", [f"{h1} slots=1 type=chipA", f"{h2} slots=1 type=chipA",
-                                                      f"{unreachable} slots=1 type=chipA"])  # fmt: skip
-    nodes = [{"serve_id": "demo", "engine": "vllm", "engine_args": demo_engine_args(),
-              "resources": {"num_replicas": 1, "num_cpus": 1}}]  # fmt: skip
+    hostfile = write_hostfile(
+        tmp_path / "hostfile",
+        [f"{h1} slots=1 type=chipA", f"{h2} slots=1 type=chipA", f"{unreachable} slots=1 type=chipA"],
+    )
+    nodes = [
+        {
+            "serve_id": "demo",
+            "engine": "vllm",
+            "engine_args": demo_engine_args(),
+            "resources": {"num_replicas": 1, "num_cpus": 1},
+        }
+    ]
     conf, exp_dir = deploy(tmp_path, hosts, hostfile, nodes, "unreachable")
     stop_on_failure((conf, exp_dir))
     t0 = time.monotonic()
@@ -165,3 +197,39 @@ def test_unreachable_host_fails_fast_and_leaves_nothing(hosts, tmp_path, stop_on
     assert elapsed < 5 + 30, f"took {elapsed:.0f}s with ssh_timeout_s=5"
     assert_no_ray_left(hosts)
     assert not (exp_dir / "state.json").exists()
+
+
+def test_ssh_config_alias_and_proxy_jump_reach_a_host(hosts, tmp_path):
+    """runner.ssh_config: one host through a Host alias (HostName, User, Port, IdentityFile from the file, none
+    given explicitly), another through ProxyJump via that alias; a session started there is recorded with its
+    leader's start and stopped exactly."""
+    from flagscale.cluster import ssh
+    from flagscale.cluster.processes import read_process, session_members
+    from flagscale.cluster.runner import SshRunner
+
+    h1, _, h3 = hosts.hosts
+    config = tmp_path / "ssh_config"
+    config.write_text(
+        f"Host fs-alias\n  HostName {h1.ip}\n  User root\n  Port {netns.SSH_PORT}\n"
+        f"  IdentityFile {hosts.key}\n  IdentitiesOnly yes\n"
+        f"Host fs-behind\n  HostName {h3.ip}\n  User root\n  Port {netns.SSH_PORT}\n"
+        f"  IdentityFile {hosts.key}\n  ProxyJump fs-alias\n"
+    )
+    settings = ssh.SshSettings(known_hosts=str(hosts.known_hosts), timeout_s=5, config=str(config))
+    with SshRunner("fs-alias", settings) as direct, SshRunner("fs-behind", settings) as behind:
+        assert direct.address == h1.ip and behind.address == h3.ip
+        # SSH_CONNECTION: client ip, client port, server ip, server port, as the server saw the connection.
+        seen = direct.run(["sh", "-c", 'echo "$SSH_CONNECTION"']).stdout.split()
+        assert (seen[2], seen[3]) == (h1.ip, str(netns.SSH_PORT))
+        seen = behind.run(["sh", "-c", 'echo "$SSH_CONNECTION"']).stdout.split()
+        assert seen[0] == h1.ip and seen[2] == h3.ip  # h3 saw the connection come from the jump host
+        go = tmp_path / "go"  # the test hosts share this filesystem; the leader lives until its start is read
+        leader = f"sleep 120 & while [ ! -e {go} ]; do sleep 0.05; done; echo started"
+        session = behind.start_session(["sh", "-c", leader], {}, str(tmp_path / "s.log"), 30)
+        assert session.start_ticks == read_process(session.id).start_ticks
+        go.touch()
+        result = session.wait()
+        assert result.code == 0 and result.stdout == "started"
+        assert session_members(session.id)
+        assert behind.stop_session(session.id, session.start_ticks) == []
+        assert session_members(session.id) == []

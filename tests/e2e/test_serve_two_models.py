@@ -20,7 +20,7 @@ import pytest
 
 from flagscale.cluster.processes import session_members
 from flagscale.serve.cpu_layout import affinity, process_tree
-from tests.conftest import demo_engine_args, run_cli, write_config
+from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
 
 PORT = 18411
 MODELS = ("alpha", "beta")
@@ -32,10 +32,14 @@ def deployment(tmp_path_factory):
     root = tmp_path_factory.mktemp("two-models")
     exp_dir = root / "exp"
     nodes = [
-        {"serve_id": name, "engine": "vllm", "engine_args": demo_engine_args(served_model_name=name),
-         "resources": {"num_replicas": REPLICAS[name], "num_cpus": 1}}
+        {
+            "serve_id": name,
+            "engine": "vllm",
+            "engine_args": demo_engine_args(served_model_name=name),
+            "resources": {"num_replicas": REPLICAS[name], "num_cpus": 1},
+        }
         for name in MODELS
-    ]  # fmt: skip
+    ]
     conf = write_config(root / "conf", nodes, exp_dir, PORT)
     result = run_cli(conf, timeout=900)
     state_path = exp_dir / "state.json"
@@ -74,7 +78,10 @@ def test_completion(client, model):
 @pytest.mark.parametrize("model", MODELS)
 def test_streamed_chat_arrives_in_several_chunks(client, model):
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=12, stream=True,
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=12,
+        stream=True,
         extra_body={"ignore_eos": True},
     )
     chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
@@ -91,11 +98,16 @@ def test_unknown_model_is_a_404_naming_the_models(client):
 def status_json(deployment, require_healthy=True) -> dict:
     result = run_cli(deployment["conf"], "action=status", "output=json", timeout=120)
     assert result.returncode == 0 or not require_healthy, result.output
-    return json.loads(result.stdout[result.stdout.index("{"):])
+    return json.loads(result.stdout[result.stdout.index("{") :])
 
 
 def test_load_spreads_evenly_over_replicas(deployment, client):
-    before = {r["replica_id"]: r["requests_served"] or 0 for r in status_json(deployment)["replicas"]}
+    def alpha_counts() -> dict[str, int] | None:  # once the router counts both of alpha's replicas
+        replicas = status_json(deployment)["replicas"]
+        known = [r for r in replicas if r["serve_id"] == "alpha" and r["requests_served"] is not None]
+        return {r["replica_id"]: r["requests_served"] or 0 for r in replicas} if len(known) == 2 else None
+
+    before = wait_for(alpha_counts, 60, "the router to list both of alpha's replicas")
 
     def complete(i):
         return client.completions.create(model="alpha", prompt=f"request {i}", max_tokens=4)
@@ -110,25 +122,42 @@ def test_load_spreads_evenly_over_replicas(deployment, client):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="vLLM binds its CPU worker to a subset only with 2+ cores")
 def test_cpu_engines_keep_their_cores(deployment, client):
-    """cpu_affinity: auto (default): engine core on its worker's cores; API server and router off them."""
+    """cpu_affinity: auto (default): engine core on its worker's cores; API server and router off them.
+
+    Read from live processes, which a busy machine may still be starting, pinning or replacing: the layout
+    is waited for (bounded) with a fresh status and process table on each try, never read once."""
     host_cpus = os.sched_getaffinity(0)
-    all_worker_cpus: set[int] = set()
-    for replica in status_json(deployment)["replicas"]:
+
+    def engine_layout(replica: dict) -> set[int]:
         tree = process_tree(replica["engine_pid"])  # watchdog, API server, ...
         by_name: dict[str, list[int]] = {}
         for pid in tree:
             by_name.setdefault(process_name(pid), []).append(pid)
+        assert "VLLM::Worker" in by_name and "VLLM::EngineCor" in by_name, (replica, by_name)
         worker_cpus = affinity(by_name["VLLM::Worker"][0])
         assert worker_cpus and len(worker_cpus) < len(host_cpus), replica
         assert replica["worker_cpus"] == sorted(worker_cpus), replica
         assert affinity(by_name["VLLM::EngineCor"][0]) == worker_cpus, replica
         assert not affinity(tree[1]) & worker_cpus, replica
-        all_worker_cpus |= worker_cpus
-    routers = [pid for s in deployment["sessions"] for pid in session_members(s)
-               if process_name(pid, cmdline=True).endswith(":router")]  # fmt: skip
-    assert len(routers) == 1
-    if all_worker_cpus != host_cpus:
-        assert affinity(routers[0]) == host_cpus - all_worker_cpus
+        return worker_cpus
+
+    def layout_holds() -> bool:
+        all_worker_cpus: set[int] = set()
+        for replica in status_json(deployment)["replicas"]:
+            all_worker_cpus |= engine_layout(replica)
+        routers = [
+            pid
+            for s in deployment["sessions"]
+            for pid in session_members(s)
+            if process_name(pid, cmdline=True).endswith(":router")
+        ]
+        assert len(routers) == 1, routers
+        if all_worker_cpus != host_cpus:
+            assert affinity(routers[0]) == host_cpus - all_worker_cpus, (routers, all_worker_cpus)
+        return True
+
+    # Bounded by a replica replacement (as in test_killed_engine_fails_over_and_is_replaced).
+    wait_for(layout_holds, 300, "every engine replica's CPU layout and the router's cores", interval=2)
 
 
 def process_name(pid: int, cmdline: bool = False) -> str:
@@ -159,7 +188,7 @@ def test_killed_engine_fails_over_and_is_replaced(deployment, client):
 def test_status_is_healthy(deployment, client):
     result = run_cli(deployment["conf"], "action=status", "output=json", timeout=120)
     assert result.returncode == 0, result.output
-    report = json.loads(result.stdout[result.stdout.index("{"):])
+    report = json.loads(result.stdout[result.stdout.index("{") :])
     assert report["healthy"] and report["status"] == "RUNNING"
     assert {d for d in report["deployments"]} == {"alpha", "beta", "router"}
     assert sorted(r["serve_id"] for r in report["replicas"]) == ["alpha", "alpha", "beta"]
@@ -169,9 +198,15 @@ def test_status_is_healthy(deployment, client):
 
 def test_bench_action_writes_json_and_png(deployment, client):
     result = run_cli(
-        deployment["conf"], "action=bench", "experiment.bench.num_prompts=6", "experiment.bench.input_len=16",
-        "experiment.bench.output_len=8", "experiment.bench.concurrency=[1,3]", "experiment.bench.model=beta",
-        "experiment.bench.slo_ttft_ms=5000", timeout=600,
+        deployment["conf"],
+        "action=bench",
+        "experiment.bench.num_prompts=6",
+        "experiment.bench.input_len=16",
+        "experiment.bench.output_len=8",
+        "experiment.bench.concurrency=[1,3]",
+        "experiment.bench.model=beta",
+        "experiment.bench.slo_ttft_ms=5000",
+        timeout=600,
     )
     assert result.returncode == 0, result.output
     reports = sorted((deployment["exp_dir"] / "bench").glob("bench-*.json"))

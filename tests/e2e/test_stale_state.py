@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from flagscale.cluster.ray_node import free_port
 from flagscale.cluster.state import HostRecord, RunState
+from flagscale.net import free_port
 from tests.conftest import demo_engine_args, run_cli, write_config
 
 PORT = 18951
@@ -13,12 +13,20 @@ PORT = 18951
 
 def stale_run(tmp_path):
     exp_dir = tmp_path / "exp"
-    conf = write_config(tmp_path / "conf", [{"serve_id": "a", "engine": "vllm", "engine_args": demo_engine_args()}],
-                        exp_dir, PORT)  # fmt: skip
+    conf = write_config(
+        tmp_path / "conf", [{"serve_id": "a", "engine": "vllm", "engine_args": demo_engine_args()}], exp_dir, PORT
+    )
     dead = free_port()  # nothing listens there
-    RunState(app_name="test", exp_dir=str(exp_dir), endpoint=f"http://127.0.0.1:{PORT}", ray_address=f"127.0.0.1:{dead}",
-             token_path=None, started_cluster=True, hosts=[HostRecord(host="localhost", role="head", session=None)],
-             models=["a"], phase="running").save()  # fmt: skip
+    RunState(
+        app_name="test",
+        exp_dir=str(exp_dir),
+        endpoint=f"http://127.0.0.1:{PORT}",
+        ray_address=f"127.0.0.1:{dead}",
+        token_path=None,
+        hosts=[HostRecord(host="localhost", role="head", session=None)],
+        models=["a"],
+        phase="running",
+    ).save()
     return conf, exp_dir
 
 
@@ -26,7 +34,7 @@ def test_status_of_a_gone_cluster(tmp_path):
     conf, _ = stale_run(tmp_path)
     result = run_cli(conf, "action=status", "output=json", timeout=120)
     assert result.returncode == 1
-    report = json.loads(result.stdout[result.stdout.index("{"):])
+    report = json.loads(result.stdout[result.stdout.index("{") :])
     assert report["status"] == "CLUSTER_GONE" and not report["healthy"] and "action=stop" in report["message"]
 
 
@@ -39,8 +47,9 @@ def test_stop_cleans_up_a_gone_cluster(tmp_path):
 
 def test_bench_with_nothing_running(tmp_path):
     exp_dir = tmp_path / "exp"
-    conf = write_config(tmp_path / "conf", [{"serve_id": "a", "engine": "vllm", "engine_args": demo_engine_args()}],
-                        exp_dir, PORT)  # fmt: skip
+    conf = write_config(
+        tmp_path / "conf", [{"serve_id": "a", "engine": "vllm", "engine_args": demo_engine_args()}], exp_dir, PORT
+    )
     result = run_cli(conf, "action=bench", timeout=120)
     assert result.returncode != 0
     assert "nothing is running" in result.output and str(exp_dir) in result.output

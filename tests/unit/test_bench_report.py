@@ -20,10 +20,17 @@ from flagscale.config.schema import BenchConfig
 def vllm_result(**overrides):
     """The shape of vllm.benchmarks.serve.main()'s return value for one pass (scalars are numpy floats there)."""
     result = {
-        "duration": 12.5, "completed": 20, "failed": 0, "request_throughput": 1.6, "request_goodput": None,
-        "output_throughput": 102.4, "total_token_throughput": 307.2, "max_concurrency": 4,
-        "errors": ["", "", ""], "ttfts": [0.1, 0.2],
-    }  # fmt: skip
+        "duration": 12.5,
+        "completed": 20,
+        "failed": 0,
+        "request_throughput": 1.6,
+        "request_goodput": None,
+        "output_throughput": 102.4,
+        "total_token_throughput": 307.2,
+        "max_concurrency": 4,
+        "errors": ["", "", ""],
+        "ttfts": [0.1, 0.2],
+    }
     for i, metric in enumerate(LATENCY_METRICS):
         result[f"mean_{metric}_ms"] = np.float64(10.0 * (i + 1))
         result[f"median_{metric}_ms"] = np.float64(9.0 * (i + 1))
@@ -60,8 +67,9 @@ def test_argv_is_accepted_by_vllms_own_parser():
     from vllm.benchmarks.serve import add_cli_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    settings = BenchConfig(num_prompts=7, input_len=32, output_len=8, slo_ttft_ms=500, slo_tpot_ms=50.5,
-                           endpoint="/v1/chat/completions")  # fmt: skip
+    settings = BenchConfig(
+        num_prompts=7, input_len=32, output_len=8, slo_ttft_ms=500, slo_tpot_ms=50.5, endpoint="/v1/chat/completions"
+    )
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
     args = parser.parse_args(vllm_bench_argv("http://127.0.0.1:9", "demo", "/models/demo", settings, 3))
@@ -74,14 +82,20 @@ def test_argv_is_accepted_by_vllms_own_parser():
 
 
 def test_tokenizer_is_the_model_path_of_the_node_serving_the_name():
-    config = load_config({
-        "experiment": {"exp_name": "t", "exp_dir": "/tmp/t"},
-        "serve": [
-            {"serve_id": "a", "engine": "vllm", "engine_args": {"model": "/m/a"}},
-            {"serve_id": "b", "engine": "vllm", "engine_args": {"model": "/m/b", "served_model_name": ["b1", "b2"]}},
-            {"serve_id": "c", "engine": "vllm", "engine_args": {"model": "/m/c", "tokenizer": "/t/c"}},
-        ],
-    })  # fmt: skip
+    config = load_config(
+        {
+            "experiment": {"exp_name": "t", "exp_dir": "/tmp/t"},
+            "serve": [
+                {"serve_id": "a", "engine": "vllm", "engine_args": {"model": "/m/a"}},
+                {
+                    "serve_id": "b",
+                    "engine": "vllm",
+                    "engine_args": {"model": "/m/b", "served_model_name": ["b1", "b2"]},
+                },
+                {"serve_id": "c", "engine": "vllm", "engine_args": {"model": "/m/c", "tokenizer": "/t/c"}},
+            ],
+        }
+    )
     assert tokenizer_for(config, "a") == "/m/a"
     assert tokenizer_for(config, "b2") == "/m/b"
     assert tokenizer_for(config, "c") == "/t/c"
@@ -92,4 +106,3 @@ def test_plot_is_written(tmp_path):
     rows = [report_row(c, vllm_result()) for c in (1, 4, 16)]
     write_plot(rows, tmp_path / "p.png", "t")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
-

@@ -10,7 +10,12 @@ SOURCES = ConfigSources(main="conf/serve.yaml", serve="conf/serve/demo.yaml")
 
 def base(**overrides):
     cfg = {
-        "experiment": {"exp_name": "t", "exp_dir": "/tmp/t", "task": {"type": "serve"}, "runner": {"deploy": {"port": 8123}}},
+        "experiment": {
+            "exp_name": "t",
+            "exp_dir": "/tmp/t",
+            "task": {"type": "serve"},
+            "runner": {"deploy": {"port": 8123}},
+        },
         "serve": [{"serve_id": "a", "engine": "vllm", "engine_args": {"model": "/m"}}],
         "action": "run",
     }
@@ -49,8 +54,8 @@ def test_unknown_key_in_experiment_names_main_file():
 
 def test_unknown_engine():
     cfg = base()
-    cfg["serve"][0]["engine"] = "sglang"
-    assert "unknown engine 'sglang'" in error_of(cfg)
+    cfg["serve"][0]["engine"] = "trtllm"
+    assert "unknown engine 'trtllm'" in error_of(cfg)
 
 
 def test_unknown_action_lists_the_valid_ones():

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from flagscale.config.graph import build_graph_plan, check_request, find_cycle, topological_order
+from flagscale.config.graph import build_graph_plan, find_cycle, topological_order
 from flagscale.config.load import ConfigSources, load_config
+from flagscale.config.request import bind
 from flagscale.errors import ConfigError
 
-NODES = '''
+NODES = """
 class Root:
     def forward(self, prompt, times):
         return prompt * times
@@ -42,7 +43,7 @@ class NeedsSomething:
         pass
     def forward(self, prompt, times):
         return prompt
-'''
+"""
 
 
 @pytest.fixture
@@ -61,8 +62,11 @@ def diamond():
 
 
 def plan(conf: Path, nodes, engines=None, deploy=None):
-    deploy = {"name": "/generate", "request": {"args": ["prompt", "times"], "types": ["str", "int"]}} \
-        if deploy is None else deploy  # fmt: skip
+    deploy = (
+        {"name": "/generate", "request": {"args": ["prompt", "times"], "types": ["str", "int"]}}
+        if deploy is None
+        else deploy
+    )
     cfg = {
         "experiment": {"exp_name": "t", "exp_dir": str(conf / "exp"), "runner": {"deploy": deploy}},
         "serve": nodes,
@@ -193,11 +197,15 @@ def test_cycle_and_order_helpers():
 
 def test_check_request(conf):
     graph = plan(conf, diamond())
+
+    def check_request(graph, payload):
+        return bind(graph.request_fields, payload)[1]
+
     assert check_request(graph, {"prompt": "x", "times": 2}) is None
     assert "must be int, got str" in check_request(graph, {"prompt": "x", "times": "2"})
     assert "must be int, got bool" in check_request(graph, {"prompt": "x", "times": True})
-    assert "missing ['times']" in check_request(graph, {"prompt": "x"})
-    assert "unexpected ['extra']" in check_request(graph, {"prompt": "x", "times": 1, "extra": 0})
+    assert "missing required request field(s) ['times']" in check_request(graph, {"prompt": "x"})
+    assert "unexpected request field(s) ['extra']" in check_request(graph, {"prompt": "x", "times": 1, "extra": 0})
     assert "JSON object" in check_request(graph, ["x"])
 
 

@@ -7,9 +7,12 @@ import shlex
 import pytest
 
 from flagscale.cluster.hostfile import HEAD_RESOURCE, parse_hostfile
-from flagscale.cluster.multihost import launch_argv, ray_start_argv
-from flagscale.cluster.placement import check_fits, place_engine
+from flagscale.cluster.multihost import ray_start_argv
+from flagscale.cluster.placement import Target, check_fits, reserve
+from flagscale.cluster.ray_node import with_before_start
+from flagscale.cluster.runner import session_argv
 from flagscale.cluster.ssh import remote_command
+from flagscale.config.replicas import replica_settings
 from flagscale.config.schema import NodeConfig
 from flagscale.errors import ConfigError
 from flagscale.plan import EnginePlan
@@ -25,7 +28,9 @@ def test_parses_hosts_comments_blank_lines_and_head(tmp_path):
     path = hostfile(tmp_path, "# cluster\n\n10.0.0.1 slots=8 type=gpu  # head\n  node-b slots=4 type=gpu\n")
     parsed = parse_hostfile(path)
     assert [(h.host, h.slots, h.chip, h.line) for h in parsed.hosts] == [
-        ("10.0.0.1", 8, "gpu", 3), ("node-b", 4, "gpu", 4)]  # fmt: skip
+        ("10.0.0.1", 8, "gpu", 3),
+        ("node-b", 4, "gpu", 4),
+    ]
     assert parsed.head.host == "10.0.0.1" and [w.host for w in parsed.workers] == ["node-b"]
     assert parse_hostfile(path, head="node-b").head.host == "node-b"
 
@@ -70,29 +75,50 @@ def test_resources_per_chip_type(tmp_path):
 
 
 def engine(serve_id="m", tp=1, replicas=1, accelerator=None):
-    node = NodeConfig(serve_id=serve_id, engine="vllm", engine_args={"model": "x", "tensor_parallel_size": tp},
-                      resources={"num_replicas": replicas, "accelerator": accelerator})  # fmt: skip
-    plan = EnginePlan(serve_id=serve_id, model="x", model_names=[serve_id], argv=["--model", "x"], device="cpu",
-                      devices_per_replica=tp, num_replicas=replicas, autoscaling=None, ray_actor_options={})  # fmt: skip
+    node = NodeConfig(
+        serve_id=serve_id,
+        engine="vllm",
+        engine_args={"model": "x", "tensor_parallel_size": tp},
+        resources={"num_replicas": replicas, "accelerator": accelerator},
+    )
+    return node
+
+
+def place_engine(node, hostfile, strategy, where):
+    """The plan of one engine node placed on the hostfile's hosts (cluster.placement.reserve)."""
+    tp = node.engine_args["tensor_parallel_size"]
+    reservation = reserve(node.resources, (tp, 1, 1), Target.hosts_of(hostfile), strategy, where, where)
+    scaling = replica_settings(node.resources, reservation.ray_actor_options, reservation.auto_replicas)
+    plan = EnginePlan(
+        serve_id=node.serve_id,
+        model="x",
+        model_names=[node.serve_id],
+        argv=["--model", "x", *reservation.extra_argv],
+        device=reservation.device,
+        devices_per_replica=tp,
+        parallel=(tp, 1, 1),
+        chip=reservation.chip,
+        placement_bundles=reservation.placement_bundles,
+        placement_strategy=reservation.placement_strategy,
+        **vars(scaling),
+    )
     return plan, node
 
 
 def test_engine_pinned_to_chip_reserves_its_slots(tmp_path):
     hf = parse_hostfile(hostfile(tmp_path, "a slots=2 type=chipA\nb slots=1 type=chipB\n"))
-    plan, node = engine(tp=2, accelerator="chipA")
-    place_engine(plan, node, hf, "PACK", "here")
+    plan, node = place_engine(engine(tp=2, accelerator="chipA"), hf, "PACK", "here")
     assert plan.ray_actor_options == {"num_cpus": 1, "resources": {"chipA": 2.0, "accelerator_type:chipA": 0.001}}
     assert plan.placement_bundles is None
     with pytest.raises(ConfigError, match="no host of that type"):
-        place_engine(*engine(accelerator="chipC"), hf, "PACK", "here")
+        place_engine(engine(accelerator="chipC"), hf, "PACK", "here")
     with pytest.raises(ConfigError, match="mixes chip types"):
-        place_engine(*engine(), hf, "PACK", "here")
+        place_engine(engine(), hf, "PACK", "here")
 
 
 def test_tp_larger_than_one_host_uses_a_placement_group(tmp_path):
     hf = parse_hostfile(hostfile(tmp_path, "a slots=2 type=gpu\nb slots=2 type=gpu\n"))
-    plan, node = engine(tp=4)
-    place_engine(plan, node, hf, "SPREAD", "here")
+    plan, node = place_engine(engine(tp=4), hf, "SPREAD", "here")
     assert plan.placement_strategy == "SPREAD"
     assert plan.placement_bundles == [{"CPU": 1.0, "accelerator_type:gpu": 0.001}] + [{"GPU": 1.0}] * 4
     assert plan.argv[-2:] == ["--distributed-executor-backend", "ray"]
@@ -101,13 +127,29 @@ def test_tp_larger_than_one_host_uses_a_placement_group(tmp_path):
 
 def test_graph_larger_than_hostfile_is_rejected_with_the_arithmetic(tmp_path):
     hf = parse_hostfile(hostfile(tmp_path, "a slots=2 type=gpu\nb slots=2 type=gpu\n"))
-    first, second = engine("m1", tp=2, replicas=2), engine("m2", tp=1, replicas=1)
-    for plan, node in (first, second):
-        place_engine(plan, node, hf, "PACK", "here")
+    first = place_engine(engine("m1", tp=2, replicas=2), hf, "PACK", "here")
+    second = place_engine(engine("m2", tp=1, replicas=1), hf, "PACK", "here")
     with pytest.raises(ConfigError) as info:
         check_fits([first, second], hf, None, "here")
-    assert ("m1: 2 replica(s) x 2 (TP 2 x PP 1 x DP 1) + m2: 1 replica(s) x 1 (TP 1 x PP 1 x DP 1) = 5 device(s); "
-            f"{hf.path} offers 2 + 2 = 4 slot(s) of type=gpu") in str(info.value)
+    assert (
+        "m1: 2 replica(s) x 2 (TP 2 x PP 1 x DP 1) + m2: 1 replica(s) x 1 (TP 1 x PP 1 x DP 1) = 5 device(s); "
+        f"{hf.path} offers 2 + 2 = 4 slot(s) of type=gpu"
+    ) in str(info.value)
+
+
+def test_this_machine_is_a_one_host_target():
+    node = engine(tp=2)
+    cpu = reserve(node.resources, (2, 1, 1), Target.this_machine(gpus=0, cpus=4), "PACK", "res", "args")
+    assert (cpu.device, cpu.ray_actor_options, cpu.auto_replicas) == ("cpu", {"num_cpus": 2}, 2)
+    gpu = reserve(node.resources, (2, 1, 1), Target.this_machine(gpus=8, cpus=4), "PACK", "res", "args")
+    assert (gpu.device, gpu.ray_actor_options, gpu.auto_replicas) == ("gpu", {"num_cpus": 1, "num_gpus": 2}, 4)
+    with pytest.raises(
+        ConfigError, match="args: TP x PP x DP = 2 x 1 x 1 = 2 CPU devices per replica, but this machine offers 1"
+    ):
+        reserve(node.resources, (2, 1, 1), Target.this_machine(gpus=0, cpus=1), "PACK", "res", "args")
+    no_gpu = NodeConfig(serve_id="g", engine_args={"model": "x"}, resources={"num_gpus": 1})
+    with pytest.raises(ConfigError, match="res: num_gpus=1 per replica, but this machine has no GPU"):
+        reserve(no_gpu.resources, (1, 1, 1), Target.this_machine(gpus=0, cpus=4), "PACK", "res", "args")
 
 
 def test_remote_command_quotes_every_word():
@@ -122,6 +164,6 @@ def test_ray_start_argv_for_head_and_worker(tmp_path):
     assert HEAD_RESOURCE in head[head.index("--resources") + 1]
     worker = ray_start_argv(hf.hosts[1], hf.head, 6379, None, "/tmp/fsr-y")
     assert worker[worker.index("--address") + 1] == "10.0.0.1:6379" and "--num-cpus" not in worker
-    wrapped = launch_argv(worker, "echo 'hi'", "/tmp/fsr-y/ray-start.log")
+    wrapped = session_argv(with_before_start(worker, "echo 'hi'"), "/tmp/fsr-y/ray-start.log")
     assert wrapped[:3] == ["setsid", "-w", "sh"] and wrapped[6] == "/tmp/fsr-y/ray-start.log"
     assert wrapped[7:10] == ["bash", "-c", "set -e\necho 'hi'\nexec \"$@\""]

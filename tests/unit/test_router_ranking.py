@@ -1,11 +1,13 @@
-from flagscale.serve.registry import ReplicaRecord
 from flagscale.serve.router import _Upstream, rank_replicas
+from tests.conftest import replica_record
 
 
 def upstream(name, inflight=0, down_until=0.0, sent=0):
-    record = ReplicaRecord(app="a", serve_id="s", replica_id=name, models=["m"], url=f"http://{name}", node_id="n",
-                           node_ip="127.0.0.1", pid=1, engine_pid=2, log_path="", updated_at=0.0)
-    return _Upstream(record, inflight=inflight, down_until=down_until, sent=sent)
+    record = replica_record(name, f"http://{name}")
+    up = _Upstream(record, inflight=inflight, sent=sent)
+    if down_until:
+        up.breaker.open_until = down_until  # circuit open until then
+    return up
 
 
 def names(ups):

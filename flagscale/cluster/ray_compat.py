@@ -1,0 +1,94 @@
+"""Every Ray API the project uses that Ray does not promise to keep: underscore names, `ray._raylet`, internal
+module paths, and the wording of Serve messages we match. Nothing else in flagscale/ or benchmarks/ touches them.
+
+Read from Ray 2.60.0 (the version in .venv). On a Ray bump, check this file against the new release - and only
+this file. What each wraps, and why the public API does not do:
+
+- deploy_app: `serve._run(app, _blocking=False, name=, route_prefix=None)`. The public `serve.run` calls `_run`
+  with `_blocking=True` (it waits for RUNNING and raises on failure); `run` polls `serve.status()` itself to
+  bound the wait and report each deployment's cause.
+- delete_app: `serve.delete(name, _blocking=False)`; `_blocking` is an underscore parameter of a public call.
+  `stop` waits (bounded) on `serve.status()` itself.
+- serve_details: `ray.serve.context._get_global_client().get_serve_details()` as `ServeInstanceDetails`: the
+  deployment configs (num_replicas, autoscaling_config) and target replicas the dashboard's
+  /api/serve/applications/ serves; the dashboard is off, so it is read from the controller.
+- kv_put / kv_get / kv_del / kv_list: `ray.experimental.internal_kv._internal_kv_*`, the GCS key-value store
+  (the replica registry, flagscale/serve/registry.py). Signatures: put(key, value, overwrite, *, namespace),
+  get(key, *, namespace), del(key, *, namespace), list(prefix, *, namespace) -> list[bytes].
+- reload_ray_config: `ray._raylet.Config.initialize("")`, which re-reads RAY_* env settings (RAY_AUTH_MODE)
+  that Ray read at import, as Ray itself does after setting them.
+- node_ip_init_kwargs: `ray.init(_node_ip_address=...)`, which attaches a driver to the Ray node of that IP.
+- RAY_CLI_MODULE: `ray.scripts.scripts`, the module behind the `ray` console script (its `main`).
+- SERVE_WAITING_FOR_RESOURCES: Serve's deployment message for replicas that cannot be scheduled yet
+  ("Deployment '<name>' in application '<app>' has N replicas that have taken more than <SLOW_STARTUP_WARNING_S>s
+  to be scheduled. ...", ray/serve/_private/deployment_state.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ray.serve import Application
+    from ray.serve.schema import ServeInstanceDetails
+
+RAY_CLI_MODULE = "ray.scripts.scripts"
+SERVE_WAITING_FOR_RESOURCES = "to be scheduled"
+
+
+def deploy_app(app: Application, name: str) -> None:
+    """Submit the application to Serve and return at once (no route prefix: the router is the HTTP entry)."""
+    from ray import serve
+
+    serve._run(app, _blocking=False, name=name, route_prefix=None)
+
+
+def delete_app(name: str) -> None:
+    """Ask Serve to delete the application; return without waiting."""
+    from ray import serve
+
+    serve.delete(name, _blocking=False)
+
+
+def serve_details() -> ServeInstanceDetails:
+    """The Serve controller's full view of its applications (raises when no controller runs)."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeInstanceDetails
+
+    return ServeInstanceDetails(**_get_global_client().get_serve_details())
+
+
+def kv_put(key: bytes, value: bytes, namespace: str) -> None:
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(key, value, overwrite=True, namespace=namespace)
+
+
+def kv_get(key: bytes, namespace: str) -> bytes | None:
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    return _internal_kv_get(key, namespace=namespace)
+
+
+def kv_del(key: bytes, namespace: str) -> None:
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    _internal_kv_del(key, namespace=namespace)
+
+
+def kv_list(prefix: bytes, namespace: str) -> list[bytes]:
+    from ray.experimental.internal_kv import _internal_kv_list
+
+    return _internal_kv_list(prefix, namespace=namespace)
+
+
+def reload_ray_config() -> None:
+    """Make Ray re-read its RAY_* env settings (after RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH were set)."""
+    from ray._raylet import Config
+
+    Config.initialize("")
+
+
+def node_ip_init_kwargs(node_ip: str | None) -> dict[str, Any]:
+    """`ray.init` keyword arguments that attach the driver to the Ray node at node_ip (none: Ray's choice)."""
+    return {"_node_ip_address": node_ip} if node_ip else {}

@@ -1,0 +1,71 @@
+"""Port and HTTP probes, in one place: is something listening, can a port be bound, a free port, `/health`.
+
+Two port questions with different answers, kept apart on purpose:
+- `port_open`: does something accept a TCP connection at host:port (works for remote hosts);
+- `port_is_free`: can this machine bind host:port (local only; SO_REUSEADDR, so TIME_WAIT does not count).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.error
+import urllib.request
+
+
+def port_open(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts a TCP connection at host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for_port(host: str, port: int, timeout_s: float, interval_s: float = 0.2) -> bool:
+    """Poll `port_open` (1 s per try) until it answers or timeout_s passes; False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if port_open(host, port, timeout_s=1):
+            return True
+        time.sleep(interval_s)
+    return False
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether this machine can bind host:port right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS reports free on host (bind to port 0); free when asked, not reserved."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def health_ok(base_url: str, timeout_s: float) -> bool:
+    """Whether GET base_url/health answers 200."""
+    try:
+        with urllib.request.urlopen(base_url + "/health", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except OSError:  # URLError, HTTPError and refused/reset connections are all OSErrors
+        return False
+
+
+def health_problem(base_url: str, timeout_s: float) -> str | None:
+    """None when GET base_url/health answers 200, else what went wrong: "HTTP <code>[: <body>]" or
+    "unreachable (<error>)"."""
+    try:
+        with urllib.request.urlopen(base_url + "/health", timeout=timeout_s) as resp:
+            return None if resp.status == 200 else f"HTTP {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.read().decode(errors='replace').strip()}"
+    except OSError as exc:
+        return f"unreachable ({exc})"

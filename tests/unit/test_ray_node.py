@@ -1,0 +1,33 @@
+"""How `ray` is started: by this interpreter and Ray's CLI module, never through the `ray` console script."""
+
+import subprocess
+import sys
+
+from flagscale.cluster.hostfile import parse_hostfile
+from flagscale.cluster.multihost import ray_start_argv
+from flagscale.cluster.ray_node import RAY_CLI_MODULE, head_argv, ray_cli
+
+
+def test_head_argv_starts_ray_with_this_interpreter(monkeypatch, tmp_path):
+    # An install whose scripts landed elsewhere: no `ray` next to the interpreter.
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python3"))
+    argv = head_argv(6379, 2, None, "/tmp/fsr-x")
+    assert argv[0] == str(tmp_path / "bin" / "python3")
+    assert argv[argv.index("-m") + 1] == RAY_CLI_MODULE
+    assert argv[len(ray_cli()) : len(ray_cli()) + 2] == ["start", "--head"]
+    assert not any(word.endswith("/ray") for word in argv)
+
+
+def test_multihost_argv_uses_the_same_cli(tmp_path):
+    path = tmp_path / "hostfile"
+    path.write_text("10.0.0.1 slots=1 type=cpu\n10.0.0.2 slots=1 type=cpu\n")
+    hf = parse_hostfile(str(path))
+    for entry in hf.hosts:
+        argv = ray_start_argv(entry, hf.head, 6379, None, "/tmp/fsr-y")
+        assert argv[: len(ray_cli()) + 1] == [*ray_cli(), "start"]
+
+
+def test_ray_cli_module_runs():
+    """The module really is Ray's CLI in the installed Ray (what the console script calls)."""
+    result = subprocess.run([*ray_cli(), "start", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "--head" in result.stdout

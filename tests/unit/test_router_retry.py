@@ -1,0 +1,111 @@
+"""Which upstream failures the router retries on another replica, on real sockets: only those where the
+request never reached the replica (connection refused). One that took the request and dropped the
+connection may have run it, so the client gets a 502 and no other replica sees the request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import aiohttp
+from aiohttp import web
+
+from flagscale.serve.router import _Upstream, upstream_session
+from tests.conftest import bare_router, replica_record
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def upstream(name: str, port: int, sent: int) -> _Upstream:
+    record = replica_record(name, f"http://127.0.0.1:{port}")
+    return _Upstream(record, sent=sent)  # fewer sent: tried first
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port
+
+
+async def healthy_replica(seen: list) -> tuple[web.AppRunner, int]:
+    async def complete(request):
+        seen.append(await request.json())
+        return web.json_response({"choices": [{"text": "ok"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    return await serve(app)
+
+
+async def dropping_replica(seen: list) -> tuple[asyncio.Server, int]:
+    """Reads a whole request, then closes the connection without answering (a replica dying mid-request)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+        seen.append(json.loads(await reader.readexactly(length)))
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def through_router(upstreams: list[_Upstream]) -> tuple[int, dict]:
+    router = bare_router(upstreams, "least_load")
+    router._session = upstream_session()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", router._proxy)
+    runner, port = await serve(app)
+    try:
+        async with aiohttp.ClientSession() as client:
+            async with client.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+                return r.status, await r.json()
+    finally:
+        await router._session.close()
+        await runner.cleanup()
+
+
+def test_refused_connection_goes_to_the_next_replica():
+    async def main():
+        seen: list = []
+        runner, port = await healthy_replica(seen)
+        refused = upstream("refused", free_port(), sent=0)  # nothing listens there
+        good = upstream("good", port, sent=1)
+        try:
+            status, body = await through_router([refused, good])
+        finally:
+            await runner.cleanup()
+        assert status == 200 and body["choices"][0]["text"] == "ok"
+        assert seen == [{"model": "m", "prompt": "x"}]
+        assert refused.breaker.state() == "open" and good.breaker.state() == "closed"
+
+    asyncio.run(main())
+
+
+def test_request_dropped_after_it_was_sent_is_not_sent_again():
+    async def main():
+        dropped_seen: list = []
+        good_seen: list = []
+        dropper, dropper_port = await dropping_replica(dropped_seen)
+        runner, good_port = await healthy_replica(good_seen)
+        dropping = upstream("dropping", dropper_port, sent=0)
+        good = upstream("good", good_port, sent=1)
+        try:
+            status, body = await through_router([dropping, good])
+        finally:
+            dropper.close()
+            await runner.cleanup()
+        assert status == 502, body
+        assert "dropping" in body["error"]["message"] and "not retried" in body["error"]["message"]
+        assert dropped_seen == [{"model": "m", "prompt": "x"}]  # the request did reach that replica ...
+        assert good_seen == []  # ... and ran nowhere else
+        assert dropping.breaker.failures == 1 and dropping.breaker.state() == "closed"  # 1 of BREAKER_FAILURES
+
+    asyncio.run(main())

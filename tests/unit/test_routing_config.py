@@ -1,0 +1,58 @@
+"""`routing` of a node: schema, plan (EnginePlan.routing) and the router's per-model spec."""
+
+from __future__ import annotations
+
+import pytest
+
+from flagscale.config.load import ConfigSources, load_config
+from flagscale.errors import ConfigError
+from flagscale.plan import build_plan
+from flagscale.serve.routing import RoutingSpec
+
+SOURCES = ConfigSources(main="conf/serve.yaml", serve="conf/serve/demo.yaml")
+
+
+def config(model, **node):
+    return {
+        "experiment": {"exp_name": "t", "exp_dir": "/tmp/t", "runner": {"deploy": {"port": 8123}}},
+        "serve": [
+            {
+                "serve_id": "a",
+                "engine": "vllm",
+                "engine_args": {"model": str(model), "max_model_len": 256, "served_model_name": ["a", "a2"]},
+                **node,
+            },
+            {"serve_id": "b", "engine": "vllm", "engine_args": {"model": str(model), "max_model_len": 256}},
+        ],
+    }
+
+
+def test_engine_nodes_default_to_cache_aware_and_take_their_options(demo_model_path):
+    cfg = config(demo_model_path, routing="session", routing_options={"max_sessions": 10})
+    plan = build_plan(load_config(cfg, SOURCES), SOURCES, check_port=False)
+    a, b = plan.engines
+    assert a.routing == RoutingSpec(policy="session", max_sessions=10)
+    assert b.routing == RoutingSpec(policy="cache_aware")
+
+
+def test_app_gives_the_router_each_model_its_nodes_policy(demo_model_path):
+    from flagscale.serve.app import router_spec
+
+    plan = build_plan(load_config(config(demo_model_path, routing="round_robin"), SOURCES), SOURCES, check_port=False)
+    spec = router_spec(plan)
+    assert {m: r.policy for m, r in spec.routing.items()} == {
+        "a": "round_robin",
+        "a2": "round_robin",
+        "b": "cache_aware",
+    }
+
+
+def test_unknown_policy_and_routing_on_a_custom_node_are_refused(demo_model_path):
+    with pytest.raises(ConfigError, match="routing"):
+        load_config(config(demo_model_path, routing="random"), SOURCES)
+    with pytest.raises(ConfigError, match="routing"):
+        load_config(config(demo_model_path, routing_options={"balance_abs_threshold": -1}), SOURCES)
+    cfg = config(demo_model_path)
+    cfg["serve"].append({"serve_id": "c", "module": "x.py", "name": "C", "routing": "least_load"})
+    with pytest.raises(ConfigError, match="engine nodes"):
+        load_config(cfg, SOURCES)

@@ -1,0 +1,236 @@
+"""The routing policies on synthetic replica states: no Ray, no HTTP."""
+
+from __future__ import annotations
+
+import pytest
+
+from flagscale.serve.routing import (
+    POLICIES,
+    CacheAware,
+    PrefixTable,
+    RequestInfo,
+    RoutingSpec,
+    Upstream,
+    make_policy,
+    prompt_text,
+)
+from tests.conftest import replica_record
+
+
+def upstream(name: str, inflight: int = 0, sent: int = 0) -> Upstream:
+    record = replica_record(name, f"http://{name}")
+    return Upstream(record, inflight=inflight, sent=sent)
+
+
+def names(ups) -> list[str]:
+    return [u.replica_id for u in ups]
+
+
+def send(policy, ups, body, headers=None, now=1.0) -> Upstream:
+    """Route one request and account it as the router does (picked: sent, hooks); it stays in flight."""
+    info = RequestInfo("m", body, headers or {})
+    chosen = policy.select(ups, info, now)[0]
+    policy.before_request(chosen, info)
+    chosen.inflight += 1
+    chosen.sent += 1
+    return chosen
+
+
+def finish(policy, up: Upstream, body) -> None:
+    up.inflight -= 1
+    policy.after_request(up, RequestInfo("m", body), True)
+
+
+PREFIX_A = "alpha " * 40  # 240 characters: 3 blocks of 64 and some
+PREFIX_B = "bravo " * 40
+
+
+def test_every_policy_name_makes_its_policy():
+    for name in POLICIES:
+        assert make_policy(RoutingSpec(policy=name)).name == name
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy(RoutingSpec(policy="random"))
+
+
+def test_prompt_text_of_completions_and_chat():
+    assert prompt_text({"prompt": "hello"}) == "hello"
+    assert prompt_text({"prompt": ["first", "second"]}) == "first"
+    assert prompt_text({"prompt": [1, 2, 3]}) == "1 2 3"
+    chat = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+    assert prompt_text(chat) == "<system>be brief<user>hi"
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    assert prompt_text(parts) == "<user>ab"
+    assert prompt_text({}) == ""
+
+
+def test_prefix_table_longest_match_and_lru_bound():
+    table = PrefixTable(block_chars=4, max_blocks=6)
+    keys_abc = table.keys("aaaabbbbcccc")
+    keys_abd = table.keys("aaaabbbbdddd")
+    assert len(keys_abc) == 3 and keys_abc[:2] == keys_abd[:2] and keys_abc[2] != keys_abd[2]
+    assert table.keys("aaaabbbbccc") == keys_abc[:2]  # a partial block is not a block
+    table.insert(keys_abc, "r1")
+    table.insert(keys_abd[:2], "r2")
+    assert table.match(keys_abc) == {"r1": 3, "r2": 2}
+    assert table.match(keys_abd) == {"r1": 2, "r2": 2}
+    table.insert(table.keys("xxxxyyyyzzzz"), "r2")  # 3 new blocks: 6 in all, at the bound
+    assert len(table.blocks) == 6
+    table.insert(table.keys("qqqq"), "r3")  # over the bound: the least recently used block goes first
+    assert len(table.blocks) == 6
+    assert table.match(keys_abc) == {"r1": 2, "r2": 2}  # abc's deepest block was evicted, its first ones stay
+
+
+def test_cache_aware_sends_a_prefix_back_where_it_went():
+    policy = make_policy(RoutingSpec(policy="cache_aware"))
+    ups = [upstream("r1"), upstream("r2")]
+    first = {}
+    for prefix in (PREFIX_A, PREFIX_B):  # new prefixes spread as least_load spreads them
+        body = {"prompt": prefix + "question 0"}
+        first[prefix] = send(policy, ups, body)
+        finish(policy, first[prefix], body)
+    assert first[PREFIX_A] is not first[PREFIX_B]
+    for i in range(1, 6):
+        for prefix in (PREFIX_A, PREFIX_B):
+            body = {"prompt": prefix + f"question {i}"}
+            chosen = send(policy, ups, body)
+            finish(policy, chosen, body)
+            assert chosen is first[prefix]
+
+
+def test_cache_aware_falls_back_to_least_load_beyond_the_imbalance_bound():
+    policy = make_policy(RoutingSpec(policy="cache_aware", balance_abs_threshold=2))
+    ups = [upstream("r1"), upstream("r2")]
+    body = {"prompt": PREFIX_A + "?"}
+    holder = send(policy, ups, body)
+    other = next(u for u in ups if u is not holder)
+    # The holder keeps the prefix while it is at most 2 requests above the least busy replica ...
+    for _ in range(2):
+        assert send(policy, ups, {"prompt": PREFIX_A + "again"}) is holder
+    assert holder.inflight == 3 and other.inflight == 0
+    # ... 3 in flight against 0 exceeds the bound: the hot prefix goes to the least busy replica.
+    assert send(policy, ups, {"prompt": PREFIX_A + "more"}) is other
+    assert policy.table.match(policy.table.keys(PREFIX_A)) == {"r1": 3, "r2": 3}  # both hold it now
+    # Within the bound again, ties between equal matches go to the less busy one.
+    assert send(policy, ups, {"prompt": PREFIX_A + "then"}) is other
+
+
+def test_cache_aware_without_a_match_is_least_load():
+    policy = make_policy(RoutingSpec(policy="cache_aware"))
+    ups = [upstream("r1", inflight=4), upstream("r2", inflight=0)]
+    assert names(policy.select(ups, RequestInfo("m", {"prompt": "short"}), 1.0)) == ["r2", "r1"]
+    assert names(policy.select(ups, RequestInfo("m", {"prompt": PREFIX_B}), 1.0)) == ["r2", "r1"]
+
+
+def test_cache_aware_multi_turn_chat_sticks_to_the_replica_holding_its_history():
+    policy = make_policy(RoutingSpec(policy="cache_aware", prefix_block_chars=16))
+    ups = [upstream("r1"), upstream("r2"), upstream("r3")]
+    system = {"role": "system", "content": "You are a helpful assistant. "}  # shared, under cache_threshold
+    homes = {}
+    for conv in range(6):
+        messages = [system, {"role": "user", "content": f"conversation {conv}: " + "tell me about caching " * 8}]
+        for turn in range(4):
+            body = {"messages": list(messages)}
+            chosen = send(policy, ups, body)
+            finish(policy, chosen, body)
+            if turn == 0:
+                homes[conv] = chosen
+            assert chosen is homes[conv], (conv, turn)
+            messages += [
+                {"role": "assistant", "content": f"answer {turn}"},
+                {"role": "user", "content": f"and then {turn}?"},
+            ]
+    assert sorted(names(homes.values())) == ["r1", "r1", "r2", "r2", "r3", "r3"]  # new conversations spread
+
+
+def test_cache_aware_short_shared_prefix_does_not_pin_new_prompts():
+    policy = make_policy(RoutingSpec(policy="cache_aware", cache_threshold=0.5))
+    ups = [upstream("r1"), upstream("r2")]
+    shared = "x" * 64  # one block, shared by every prompt
+    homes = []
+    for i in range(4):
+        body = {"prompt": shared + f"{i}" * 100}
+        homes.append(send(policy, ups, body).replica_id)
+        finish(policy, ups[0] if homes[-1] == "r1" else ups[1], body)
+    assert sorted(homes) == ["r1", "r1", "r2", "r2"]
+    body = {"prompt": shared + "0" * 100 + "more"}  # most of it is cached on r1: it goes back there
+    assert send(policy, ups, body).replica_id == homes[0]
+
+
+def test_cache_aware_forgets_a_departed_replica_and_uses_a_new_one():
+    policy = make_policy(RoutingSpec(policy="cache_aware"))
+    r1, r2 = upstream("r1"), upstream("r2")
+    holder = {}
+    for prefix in (PREFIX_A, PREFIX_B):
+        body = {"prompt": prefix}
+        holder[prefix] = send(policy, [r1, r2], body)
+        finish(policy, holder[prefix], body)
+    assert isinstance(policy, CacheAware) and holder[PREFIX_A] is not holder[PREFIX_B]
+    assert {u.replica_id: policy.stats(u.replica_id)["prefix_blocks"] for u in (r1, r2)} == {"r1": 3, "r2": 3}
+    gone, stays = holder[PREFIX_A], holder[PREFIX_B]
+    policy.on_replica_left(gone.replica_id)
+    assert policy.stats(gone.replica_id)["prefix_blocks"] == 0 and policy.stats(stays.replica_id)["prefix_blocks"] == 3
+    r3 = upstream("r3", sent=stays.sent)
+    policy.on_replica_joined(r3)
+    # The departed replica's prefix is held by nobody now: it goes by load; the other stays where it is.
+    stays.inflight = 3
+    assert send(policy, [stays, r3], {"prompt": PREFIX_A + "x"}) is r3
+    r3.inflight = 2
+    assert send(policy, [stays, r3], {"prompt": PREFIX_B + "x"}) is stays
+
+
+def test_cache_aware_skips_a_replica_whose_circuit_is_open():
+    policy = make_policy(RoutingSpec(policy="cache_aware"))
+    r1, r2 = upstream("r1"), upstream("r2")
+    holder = send(policy, [r1, r2], {"prompt": PREFIX_A})
+    holder.breaker.trip(now=1.0)
+    ranked = policy.select([r1, r2], RequestInfo("m", {"prompt": PREFIX_A}), now=2.0)
+    assert ranked == [r2 if holder is r1 else r1]
+
+
+def test_least_load_keeps_its_bounded_load_rule():
+    policy = make_policy(RoutingSpec(policy="least_load"))
+    ups = [upstream("a", inflight=5), upstream("b", inflight=1), upstream("c", inflight=3)]
+    assert names(policy.select(ups, RequestInfo("m", {"prompt": PREFIX_A}), 1.0)) == ["b", "c", "a"]
+
+
+def test_round_robin_takes_turns_whatever_the_load():
+    policy = make_policy(RoutingSpec(policy="round_robin"))
+    ups = [upstream("a", inflight=9), upstream("b"), upstream("c")]
+    firsts = [policy.select(ups, RequestInfo("m", {}), 1.0)[0].replica_id for _ in range(6)]
+    assert sorted(firsts) == ["a", "a", "b", "b", "c", "c"]
+    assert firsts[:3] == firsts[3:] and len(set(firsts[:3])) == 3
+    ups[1].breaker.trip(now=1.0)
+    assert "b" not in {policy.select(ups, RequestInfo("m", {}), 2.0)[0].replica_id for _ in range(4)}
+
+
+def test_session_affinity_by_user_field_and_header():
+    policy = make_policy(RoutingSpec(policy="session"))
+    ups = [upstream("r1"), upstream("r2")]
+    homes = {}
+    for turn in range(5):
+        for user in ("ann", "bob", "cy", "dee"):
+            body = {"prompt": f"turn {turn}", "user": user}
+            chosen = send(policy, ups, body)
+            finish(policy, chosen, body)
+            assert homes.setdefault(user, chosen) is chosen
+    assert {u.replica_id for u in homes.values()} == {"r1", "r2"}  # first requests spread by load
+    by_header = send(policy, ups, {"prompt": "x"}, {"x-session-id": "s-1"})
+    for _ in range(4):
+        assert send(policy, ups, {"prompt": "y"}, {"x-session-id": "s-1"}) is by_header
+    # No session: least load.
+    ups[0].inflight, ups[1].inflight = 10, 0
+    assert send(policy, ups, {"prompt": "z"}) is ups[1]
+
+
+def test_session_moves_when_its_replica_leaves_or_fails():
+    policy = make_policy(RoutingSpec(policy="session", max_sessions=2))
+    r1, r2 = upstream("r1"), upstream("r2", sent=1)
+    assert send(policy, [r1, r2], {"user": "ann"}) is r1
+    r1.breaker.trip(now=1.0)
+    assert send(policy, [r1, r2], {"user": "ann"}, now=2.0) is r2  # r1's circuit is open
+    assert send(policy, [r1, r2], {"user": "ann"}, now=100.0) is r2  # and the session stays where it went
+    policy.on_replica_left("r2")
+    assert "user:ann" not in policy.sessions
+    for user in ("a", "b", "c"):
+        send(policy, [r1, r2], {"user": user}, now=100.0)
+    assert list(policy.sessions) == ["user:b", "user:c"]  # bounded, least recently used forgotten
