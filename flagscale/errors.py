@@ -1,6 +1,9 @@
-"""The one error type users see: a message that names the culprit, and a non-zero exit."""
+"""The one error type users see (a message that names the culprit, and a non-zero exit), and the excerpt of a log
+or traceback that says why something failed."""
 
 from __future__ import annotations
+
+import re
 
 
 class FlagScaleError(Exception):
@@ -27,3 +30,25 @@ class DeployError(FlagScaleError):
 
 class NotSupportedError(ConfigError):
     """A FlagScale feature whose keys load but which this project does not serve yet."""
+
+
+# `ValueError: ...`, `pkg.mod.SomeError: ...`, `RayTaskError(EngineStartError): ...`, also behind a log prefix such as
+# vLLM's `(EngineCore_DP0 pid=7) `. The colon keeps out source lines quoted in a traceback (`raise SomeError(`).
+_ERROR_LINE = re.compile(r"(?:^|\s)[\w.]*(?:Error|Exception)(?:\([\w.]*\))?:")
+_TRACEBACK_FRAME = re.compile(r'\bFile "[^"]*", line \d+')
+
+
+def error_excerpt(text: str, after: int = 2, fallback: int = 10) -> str:
+    """The line of `text` (a log, or an exception's text) that states the last error, with the `after` lines that
+    follow it; without such a line, the last `fallback` lines. Blank lines are skipped; '' for a blank text.
+
+    After a traceback's last frame, the first error line is the exception's own: the lines after it are its message,
+    which may quote other errors (an engine's start-up error quotes the engine log's)."""
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    errors = [i for i, line in enumerate(lines) if _ERROR_LINE.search(line)]
+    if not errors:
+        return "\n".join(lines[-fallback:]) if fallback > 0 else ""
+    frames = [i for i, line in enumerate(lines) if _TRACEBACK_FRAME.search(line)]
+    after_last_frame = [i for i in errors if frames and i > frames[-1]]
+    start = after_last_frame[0] if after_last_frame else errors[-1]
+    return "\n".join(lines[start : start + 1 + after])

@@ -17,7 +17,7 @@ from flagscale.cluster.ray_env import worker_env
 from flagscale.cluster.ray_node import cluster_alive, connect, start_local_head, write_token
 from flagscale.cluster.state import RunState
 from flagscale.devices import local_gpu_count
-from flagscale.errors import DeployError, FlagScaleError
+from flagscale.errors import DeployError, FlagScaleError, error_excerpt
 from flagscale.net import health_ok
 from flagscale.plan import Plan
 
@@ -189,12 +189,7 @@ def _replicas(states: dict) -> str:
 
 def _cause(message: str) -> str:
     """Serve wraps the replica's exception in a long traceback; keep the line(s) that say why."""
-    lines = [ln for ln in (message or "").splitlines() if ln.strip()]
-    for marker in ("EngineStartError:", "RuntimeError:", "Error:"):
-        hits = [i for i, ln in enumerate(lines) if marker in ln]
-        if hits:
-            return "\n".join(lines[hits[0] : hits[0] + 12])
-    return "\n".join(lines[-20:]) or "no message from Ray Serve"
+    return error_excerpt(message or "", after=11, fallback=20) or "no message from Ray Serve"
 
 
 def _print_ready(plan: Plan, console: Console, elapsed: float) -> None:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flagscale.errors import error_excerpt
 from flagscale.net import free_port, health_ok
 from flagscale.serve import registry
 from flagscale.serve.cpu_layout import pin_engine
@@ -38,16 +39,11 @@ class EngineStartError(RuntimeError):
     pass
 
 
-def _cause_from_log(path: Path, lines: int = 10) -> str:
-    """The last exception line of the server's log (with what follows it), else its last lines."""
+def _cause_from_log(path: Path) -> str:
     try:
-        text = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+        return error_excerpt(path.read_text(errors="replace"), after=2, fallback=10)
     except OSError:
         return "(no log)"
-    errors = [i for i, ln in enumerate(text) if "Error" in ln.split(":", 1)[0] or ln.startswith("Error")]
-    if errors:
-        return "\n".join(text[errors[-1] : errors[-1] + 3])
-    return "\n".join(text[-lines:])
 
 
 def _engine_env(user_env: dict[str, str]) -> dict[str, str]:

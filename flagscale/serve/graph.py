@@ -18,6 +18,7 @@ from typing import Any
 
 from flagscale.config.graph import GRAPH_DRIVER_DEPLOYMENT, GraphPlan, load_class  # noqa: F401
 from flagscale.config.request import bind
+from flagscale.errors import error_excerpt
 
 
 class EngineCallError(RuntimeError):
@@ -99,9 +100,8 @@ class GraphNodeError(RuntimeError):
 
 
 def _root_cause(exc: BaseException) -> str:
-    """Serve wraps a replica's exception in a RayTaskError whose text is a traceback; keep its last line."""
-    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-    return lines[-1].strip() if lines else type(exc).__name__
+    """Serve wraps a replica's exception in a RayTaskError whose text is a traceback; keep its error line."""
+    return error_excerpt(str(exc), after=0, fallback=1).strip() or type(exc).__name__
 
 
 class GraphDriver:
