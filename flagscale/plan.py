@@ -74,7 +74,7 @@ class Plan:
     schedule_timeout_s: float
     drain_timeout_s: float
     pin_cpus: bool = True  # deploy.cpu_affinity == "auto"
-    ray_port: int | None = None  # runner.ray_port; None: a free port (a hostfile's head: ClusterPlan.ray_port)
+    ray_port: int | None = None  # runner.ray_port; None: a port free on the head's host when the run starts
     notes: list[str] = field(default_factory=list)
     graph: GraphPlan | None = None  # custom nodes and the graph's HTTP entry, when the config has any
     cluster: ClusterPlan | None = None  # hosts of the hostfile, when runner.hostfile is set

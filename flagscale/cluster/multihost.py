@@ -21,7 +21,7 @@ from pathlib import Path
 
 from flagscale.cluster import ssh
 from flagscale.cluster.hostfile import HostEntry
-from flagscale.cluster.ray_node import auth_env, ray_cli, ray_temp_dir, start_node
+from flagscale.cluster.ray_node import auth_env, head_port, ray_cli, ray_temp_dir, start_node
 from flagscale.cluster.runner import LocalRunner, SshRunner, parallel
 from flagscale.cluster.state import RunState
 from flagscale.errors import ClusterError
@@ -132,6 +132,7 @@ class ClusterLauncher:
         self.remote_env = remote_env  # PYTHONPATH etc., before the per-host envs
         self.runners = {e.host: SshRunner(e.host, self.settings) for e in self.cluster.hostfile.hosts}
         self._ips: dict[str, str] = {}
+        self.ray_port = plan.ray_port  # None until start() asks the head for a free one
 
     def ip_of(self, host: str) -> str:
         """A hostfile host's IP: the address its ssh config entry names (HostName), else the name itself."""
@@ -148,7 +149,8 @@ class ClusterLauncher:
             _raise_failures(hosts, parallel(hosts, lambda e: self.runners[e.host].open()), "SSH")
             _raise_failures(hosts, parallel(hosts, self._prepare), "preparing")
             console.print(f"SSH to {len(hosts)} host(s) ok; starting the Ray head on {head.host}")
-            self.state.ray_address = f"{self.ip_of(head.host)}:{self.cluster.ray_port}"
+            self.ray_port = head_port(self.runners[head.host], self.plan.ray_port)
+            self.state.ray_address = f"{self.ip_of(head.host)}:{self.ray_port}"
             _raise_failures([head], parallel([head], self._start_host), "`ray start --head`")
             _raise_failures(workers, parallel(workers, self._start_host), "`ray start` (worker)")
             self._start_driver_node()
@@ -166,9 +168,7 @@ class ClusterLauncher:
     def _start_host(self, entry: HostEntry):
         head = self.cluster.hostfile.head
         temp_dir = host_temp_dir(self.state.exp_dir, entry.host)
-        ray_argv = ray_start_argv(
-            entry, head, self.cluster.ray_port, self.cluster.num_cpus_per_host, temp_dir, self.ip_of
-        )
+        ray_argv = ray_start_argv(entry, head, self.ray_port, self.cluster.num_cpus_per_host, temp_dir, self.ip_of)
         env = {**self.remote_env, **self.cluster.host_envs.get(entry.host, {}), **auth_env(f"{temp_dir}/auth_token")}
         return start_node(
             self.state,
@@ -196,7 +196,7 @@ class ClusterLauncher:
             self.state,
             LocalRunner(),
             "driver",
-            driver_argv(head_ip, self.cluster.ray_port, my_ip, temp_dir),
+            driver_argv(head_ip, self.ray_port, my_ip, temp_dir),
             {**self.remote_env, **auth_env(self.state.token_path)},
             str(self.plan.log_dir / "ray-driver-node.log"),
             self.cluster.join_timeout_s,

@@ -18,7 +18,6 @@ class ClusterPlan:
 
     hostfile: Hostfile
     ssh: dict[str, Any]  # SshSettings fields
-    ray_port: int
     num_cpus_per_host: int | None
     host_envs: dict[str, dict[str, str]]  # experiment.envs with nodes_envs.<host> applied
     placement_strategy: str
@@ -257,7 +256,6 @@ def plan_cluster(config, sources, hostfile: Hostfile, engines_nodes: list[tuple[
     return ClusterPlan(
         hostfile=hostfile,
         ssh=SshSettings.from_runner(runner).to_dict(),
-        ray_port=runner.ray_port or 6379,
         num_cpus_per_host=runner.num_cpus,
         host_envs={h.host: config.experiment.env_for(h.host) for h in hostfile.hosts},
         placement_strategy=runner.placement_strategy,

@@ -145,6 +145,29 @@ def start_node(
     return node
 
 
+# Run on the head's host: bind port 0 on every interface, as the GCS will bind, and print the port the OS gave.
+_PRINT_FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
+
+
+def head_port(runner: CommandRunner, ray_port: int | None) -> int:
+    """The GCS port of the run's head: runner.ray_port when set, else a port free on the head's host when the
+    run starts (free when asked, not reserved)."""
+    if ray_port is not None:
+        return ray_port
+    if not runner.remote:
+        return free_port()
+    result = runner.run([sys.executable, "-c", _PRINT_FREE_PORT], timeout_s=30)
+    words = result.stdout.split()
+    if result.code != 0 or not words or not words[-1].isdigit():
+        output = f"{result.stdout.strip()} {result.stderr.strip()}".strip()
+        raise ClusterError(
+            f"could not find a free port for the Ray head (exit {result.code}: {output or 'no output'}); "
+            "set experiment.runner.ray_port",
+            runner.host,
+        )
+    return int(words[-1])
+
+
 def start_local_head(
     state: RunState,
     num_cpus: int,
@@ -156,13 +179,14 @@ def start_local_head(
     port: int | None = None,
 ) -> HostRecord:
     """No hostfile: a one-host cluster, the head on this machine through the local runner.
-    `port`: the GCS port (runner.ray_port), default a free one."""
-    port = port or free_port()
+    `port`: the GCS port (runner.ray_port); None: a free one (head_port)."""
+    runner = LocalRunner()
+    port = head_port(runner, port)
     temp_dir = ray_temp_dir(state.exp_dir)
     state.ray_address = f"127.0.0.1:{port}"
     record = start_node(
         state,
-        LocalRunner(),
+        runner,
         "head",
         head_argv(port, num_cpus, num_gpus, temp_dir),
         {**envs, **auth_env(state.token_path)},

@@ -77,13 +77,18 @@ class RunnerConfig(Strict):
     hostfile: str | None = Field(None, description="FlagScale hostfile; null serves on this machine.")
     head: str | None = Field(None, description="Host of the hostfile that runs the Ray head (default: first).")
     ray_port: int | None = Field(
-        None, ge=1, le=65535, description="GCS port of the Ray head (default: a free port; 6379 on a hostfile's head)."
+        None,
+        ge=1,
+        le=65535,
+        description="GCS port of the Ray head, with or without a hostfile (default: a port free on the head's "
+        "host when the run starts).",
     )
     num_cpus: int | None = Field(
         None,
         ge=1,
-        description="Logical CPUs each Ray node this run starts declares: the local head, or every "
-        "hostfile host (default: the machine's cores, at least what the replicas reserve).",
+        description="Logical CPUs each Ray node this run starts declares: the local head, or every hostfile host "
+        "(default: without a hostfile, this machine's cores, raised to what the replicas reserve; with one, "
+        "each host's cores as Ray counts them).",
     )
     ssh_port: int | None = Field(
         None,

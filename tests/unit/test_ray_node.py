@@ -1,11 +1,17 @@
-"""How `ray` is started: by this interpreter and Ray's CLI module, never through the `ray` console script."""
+"""How `ray` is started: by this interpreter and Ray's CLI module, never through the `ray` console script; and on
+which port the head listens."""
 
 import subprocess
 import sys
 
+import pytest
+
 from flagscale.cluster.hostfile import parse_hostfile
 from flagscale.cluster.multihost import ray_start_argv
-from flagscale.cluster.ray_node import RAY_CLI_MODULE, head_argv, ray_cli
+from flagscale.cluster.ray_node import RAY_CLI_MODULE, head_argv, head_port, ray_cli
+from flagscale.cluster.runner import LocalRunner, Result
+from flagscale.errors import ClusterError
+from flagscale.net import port_is_free
 
 
 def test_head_argv_starts_ray_with_this_interpreter(monkeypatch, tmp_path):
@@ -31,3 +37,32 @@ def test_ray_cli_module_runs():
     """The module really is Ray's CLI in the installed Ray (what the console script calls)."""
     result = subprocess.run([*ray_cli(), "start", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "--head" in result.stdout
+
+
+class _RemoteHere(LocalRunner):
+    """A runner that calls itself remote but runs on this machine: the remote free-port command, for real."""
+
+    remote = True
+
+
+class _AnswersWith(LocalRunner):
+    remote = True
+
+    def __init__(self, result: Result):
+        super().__init__("head-host")
+        self.result = result
+
+    def run(self, argv, env=None, timeout_s=None) -> Result:
+        return self.result
+
+
+def test_head_port_is_ray_port_when_set_else_a_free_port_on_the_heads_host():
+    assert head_port(_AnswersWith(Result(1, "", "")), 18810) == 18810
+    for runner in (LocalRunner(), _RemoteHere()):
+        port = head_port(runner, None)
+        assert 0 < port < 65536 and port_is_free("127.0.0.1", port)
+
+
+def test_head_port_names_the_host_when_it_cannot_find_one():
+    with pytest.raises(ClusterError, match="head-host: could not find a free port.*python: not found"):
+        head_port(_AnswersWith(Result(127, "", "python: not found")), None)
