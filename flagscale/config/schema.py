@@ -315,6 +315,13 @@ class RoutingOptions(Strict):
     max_sessions: int = Field(
         100_000, ge=1, description="session: sessions remembered, least recently used forgotten first."
     )
+    max_migrations: int = Field(
+        2,
+        ge=0,
+        description="Every policy: how many times a request whose replica fails it (dropped connection, 5xx, "
+        "a stream broken off) moves to another replica, each replica at most once; a stream goes on where it "
+        "broke off (docs/routing.md). 0: never.",
+    )
 
 
 class NodeConfig(Strict):

@@ -26,9 +26,11 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from flagscale.serve import registry
 from flagscale.serve.cpu_layout import RouterPinning
+from flagscale.serve.resume import CHAT, COMPLETIONS, ClientStream, error_event
 from flagscale.serve.routing import (  # noqa: F401 - LOAD_SLACK, rank_replicas: re-exported
     COOLDOWN_S,
     LOAD_SLACK,
@@ -115,6 +117,8 @@ class Router:
             model: make_policy(self.spec.routing.get(model, RoutingSpec())) for model in self.spec.models
         }
         self._inflight = 0
+        self._moved = 0  # requests moved to another replica after theirs failed them
+        self._resumed = 0  # of them, streams resumed mid-way
         self._draining = False
 
     # ---- event loop thread -------------------------------------------------------------------
@@ -265,22 +269,66 @@ class Router:
             return _error(404, f"model {model!r} is not served here; models: {known}", "NotFoundError")
         policy = self._policies[model]
         info = RequestInfo(model, payload, {k.lower(): v for k, v in request.headers.items()})
-        candidates = policy.select(self._table.by_model.get(model, []), info, time.monotonic())
-        if not candidates:
-            return _error(503, f"no ready replica for model {model!r}", "ServiceUnavailableError")
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        stream = None
+        if request.method == "POST" and request.path in (COMPLETIONS, CHAT) and payload.get("stream") is True:
+            stream = ClientStream(request.path, payload)
+        routing = self.spec.routing.get(model, RoutingSpec())
+        exchange = _Exchange(request, model, policy, info, body, stream, routing.max_migrations)
+        exchange.headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         self._inflight += 1
         try:
-            for upstream in candidates:
-                if not upstream.breaker.begin(time.monotonic()):  # another request took its half-open probe
-                    continue
+            while True:
+                upstream = self._pick(exchange)
+                if upstream is None:
+                    return await self._give_up(exchange)
                 try:
-                    return await self._forward(request, upstream, body, headers, policy, info)
+                    return await self._forward(exchange, upstream)
                 except _Unreachable:  # nothing was sent: the next replica may take it
                     upstream.breaker.trip(time.monotonic())
-            return _error(503, f"no replica of {model!r} could be reached", "ServiceUnavailableError")
+                    exchange.unreachable += 1
+                except _Failed as exc:  # the replica failed the request: another one takes it over, bounded
+                    exchange.failure = str(exc)
+                    if exchange.moves >= exchange.max_moves:
+                        return await self._give_up(exchange)
+                    exchange.moves += 1
+                    upstream.migrations += 1
+                    self._moved += 1
+                    log.warning(
+                        "%s; moving the request to another replica (%d of at most %d)",
+                        exc,
+                        exchange.moves,
+                        exchange.max_moves,
+                    )
         finally:
             self._inflight -= 1
+
+    def _pick(self, exchange: _Exchange) -> Upstream | None:
+        """The policy's first choice among the replicas this request has not been sent to yet."""
+        now = time.monotonic()
+        for upstream in exchange.policy.select(self._table.by_model.get(exchange.model, []), exchange.info, now):
+            if upstream.replica_id in exchange.tried:
+                continue
+            if not upstream.breaker.begin(now):  # another request took its half-open probe
+                continue
+            exchange.tried.add(upstream.replica_id)
+            return upstream
+        return None
+
+    async def _give_up(self, exchange: _Exchange):
+        """No replica is left to try: the last answer, an error, or (stream begun) a closing error event."""
+        model = exchange.model
+        if exchange.response is not None:
+            message = f"{exchange.failure}; no other replica of {model!r} could take the stream over"
+            await exchange.response.write(error_event(message))
+            await exchange.response.write_eof()
+            return exchange.response
+        if exchange.last_answer is not None:
+            return exchange.last_answer
+        if exchange.failure:
+            return _error(502, f"{exchange.failure}; no other replica of {model!r} could take it", "BadGatewayError")
+        if exchange.unreachable:
+            return _error(503, f"no replica of {model!r} could be reached", "ServiceUnavailableError")
+        return _error(503, f"no ready replica for model {model!r}", "ServiceUnavailableError")
 
     async def _run_graph(self, request):
         """The graph's entry: JSON body -> graph driver -> the sink's output as JSON (`?trace=1`: with timings)."""
@@ -309,34 +357,37 @@ class Router:
         except TypeError as exc:
             return _error(500, f"the sink's output is not JSON serializable: {exc}", "InternalServerError")
 
-    async def _forward(
-        self, request, upstream: Upstream, body: bytes, headers: dict, policy: Policy, info: RequestInfo
-    ):
+    async def _forward(self, exchange: _Exchange, upstream: Upstream):
+        """Send the request to one replica and relay its answer. Raises _Unreachable (nothing was sent) or
+        _Failed (the replica failed before the client got its answer, or mid-stream where the stream can go
+        on elsewhere); a stream that cannot go on ends with an error event."""
         import aiohttp
         from aiohttp import web
 
-        url = upstream.record.url + str(request.rel_url)
+        stream = exchange.stream
+        if stream is not None and stream.sent_events:
+            path, data = stream.resume_request()
+        else:
+            path = str(exchange.http.rel_url)
+            data = stream.first_request(exchange.body) if stream is not None else exchange.body
+        name = f"replica {upstream.record.replica_id} of {upstream.record.serve_id!r}"
         breaker = upstream.breaker
         ok = None  # what the replica's answer says of it: True, False, or None (unknown: nothing recorded)
-        policy.before_request(upstream, info)
+        exchange.policy.before_request(upstream, exchange.info)
         upstream.inflight += 1
         upstream.sent += 1
         try:
             try:
-                upstream_resp = await self._session.request(request.method, url, data=body, headers=headers)
+                upstream_resp = await self._session.request(
+                    exchange.http.method, upstream.record.url + path, data=data, headers=exchange.headers
+                )
             except aiohttp.ClientConnectorError as exc:  # no connection: nothing sent, the next replica may take it
                 ok = False  # the caller trips the circuit
                 raise _Unreachable(str(exc)) from exc
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                # The request went out, no answer came: the replica may have started it, so it is not sent again.
                 ok = False
                 breaker.failure(time.monotonic())
-                return _error(
-                    502,
-                    f"replica {upstream.record.replica_id} of {upstream.record.serve_id!r} dropped the "
-                    f"connection before answering ({exc}); not retried: it may have started the request",
-                    "BadGatewayError",
-                )
+                raise _Failed(f"{name} dropped the connection before answering ({exc})") from exc
             upstream.served += 1
             ok = upstream_resp.status < 500  # a 4xx is the client's problem: passed on, the replica is fine
             if ok:
@@ -345,37 +396,78 @@ class Router:
                 breaker.failure(time.monotonic())
             async with upstream_resp:
                 out_headers = {k: v for k, v in upstream_resp.headers.items() if k.lower() not in HOP_BY_HOP}
-                if "text/event-stream" not in upstream_resp.headers.get("Content-Type", ""):
+                if not ok or "text/event-stream" not in upstream_resp.headers.get("Content-Type", ""):
                     try:
-                        data = await upstream_resp.read()
+                        answer = await upstream_resp.read()
                     except aiohttp.ClientError as exc:
                         ok = False
                         breaker.failure(time.monotonic())
-                        message = (
-                            f"replica {upstream.record.replica_id} of {upstream.record.serve_id!r} broke off "
-                            f"its answer ({exc!r}); not retried: it ran the request"
-                        )
-                        return _error(502, message, "BadGatewayError")
-                    return web.Response(status=upstream_resp.status, body=data, headers=out_headers)
-                response = web.StreamResponse(status=upstream_resp.status, headers=out_headers)
-                await response.prepare(request)
+                        raise _Failed(f"{name} broke off its answer ({exc!r})") from exc
+                    reply = web.Response(status=upstream_resp.status, body=answer, headers=out_headers)
+                    if not ok:
+                        if exchange.response is None:
+                            exchange.last_answer = reply  # returned as is when no other replica can take it
+                        raise _Failed(f"{name} answered {upstream_resp.status}")
+                    if exchange.response is not None:  # a stream's continuation was refused (a 4xx)
+                        message = f"{name} refused to continue the stream: {answer[:500].decode(errors='replace')}"
+                        await exchange.response.write(error_event(message, upstream_resp.status, "BadRequestError"))
+                        await exchange.response.write_eof()
+                        return exchange.response
+                    return reply
+                if exchange.response is None:
+                    exchange.response = web.StreamResponse(status=upstream_resp.status, headers=out_headers)
+                    await exchange.response.prepare(exchange.http)
+                response = exchange.response
                 while True:
                     try:
                         chunk = await upstream_resp.content.readany()
-                    except aiohttp.ClientError:  # the replica broke off mid-stream (a client gone raises on write)
+                    except (
+                        aiohttp.ClientError
+                    ) as exc:  # the replica broke off mid-stream (a client gone raises on write)
                         ok = False
                         breaker.failure(time.monotonic())
-                        raise
+                        if stream is None:  # not an OpenAI event stream: cut off as it is
+                            raise
+                        return await self._broken_stream(exchange, f"{name} broke off the stream ({exc!r})")
                     if not chunk:
                         break
-                    await response.write(chunk)
+                    out = stream.feed(chunk) if stream is not None else chunk
+                    if out:
+                        await response.write(out)
+                if stream is not None and not stream.done:  # the connection closed before the stream's end
+                    ok = False
+                    breaker.failure(time.monotonic())
+                    return await self._broken_stream(exchange, f"{name} closed the stream before its end")
                 await response.write_eof()
                 return response
         finally:
             upstream.inflight -= 1
             if ok is None and breaker.probing:  # cancelled before the replica answered: let another probe
                 breaker.probing = False
-            policy.after_request(upstream, info, bool(ok))
+            exchange.policy.after_request(upstream, exchange.info, bool(ok))
+
+    async def _broken_stream(self, exchange: _Exchange, reason: str):
+        """A replica's stream broke off: finish it, hand it to another replica (raise _Failed), or end it with
+        an error event."""
+        stream, response = exchange.stream, exchange.response
+        if stream.finished:  # every token is there: only the end was lost
+            if not stream.done:
+                await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        if not stream.sent_events:  # the client has nothing of it yet: send it again as it was
+            raise _Failed(reason)
+        if stream.can_resume():
+            remaining = stream.remaining_tokens()
+            if remaining is not None and remaining <= 0:  # it broke off after its last token
+                await response.write(stream.finish_events() + b"data: [DONE]\n\n")
+                await response.write_eof()
+                return response
+            self._resumed += 1
+            raise _Failed(reason + "; resuming it")
+        await response.write(error_event(f"{reason}; this request's stream cannot be resumed elsewhere"))
+        await response.write_eof()
+        return response
 
     # ---- Serve-side methods (called through deployment handles) ------------------------------
 
@@ -413,6 +505,7 @@ class Router:
                 "inflight": upstream.inflight,
                 "circuit": upstream.breaker.state(),
                 "circuit_opened": upstream.breaker.opened,
+                "migrations": upstream.migrations,
             }
             for model in upstream.record.models:
                 policy = self._policies.get(model)
@@ -420,8 +513,33 @@ class Router:
                     entry["routing"] = policy.name
                     entry.update(policy.stats(upstream.replica_id))
             counts[upstream.record.replica_id] = entry
-        return {"inflight": self._inflight, "replicas": dict(counts)}
+        return {"inflight": self._inflight, "moved": self._moved, "resumed": self._resumed, "replicas": dict(counts)}
+
+
+@dataclass
+class _Exchange:
+    """One client request as the router carries it from replica to replica."""
+
+    http: Any  # the client's aiohttp request
+    model: str
+    policy: Policy
+    info: RequestInfo
+    body: bytes
+    stream: ClientStream | None  # completions and chat streams: relayed event by event
+    max_moves: int  # times it may move to another replica after one failed it (routing_options.max_migrations)
+    headers: dict = field(default_factory=dict)
+    tried: set[str] = field(default_factory=set)  # replica ids: each gets the request at most once
+    moves: int = 0
+    unreachable: int = 0
+    failure: str = ""  # why the last replica that had it failed
+    last_answer: Any = None  # the last 5xx answer, returned as is when no replica is left
+    response: Any = None  # the client's stream response, once begun
 
 
 class _Unreachable(Exception):
-    pass
+    """The replica could not be connected to: nothing was sent."""
+
+
+class _Failed(Exception):
+    """The replica had the request and failed it before the client got its answer, or mid-stream where the
+    stream can go on elsewhere: another replica may take it over."""

@@ -102,6 +102,7 @@ class Upstream:
     inflight: int = 0
     sent: int = 0  # requests routed here, counted when picked (served only counts once headers are back)
     served: int = 0
+    migrations: int = 0  # requests that failed here and moved to another replica
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
     @property
@@ -119,6 +120,7 @@ class RoutingSpec:
     prefix_block_chars: int = 64
     max_prefix_blocks: int = 100_000
     max_sessions: int = 100_000
+    max_migrations: int = 2
 
 
 @dataclass

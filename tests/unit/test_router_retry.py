@@ -1,6 +1,6 @@
-"""Which upstream failures the router retries on another replica, on real sockets: only those where the
-request never reached the replica (connection refused). One that took the request and dropped the
-connection may have run it, so the client gets a 502 and no other replica sees the request."""
+"""Which upstream failures the router retries on another replica, on real sockets: a refused connection
+(nothing was sent; the circuit opens at once), and a replica that took the request and dropped the connection
+before answering (the client has nothing yet, and running an inference request again has no side effect)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_refused_connection_goes_to_the_next_replica():
     asyncio.run(main())
 
 
-def test_request_dropped_after_it_was_sent_is_not_sent_again():
+def test_request_dropped_before_an_answer_goes_to_another_replica():
     async def main():
         dropped_seen: list = []
         good_seen: list = []
@@ -102,10 +102,26 @@ def test_request_dropped_after_it_was_sent_is_not_sent_again():
         finally:
             dropper.close()
             await runner.cleanup()
-        assert status == 502, body
-        assert "dropping" in body["error"]["message"] and "not retried" in body["error"]["message"]
+        assert status == 200 and body["choices"][0]["text"] == "ok"
         assert dropped_seen == [{"model": "m", "prompt": "x"}]  # the request did reach that replica ...
-        assert good_seen == []  # ... and ran nowhere else
+        assert good_seen == [{"model": "m", "prompt": "x"}]  # ... and was answered by the other one
         assert dropping.breaker.failures == 1 and dropping.breaker.state() == "closed"  # 1 of BREAKER_FAILURES
+        assert dropping.migrations == 1
+
+    asyncio.run(main())
+
+
+def test_request_dropped_by_every_replica_is_a_502_naming_the_last():
+    async def main():
+        seen: list = []
+        servers = [await dropping_replica(seen) for _ in range(2)]
+        ups = [upstream(f"dropping{i}", port, sent=i) for i, (_, port) in enumerate(servers)]
+        try:
+            status, body = await through_router(ups)
+        finally:
+            for server, _ in servers:
+                server.close()
+        assert status == 502 and "dropping1" in body["error"]["message"], body
+        assert len(seen) == 2  # each replica got it once
 
     asyncio.run(main())

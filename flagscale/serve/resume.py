@@ -1,0 +1,291 @@
+"""Resuming a streamed completion on another replica when its replica dies mid-stream (docs/routing.md).
+
+For a stream it can resume, the router asks the engine for token ids (vLLM's `return_token_ids`), so it knows
+exactly which tokens the client already has; the ids are removed again before the client sees a chunk (unless
+the client asked for them). When the stream breaks off, `resume_request` is a /v1/completions request of the
+prompt's tokens plus the generated ones, for the tokens still missing, and `feed` turns that stream's chunks
+back into chunks of the client's response: same id and creation time, chat chunks for a chat request, usage
+counted over both parts. Token ids rather than text: re-tokenizing generated text need not give back the same
+tokens, and a greedy request must continue exactly where it stopped.
+
+Not resumed (retried on another replica only while nothing was streamed): requests with several choices or
+prompts, logprobs, echo or suffix, stop strings (vLLM holds back text that may start a stop string, so the
+tokens can be ahead of the text the client has), tools, structured output, and streams whose chunks carry no
+token ids (a reasoning parser hides them).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+
+# Sampling settings of a chat request that mean the same in a completions request.
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "bad_words",
+    "allowed_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "priority",
+    "user",
+    "stream_options",
+)
+# Chat requests with any of these generate something a completions request cannot continue.
+CHAT_UNRESUMABLE_KEYS = ("tools", "functions", "response_format", "structured_outputs", "guided_json")
+COMPLETIONS_UNRESUMABLE_KEYS = ("suffix", "response_format", "structured_outputs", "guided_json")
+
+
+def unresumable(path: str, body: dict[str, Any]) -> str | None:
+    """Why a request's stream cannot be resumed elsewhere, or None when it can."""
+    if path not in (COMPLETIONS, CHAT):
+        return "not a completions or chat request"
+    if body.get("stream") is not True:
+        return "not streamed"
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
+        return "several choices"
+    if body.get("logprobs") or body.get("top_logprobs") or body.get("echo") or body.get("prompt_logprobs"):
+        return "logprobs or echo"
+    if body.get("stop"):
+        return "stop strings"
+    if path == CHAT:
+        if any(body.get(k) for k in CHAT_UNRESUMABLE_KEYS):
+            return "tools or structured output"
+        if body.get("continue_final_message") or body.get("add_generation_prompt") is False:
+            return "continues a message"
+    else:
+        if any(body.get(k) for k in COMPLETIONS_UNRESUMABLE_KEYS):
+            return "suffix or structured output"
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
+            return "several prompts"
+    return None
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class ClientStream:
+    """One streamed completions or chat request on its way to the client, cut into whole events so that a
+    stream that breaks off can end with a clean error event, or go on from another replica when it is
+    `resumable` (then the router tracks what the client has been sent so far)."""
+
+    def __init__(self, path: str, body: dict[str, Any]):
+        self.resumable = unresumable(path, body) is None
+        self.chat = path == CHAT
+        self.body = body
+        self.client_wants_ids = bool(body.get("return_token_ids"))
+        self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        self.id: str | None = None
+        self.created: int | None = None
+        self.model = body.get("model")
+        self.prompt_ids: list[int] | None = None
+        self.generated: list[int] = []
+        self.generated_before_segment = 0  # tokens the client had when the current upstream stream began
+        self.finished = False  # a choice finished (or the engine sent an error): never resumed
+        self.done = False  # the `data: [DONE]` line was passed on
+        self.trackable = True  # every chunk so far carried its token ids
+        self.resumed = 0  # how many times the stream moved to another replica
+        self.sent_events = 0  # events passed to the client
+        self._pending = b""
+        self._chat_choice: dict[str, Any] | None = None  # the shape of the chat chunks resumed text goes into
+
+    # ---- the requests ------------------------------------------------------------------------------
+
+    def first_request(self, original: bytes) -> bytes:
+        """The request as first sent (again, if the replica failed before the client got anything)."""
+        self.generated, self.prompt_ids, self.id, self.trackable, self._pending = [], None, None, True, b""
+        return _dumps({**self.body, "return_token_ids": True}) if self.resumable else original
+
+    def can_resume(self) -> bool:
+        return self.resumable and not self.finished and not self.done and self.trackable and self.prompt_ids is not None
+
+    def resume_request(self) -> tuple[str, bytes]:
+        """The path and body that continue the stream on another replica, as a completions request."""
+        body = self.body
+        done = len(self.generated)
+        if self.chat:
+            limit = body.get("max_completion_tokens", body.get("max_tokens"))
+            request = {k: body[k] for k in SAMPLING_KEYS if k in body}
+        else:
+            limit = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+            request = {k: v for k, v in body.items() if k not in ("prompt", "max_tokens", "min_tokens")}
+        request.update(
+            model=self.model,
+            prompt=self.prompt_ids + self.generated,
+            max_tokens=None if limit is None else max(1, limit - done),
+            stream=True,
+            return_token_ids=True,
+        )
+        if body.get("min_tokens"):
+            request["min_tokens"] = max(0, body["min_tokens"] - done)
+        self.resumed += 1
+        self.generated_before_segment = done
+        self._pending = b""
+        return COMPLETIONS, _dumps(request)
+
+    def remaining_tokens(self) -> int | None:
+        limit = (
+            self.body.get("max_completion_tokens", self.body.get("max_tokens"))
+            if self.chat
+            else self.body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+        )
+        return None if limit is None else limit - len(self.generated)
+
+    # ---- the chunks ---------------------------------------------------------------------------------
+
+    def feed(self, data: bytes) -> bytes:
+        """Upstream bytes in, the client's bytes out: whole events only (a partial one waits for its end)."""
+        self._pending += data
+        *events, self._pending = self._pending.split(b"\n\n")
+        out = []
+        for event in events:
+            converted = self._event(event) if self.resumable else self._passed(event)
+            if converted is not None:
+                out.append(converted + b"\n\n")
+        self.sent_events += len(out)
+        return b"".join(out)
+
+    def _passed(self, event: bytes) -> bytes:
+        if event.strip() == b"data: [DONE]":
+            self.done = True
+        return event
+
+    def _event(self, event: bytes) -> bytes | None:
+        if not event.startswith(b"data: "):
+            return event if event.strip() else None
+        payload = event[6:]
+        if payload.strip() == b"[DONE]":
+            self.done = True
+            return event
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            self.trackable = False
+            return event
+        if "error" in chunk:  # the engine gave up on the request: pass it on, it is over
+            self.finished = True
+            return event
+        if self.resumed:
+            chunk = self._continued(chunk)
+            return None if chunk is None else b"data: " + _dumps(chunk)
+        self._track(chunk)
+        if self.client_wants_ids:
+            return event
+        return self._without_ids(chunk)
+
+    def _track(self, chunk: dict[str, Any]) -> None:
+        """A chunk of the original stream: learn the id, the prompt's tokens and the generated ones."""
+        if self.id is None:
+            self.id, self.created = chunk.get("id"), chunk.get("created")
+            self.model = chunk.get("model", self.model)
+        if chunk.get("prompt_token_ids") is not None:  # chat: on the first chunk
+            self.prompt_ids = chunk["prompt_token_ids"]
+        for choice in chunk.get("choices") or ():
+            if choice.get("prompt_token_ids") is not None:  # completions: on the first chunk
+                self.prompt_ids = choice["prompt_token_ids"]
+            ids = choice.get("token_ids")
+            if ids is None:
+                has_text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                if has_text or (choice.get("delta") or {}).get("reasoning_content"):
+                    self.trackable = False
+            else:
+                self.generated.extend(ids)
+            if choice.get("finish_reason") is not None:
+                self.finished = True
+            if self.chat:
+                self._chat_choice = choice
+
+    def _without_ids(self, chunk: dict[str, Any]) -> bytes | None:
+        """The chunk as the engine would have sent it had the router not asked for token ids."""
+        if "prompt_token_ids" in chunk:
+            chunk["prompt_token_ids"] = None
+        for choice in chunk.get("choices") or ():
+            for key in ("prompt_token_ids", "token_ids"):
+                if key in choice:
+                    choice[key] = None
+            if self.chat and choice.get("delta") == {} and choice.get("finish_reason") is None:
+                # sent only because token ids were asked for: vLLM skips it otherwise
+                if not choice.get("logprobs") and chunk.get("usage") is None:
+                    return None
+        return b"data: " + _dumps(chunk)
+
+    def _continued(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        """A chunk of a resumed completions stream, as a chunk of the client's original response."""
+        usage = chunk.get("usage")
+        if usage is not None:
+            completion = self.generated_before_segment + usage.get("completion_tokens", 0)
+            prompt = len(self.prompt_ids or ())
+            usage = {**usage, "prompt_tokens": prompt, "completion_tokens": completion}
+            usage["total_tokens"] = prompt + completion
+        choices = []
+        for choice in chunk.get("choices") or ():
+            ids = choice.get("token_ids") or []
+            self.generated.extend(ids)
+            finish = choice.get("finish_reason")
+            if finish is not None:
+                self.finished = True
+            text = choice.get("text", "")
+            if self.chat:
+                if not text and finish is None:
+                    continue
+                out = dict(self._chat_choice or {"index": 0, "logprobs": None})
+                out["delta"] = {"content": text} if text else {}
+                out["finish_reason"] = finish
+                if "stop_reason" in choice or "stop_reason" in out:
+                    out["stop_reason"] = choice.get("stop_reason")
+            else:
+                out = dict(choice)
+                out["prompt_token_ids"] = None
+            out["index"] = 0
+            if "token_ids" in out or self.client_wants_ids:
+                out["token_ids"] = ids if self.client_wants_ids else None
+            choices.append(out)
+        if not choices and usage is None:
+            return None
+        if not choices and not self.include_usage:
+            return None  # the router asked for nothing the client did not
+        result = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            result["usage"] = usage
+        return result
+
+    def finish_events(self, reason: str = "length") -> bytes:
+        """A last chunk for a stream that broke off after its final token but before its finish_reason."""
+        if self.chat:
+            choice = dict(self._chat_choice or {"index": 0, "logprobs": None})
+            choice.update(delta={}, finish_reason=reason)
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": reason, "stop_reason": None}
+            obj = "text_completion"
+        if "token_ids" in choice:
+            choice["token_ids"] = [] if self.client_wants_ids else None
+        chunk = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+        self.finished = True
+        return b"data: " + _dumps(chunk) + b"\n\n"
+
+
+def error_event(message: str, status: int = 502, kind: str = "BadGatewayError") -> bytes:
+    """How a stream that cannot go on ends: an OpenAI-shaped error event, then `data: [DONE]` (as vLLM does)."""
+    return b"data: " + _dumps({"error": {"message": message, "type": kind, "code": status}}) + b"\n\ndata: [DONE]\n\n"
