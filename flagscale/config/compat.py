@@ -3,7 +3,8 @@
 Two steps, around the schema's single validation:
 - `normalize` rewrites the raw tree before validation: old places and spellings move to where the schema
   has them, and each node without `engine`/`module` gets its engine from `experiment.task.backend`.
-- `ignored` reads the validated config back: the FlagScale keys that were set but mean nothing here.
+- `ignored` reads the validated config back: what was set but means nothing here (launcher keys, engine
+  host/port, an auto_tuner block outside action=auto_tune, PD keys while disaggregation is off).
 Every rewrite and every ignored key becomes a notice that `run` and `dryrun` print; nothing is silent.
 """
 
@@ -13,11 +14,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from flagscale.config.schema import ServeConfig
+from flagscale.config.engine_args import MANAGED_ARGS
+from flagscale.config.schema import DeployConfig, ServeConfig
 from flagscale.errors import ConfigError
 
 # Env vars of FlagScale's own communication library; passed on like any env var, but nothing here reads them.
 FLAGCX_ENV_PREFIXES = ("FLAGCX_", "USE_FLAGCX")
+# The deploy keys that mean something only with prefill_decode_disaggregation on.
+PD_KEYS = tuple(name for name in DeployConfig.model_fields if name.startswith(("prefill_", "decode_")))
 
 
 def normalize(data: dict[str, Any], main_file: str, serve_file: str) -> list[str]:
@@ -83,6 +87,45 @@ def ignored(config: ServeConfig) -> list[str]:
                 f"serve '{node.serve_id}': engine_args_specific.{', '.join(others)} ignored "
                 f"(the node's engine is {node.engine or 'a custom node'})"
             )
+    notices += _managed_engine_args(config)
+    if config.experiment.auto_tuner is not None and config.action != "auto_tune":
+        notices.append(f"experiment.auto_tuner ignored: only action=auto_tune reads it (action is {config.action})")
+    deploy = config.experiment.runner.deploy
+    pd_set = [key for key in PD_KEYS if key in deploy.model_fields_set and key != "prefill_decode_disaggregation"]
+    if pd_set and not deploy.prefill_decode_disaggregation:
+        notices.append(f"experiment.runner.deploy.{', '.join(pd_set)} ignored: prefill_decode_disaggregation is off")
+    return notices
+
+
+def _managed_engine_args(config: ServeConfig) -> list[str]:
+    """engine_args host/port: the orchestrator gives every replica its own; clients use the router's endpoint."""
+    notices = []
+    deploy = config.experiment.runner.deploy
+    endpoint_port_taken = deploy.port is not None
+    cli_args = config.experiment.runner.cli_args
+    for node in config.serve:
+        if not node.is_engine:
+            continue
+        args = {**cli_args, **node.merged_engine_args()}
+        managed = [key for key in MANAGED_ARGS if key in args]
+        if not managed:
+            continue
+        notice = (
+            f"serve '{node.serve_id}': engine_args {'/'.join(managed)} not passed to the engine: the orchestrator "
+            "gives each replica its own; the endpoint is experiment.runner.deploy.host/port"
+        )
+        # FlagScale's meaning of the first engine's port: the port clients use (plan.py does the same).
+        if not endpoint_port_taken and isinstance(args.get("port"), int):
+            notice += f" (deploy.port is unset, so the endpoint's port is this {args['port']})"
+            endpoint_port_taken = True
+        notices.append(notice)
+    for host, extra in config.experiment.node_args.items():
+        managed = [key for key in MANAGED_ARGS if key in extra.engine_args]
+        if managed:
+            notices.append(
+                f"experiment.node_args.{host}.engine_args {'/'.join(managed)} not passed to the engine: the "
+                "orchestrator gives each replica its own; the endpoint is experiment.runner.deploy.host/port"
+            )
     return notices
 
 
@@ -142,22 +185,22 @@ FLAGSCALE_KEYS: dict[str, str] = {
     "experiment.runner.deploy.name": "used",
     "experiment.runner.deploy.request": "used, both forms",
     "experiment.runner.deploy.prefill_decode_disaggregation": "checked; `true` refused (not supported yet)",
-    "experiment.runner.deploy.prefill_num": "checked",
-    "experiment.runner.deploy.decode_num": "checked",
-    "experiment.runner.deploy.prefill_address": "checked",
-    "experiment.runner.deploy.decode_address": "checked",
-    "experiment.runner.deploy.prefill_decode_strategy": "checked",
-    "experiment.runner.deploy.decode_gpu_memory_utilization": "checked",
+    "experiment.runner.deploy.prefill_num": "checked; ignored while PD is off (notice)",
+    "experiment.runner.deploy.decode_num": "checked; ignored while PD is off (notice)",
+    "experiment.runner.deploy.prefill_address": "checked; ignored while PD is off (notice)",
+    "experiment.runner.deploy.decode_address": "checked; ignored while PD is off (notice)",
+    "experiment.runner.deploy.prefill_decode_strategy": "checked; ignored while PD is off (notice)",
+    "experiment.runner.deploy.decode_gpu_memory_utilization": "checked; ignored while PD is off (notice)",
     "experiment.envs": "used; `envs.nodes_envs.<host>` too; FlagCX vars passed on (notice)",
     "experiment.cmds": "used",
     "experiment.cmds.before_start": "used",
     "experiment.cmds.after_stop": "used",
     "experiment.node_args": "used",
-    "experiment.auto_tuner": "checked; action=auto_tune refused (not supported yet)",
+    "experiment.auto_tuner": "checked; action=auto_tune refused (not supported yet); other actions ignore it (notice)",
     "experiment.node_args.<host>.engine_args": "used",
     "serve[].serve_id": "used",
     "serve[].engine": "used (`vllm`; `sglang` refused before start)",
-    "serve[].engine_args": "used; kebab-case keys too",
+    "serve[].engine_args": "used; kebab-case keys too; host/port set per replica here (notice)",
     "serve[].engine_args_specific": "used for the node's engine; others ignored (notice)",
     "serve[].resources": "used",
     "serve[].module": "used",

@@ -195,6 +195,46 @@ def test_auto_tuner_block_loads():
     assert config.experiment.auto_tuner.space == {"instance": [1, 2]} and config.action == "auto_tune"
 
 
+def test_auto_tuner_block_under_another_action_gets_a_notice():
+    cfg = v1_config(auto_tuner={"space": {"instance": [1, 2]}})
+    (notice,) = [n for n in load_config(cfg, SOURCES).notices if "auto_tuner" in n]
+    assert notice == "experiment.auto_tuner ignored: only action=auto_tune reads it (action is run)"
+    cfg["action"] = "auto_tune"
+    assert not [n for n in load_config(cfg, SOURCES).notices if "auto_tuner" in n]
+
+
+def test_pd_keys_while_pd_is_off_get_a_notice():
+    cfg = v1_config()
+    cfg["experiment"]["runner"]["deploy"].update(prefill_num=2, decode_gpu_memory_utilization=0.5)
+    (notice,) = [n for n in load_config(cfg, SOURCES).notices if "prefill" in n]
+    assert notice == (
+        "experiment.runner.deploy.prefill_num, decode_gpu_memory_utilization ignored: "
+        "prefill_decode_disaggregation is off"
+    )
+    cfg["experiment"]["runner"]["deploy"]["prefill_decode_disaggregation"] = False
+    assert [n for n in load_config(cfg, SOURCES).notices if "prefill" in n] == [notice]
+    cfg["experiment"]["runner"]["deploy"]["prefill_decode_disaggregation"] = True
+    assert not [n for n in load_config(cfg, SOURCES).notices if "prefill" in n]
+
+
+def test_engine_host_and_port_get_a_notice_naming_the_node_and_the_endpoint():
+    cfg = v1_config()
+    cfg["serve"][0]["engine_args"].update(host="0.0.0.0", port=9010)
+    (notice,) = [n for n in load_config(cfg, SOURCES).notices if "engine_args" in n]
+    assert notice.startswith("serve 'vllm_model': engine_args host/port not passed to the engine")
+    assert "the endpoint is experiment.runner.deploy.host/port" in notice and "9010" not in notice
+    # deploy.port unset: FlagScale's meaning, the first engine's port is the endpoint's, and the notice says so.
+    del cfg["experiment"]["runner"]["deploy"]["port"]
+    (notice,) = [n for n in load_config(cfg, SOURCES).notices if "engine_args" in n]
+    assert notice.endswith("(deploy.port is unset, so the endpoint's port is this 9010)")
+    cfg = v1_config()
+    cfg["experiment"]["runner"]["cli_args"] = {"port": 9011}
+    cfg["experiment"]["node_args"] = {"10.0.0.1": {"engine_args": {"host": "10.0.0.1"}}}
+    notices = [n for n in load_config(cfg, SOURCES).notices if "engine_args" in n]
+    assert notices[0].startswith("serve 'vllm_model': engine_args port not passed to the engine")
+    assert notices[1].startswith("experiment.node_args.10.0.0.1.engine_args host not passed to the engine")
+
+
 def test_num_replicas_auto_counts_the_target_devices(demo_model_path, tmp_path):
     import os
 
