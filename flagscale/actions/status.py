@@ -60,7 +60,9 @@ def collect(state: RunState) -> dict[str, Any]:
                 "log": record.log_path,
             }
         )
-    routed = _router_stats(state)
+    router = _router_stats(state)
+    routed = router.pop("replicas", {})
+    report["router"] = router or None  # totals: in-flight, requests moved to another replica, streams resumed
     for replica in report["replicas"]:
         entry = routed.get(replica["replica_id"], {})
         replica["requests_served"] = entry.get("served")
@@ -132,8 +134,9 @@ def _scaling(app_name: str) -> dict[str, dict[str, Any]]:
     return scaling
 
 
-def _router_stats(state: RunState) -> dict[str, dict[str, Any]]:
-    """The router's entry per replica: requests served since it started, in-flight, circuit, routing table."""
+def _router_stats(state: RunState) -> dict[str, Any]:
+    """The router's totals, and under "replicas" its entry per replica: requests served since it started,
+    in-flight, circuit, routing table, requests that failed there and moved on."""
     from ray import serve
 
     try:
@@ -141,7 +144,7 @@ def _router_stats(state: RunState) -> dict[str, dict[str, Any]]:
         stats = router.stats.remote().result(timeout_s=10)
     except Exception:
         return {}
-    return stats["replicas"]
+    return stats
 
 
 def status(exp_dir: str, console: Console, output: str = "table") -> int:
@@ -201,9 +204,12 @@ def _render(console: Console, report: dict[str, Any]) -> None:
         deployments.add_row(name, dep["status"], replicas, (dep["message"] or "")[:120])
     console.print(deployments)
     replicas = Table(title="engine replicas", title_justify="left")
-    for column in ("serve_id", "replica", "state", "host", "pid", "engine pid", "url", "heartbeat", "served"):
+    columns = ("serve_id", "replica", "state", "host", "pid", "engine pid", "url", "heartbeat", "served")
+    for column in (*columns, "in-flight", "circuit", "moved off", "routing table"):
         replicas.add_column(column)
     for r in report["replicas"]:
+        routing = r.get("router") or {}
+        table_size = next((f"{routing[k]} {k}" for k in ("prefix_blocks", "sessions") if k in routing), "-")
         replicas.add_row(
             r["serve_id"],
             r["replica_id"],
@@ -214,8 +220,18 @@ def _render(console: Console, report: dict[str, Any]) -> None:
             r["url"],
             f"{r['heartbeat_age_s']}s ago",
             str(r.get("requests_served", "-")),
+            str(routing.get("inflight", "-")),
+            routing.get("circuit", "-"),
+            str(routing.get("migrations", "-")),
+            table_size,
         )
     console.print(replicas)
+    if report.get("router"):
+        router = report["router"]
+        console.print(
+            f"router: {router['inflight']} in flight; {router['moved']} requests moved to another replica "
+            f"after theirs failed, {router['resumed']} of them streams resumed mid-way"
+        )
     if "hosts" in report:
         hosts = Table(title="hosts", title_justify="left")
         for column in ("host", "role", "chip", "slots", "ray node", "replicas"):

@@ -5,16 +5,13 @@ itself with aiohttp on its own event loop thread. Per request it reads the body,
 `model`'s routing policy (flagscale/serve/routing.py: cache_aware, least_load, session, round_robin) for the
 order to try its replicas in, and streams the upstream response back chunk by chunk.
 
-Failures, per replica, feed a circuit breaker (routing.CircuitBreaker):
-- a replica that cannot be connected to (refused, unreachable) has its circuit opened at once and the request
-  goes to the next one: the only retry, as nothing reached that replica yet;
-- a replica that takes the request and drops the connection before answering may already have run (part
-  of) it: that counts as a failure, and the request is not sent again; the client gets a 502 and decides
-  (OpenAI clients retry 5xx themselves); a stream cut in the middle counts as a failure too;
-- a 5xx answer is passed to the client as is and counts as a failure; a 4xx answer is passed as is and
-  counts as a success (the client's problem, not the replica's);
-- BREAKER_FAILURES failures in a row open the circuit: the replica is skipped for COOLDOWN_S, then one probe
-  (the next request, or the router's own /health probe every refresh) closes it again or reopens it.
+A request whose replica fails it moves to another replica (docs/routing.md), each at most once and at most
+`max_migrations` times: a refused connection (nothing was sent; not counted), a dropped connection or a 5xx
+before the client got anything (sent again as it was), a completions or chat stream broken off part-way
+(resumed from the tokens the client has: flagscale/serve/resume.py). A 4xx is the client's problem: passed on.
+Failures feed each replica's circuit breaker (routing.CircuitBreaker): BREAKER_FAILURES in a row, or one refused
+connection, open it; the replica is skipped for COOLDOWN_S, then one probe (the next request, or the router's
+own /health probe every refresh) closes it again or reopens it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,112 @@
+"""End to end: no request is lost when a replica's vLLM server dies under streaming load (issue 11).
+
+Real Ray, real vLLM (CPU) engines on the demo model, 2 replicas behind the router. Greedy streamed completions
+and chats run 6 at a time; one replica's vLLM server is SIGKILLed while streams are running on it. Every
+request must complete, with exactly the text an unbroken run gives (the reference is taken first, through the
+same deployment), and the router must have resumed at least one stream mid-way (else the kill hit nothing
+and the test proves nothing). Then Serve replaces the dead replica, the router takes the new one in, and it
+serves; 4xx answers leave every circuit closed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import time
+
+import openai
+import psutil
+
+from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
+
+PORT = 19131
+TOKENS = 160
+GREEDY = {"temperature": 0, "max_tokens": TOKENS, "extra_body": {"ignore_eos": True}}
+
+
+def status_json(conf) -> dict:
+    result = run_cli(conf, "action=status", "output=json", timeout=120)
+    assert result.returncode == 0, result.output
+    return json.loads(result.stdout[result.stdout.index("{") :])
+
+
+def routed_replicas(conf) -> list[dict]:
+    return [r for r in status_json(conf)["replicas"] if r["state"] == "READY" and r["requests_served"] is not None]
+
+
+def two_routed(conf, without: str | None = None) -> list[dict] | None:
+    replicas = routed_replicas(conf)
+    ok = len(replicas) == 2 and without not in {r["replica_id"] for r in replicas}
+    return replicas if ok else None
+
+
+def stream(client: openai.OpenAI, kind: str, prompt: str) -> str:
+    if kind == "chat":
+        chunks = client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": prompt}], stream=True, **GREEDY
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        chunks = client.completions.create(model="demo", prompt=prompt, stream=True, **GREEDY)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+    return text
+
+
+def test_killing_a_replica_under_streaming_load_loses_no_request(tmp_path):
+    node = {
+        "serve_id": "demo",
+        "engine": "vllm",
+        "engine_args": demo_engine_args(served_model_name="demo"),
+        "resources": {"num_replicas": 2, "num_cpus": 1},
+        "routing": "least_load",
+    }
+    conf = write_config(tmp_path / "conf", [node], tmp_path / "exp", PORT)
+    started = run_cli(conf, timeout=900)
+    try:
+        assert started.returncode == 0, started.output
+        before = wait_for(lambda: two_routed(conf), 120, "two routed replicas")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
+        work = [
+            ("chat" if i % 3 == 0 else "completion", f"request {i}: tell me about serving {i * 7}") for i in range(36)
+        ]
+        reference = {item: stream(client, *item) for item in work}  # unbroken runs, one at a time
+        assert all(reference.values())
+
+        victim = before[0]
+        server = psutil.Process(victim["engine_pid"]).children()[0]  # engine_proc's child: vLLM's API server
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            futures = {pool.submit(stream, client, *item): item for item in work}
+            time.sleep(1.5)  # streams are running on both replicas by now
+            server.send_signal(signal.SIGKILL)
+            results = {futures[f]: f.result() for f in concurrent.futures.as_completed(futures)}
+        lost = {item: (reference[item], got) for item, got in results.items() if got != reference[item]}
+        assert not lost, f"{len(lost)} of {len(work)} requests differ from an unbroken run: {list(lost.items())[:2]}"
+
+        router = wait_for(lambda: status_json(conf)["router"], 30, "the router's totals in status")
+        assert router["resumed"] >= 1, router  # the kill hit streams in flight, and they went on elsewhere
+        survivor = before[1]["replica_id"]
+        # Serve replaces the dead replica; the router takes the new one in and it serves.
+        replaced = wait_for(
+            lambda: two_routed(conf, without=victim["replica_id"]),
+            300,
+            "Serve to replace the killed replica and the router to route to the new one",
+        )
+        newcomer = next(r for r in replaced if r["replica_id"] != survivor)
+        for item in work[:4]:
+            assert stream(client, *item) == reference[item]
+        wait_for(
+            lambda: {r["replica_id"]: r for r in routed_replicas(conf)}[newcomer["replica_id"]]["requests_served"] > 0,
+            30,
+            "the new replica to serve",
+        )
+        for _ in range(4):  # the client's mistakes are passed on and blame no replica
+            try:
+                client.completions.create(model="demo", prompt="x", max_tokens=10_000)
+                raise AssertionError("a request over max_model_len should be refused")
+            except openai.BadRequestError:
+                pass
+        assert all(r["router"]["circuit"] == "closed" for r in routed_replicas(conf))
+    finally:
+        stopped = run_cli(conf, "action=stop", timeout=300)
+        assert stopped.returncode == 0, stopped.output
