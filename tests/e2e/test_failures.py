@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from flagscale.cluster.processes import session_members
-from tests.conftest import demo_engine_args, run_cli, write_config
+from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
 
 PORT = 18611
 
@@ -59,7 +59,6 @@ def test_failed_run_leaves_no_process(tmp_path):
     # Watch the state file the run writes as soon as it launches Ray, to learn the session it must stop.
     import subprocess
     import sys
-    import time
 
     from tests.conftest import REPO
 
@@ -71,15 +70,17 @@ def test_failed_run_leaves_no_process(tmp_path):
         cwd=REPO,
     )
     sessions: set[int] = set()
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
+
+    def exited_noting_sessions() -> bool:
         state = exp_dir / "state.json"
         if state.exists():
             try:
-                sessions |= {h["session"] for h in json.loads(state.read_text())["hosts"]}
+                sessions.update(h["session"] for h in json.loads(state.read_text())["hosts"])
             except (ValueError, KeyError):
                 pass
-        time.sleep(0.2)
+        return proc.poll() is not None
+
+    wait_for(exited_noting_sessions, 300, "the failing run to exit")
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode != 0, out
     assert sessions, "the run should have recorded the Ray session it started"

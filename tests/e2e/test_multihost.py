@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from flagscale.cluster.multihost import host_temp_dir
-from tests.conftest import demo_engine_args, run_cli, write_config
+from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
 from tests.e2e import netns
 
 PORT = 18801
@@ -73,10 +73,12 @@ def status_json(conf):
 
 
 def assert_no_ray_left(hosts):
-    deadline = time.monotonic() + 15
-    while any(hosts.ray_pids(h) for h in hosts.hosts) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert {h.ip: hosts.ray_pids(h) for h in hosts.hosts} == {h.ip: [] for h in hosts.hosts}
+    def none_left() -> bool:
+        left = {h.ip: hosts.ray_pids(h) for h in hosts.hosts}
+        assert left == {h.ip: [] for h in hosts.hosts}, left
+        return True
+
+    wait_for(none_left, 15, "no Ray process on any test host", interval=0.5)
 
 
 @pytest.fixture
@@ -120,13 +122,19 @@ def test_two_replicas_on_two_hosts_serve_and_stop_cleanly(hosts, hostfile, tmp_p
         completion = client.completions.create(model="demo", prompt="hello world", max_tokens=8)
         assert completion.usage.completion_tokens == 8
 
-    result, report = status_json(conf)
-    assert result.returncode == 0, result.output
-    assert len({r["host"] for r in report["replicas"]}) == 2, report["replicas"]
-    by_host = {h["host"]: h for h in report["hosts"]}
-    assert all(h["ray_node"] == "alive" for h in by_host.values())
     h1, h2, h3 = (h.ip for h in hosts.hosts)
-    assert len(by_host[h1]["replicas"]) == 1 and len(by_host[h2]["replicas"]) == 1 and not by_host[h3]["replicas"]
+
+    def one_replica_on_each_chip_a_host() -> bool:
+        result, report = status_json(conf)
+        assert result.returncode == 0, result.output
+        assert len({r["host"] for r in report["replicas"]}) == 2, report["replicas"]
+        by_host = {h["host"]: h for h in report["hosts"]}
+        assert all(h["ray_node"] == "alive" for h in by_host.values()), by_host
+        assert len(by_host[h1]["replicas"]) == 1 and len(by_host[h2]["replicas"]) == 1, by_host
+        assert not by_host[h3]["replicas"], by_host
+        return True
+
+    wait_for(one_replica_on_each_chip_a_host, 120, "status: one replica on each chipA host", interval=2)
     table = run_cli(conf, "action=status", timeout=120)
     assert "hosts" in table.stdout and "chipB" in table.stdout
 
@@ -143,8 +151,13 @@ def test_chip_pinned_node_runs_on_its_chip_and_a_dead_worker_shows(hosts, hostfi
         tmp_path, hosts, hostfile, stop_on_failure, "chip-b", "b", 1, "chipB", node_args=node_args
     )
     assert client.completions.create(model="b", prompt="hi", max_tokens=4).usage.completion_tokens == 4
-    _, report = status_json(conf)
-    assert [r["host"] for r in report["replicas"]] == [hosts.hosts[2].ip]
+
+    def replica_on_the_chip_b_host() -> bool:
+        _, report = status_json(conf)
+        assert [r["host"] for r in report["replicas"]] == [hosts.hosts[2].ip], report["replicas"]
+        return True
+
+    wait_for(replica_on_the_chip_b_host, 120, "status: the one replica on the chipB host", interval=2)
     (engine_log,) = (exp_dir / "serve_logs").glob("engine-b-*.log")
     command = next(line for line in engine_log.read_text().splitlines() if line.startswith("$ "))
     assert "--max-num-seqs 3" in command and "--max-num-seqs 8" not in command, command
@@ -156,13 +169,14 @@ def test_chip_pinned_node_runs_on_its_chip_and_a_dead_worker_shows(hosts, hostfi
 
     for pid in session_members(worker["session"]):
         os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 90
-    while True:
+
+    def worker_dead():
         result, report = status_json(conf)
         states = {h["host"]: h["ray_node"] for h in report["hosts"]}
-        if states[hosts.hosts[1].ip] == "dead" or time.monotonic() > deadline:
-            break
-        time.sleep(3)
+        assert states[hosts.hosts[1].ip] == "dead", states
+        return result, states
+
+    result, states = wait_for(worker_dead, 90, f"status to say {hosts.hosts[1].ip}'s Ray node is dead", interval=3)
     assert states == {hosts.hosts[0].ip: "alive", hosts.hosts[1].ip: "dead", hosts.hosts[2].ip: "alive"}
     assert result.returncode != 0  # not healthy while a host is down
     assert client.completions.create(model="b", prompt="hi", max_tokens=4).usage.completion_tokens == 4

@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import struct
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -114,9 +113,14 @@ def test_load_spreads_evenly_over_replicas(deployment, client):
 
     with ThreadPoolExecutor(8) as pool:
         assert all(c.usage.completion_tokens == 4 for c in pool.map(complete, range(60)))
-    after = [r for r in status_json(deployment)["replicas"] if r["serve_id"] == "alpha"]
-    counts = [r["requests_served"] - before.get(r["replica_id"], 0) for r in after]
-    assert len(counts) == 2 and sum(counts) == 60
+
+    def alpha_counts_since() -> list[int]:  # once the router's totals include all 60 requests
+        after = [r for r in status_json(deployment)["replicas"] if r["serve_id"] == "alpha"]
+        counts = [r["requests_served"] - before.get(r["replica_id"], 0) for r in after]
+        assert len(counts) == 2 and sum(counts) == 60, counts
+        return counts
+
+    counts = wait_for(alpha_counts_since, 60, "the router's counts of alpha's 60 requests", interval=1)
     assert max(counts) <= 1.2 * min(counts), counts
 
 
@@ -169,20 +173,24 @@ def process_name(pid: int, cmdline: bool = False) -> str:
 
 
 def test_killed_engine_fails_over_and_is_replaced(deployment, client):
-    alpha = [r for r in status_json(deployment)["replicas"] if r["serve_id"] == "alpha"]
-    victim = alpha[0]
+    def alpha_engines() -> list[dict]:
+        alpha = [r for r in status_json(deployment)["replicas"] if r["serve_id"] == "alpha"]
+        assert len(alpha) == 2 and all(r["engine_pid"] for r in alpha), alpha
+        return alpha
+
+    victim = wait_for(alpha_engines, 120, "alpha's two replicas and their engine PIDs in status", interval=2)[0]
     os.kill(victim["engine_pid"], signal.SIGKILL)  # the wrapper exits too: the server is gone
     for i in range(10):  # no request fails: the router moves on to the other replica
         assert client.completions.create(model="alpha", prompt=f"after kill {i}", max_tokens=2).usage
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
+
+    def alpha_replaced() -> bool:
         report = status_json(deployment, require_healthy=False)
         ready = [r for r in report["replicas"] if r["serve_id"] == "alpha" and r["state"] == "READY"]
-        if report["healthy"] and len(ready) == 2 and victim["replica_id"] not in {r["replica_id"] for r in ready}:
-            break
-        time.sleep(5)
-    else:
-        raise AssertionError(f"alpha was not back to 2 healthy replicas: {report}")
+        replaced = victim["replica_id"] not in {r["replica_id"] for r in ready}
+        assert report["healthy"] and len(ready) == 2 and replaced, f"alpha was not back to 2 healthy replicas: {report}"
+        return True
+
+    wait_for(alpha_replaced, 300, "alpha back to 2 healthy replicas, the killed one replaced", interval=5)
 
 
 def test_status_is_healthy(deployment, client):

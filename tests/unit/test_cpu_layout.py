@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from flagscale.serve.cpu_layout import affinity, pin_engine, plan_engine_layout, process_tree
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs at least 2 usable CPUs")
 
@@ -32,14 +32,17 @@ def start_chain(tmp_path, bind: bool) -> tuple[subprocess.Popen, list[int]]:
     script = tmp_path / "chain.py"
     script.write_text(CHAIN)
     root = subprocess.Popen([sys.executable, str(script), "3", "bind" if bind else "free"])
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def chain_up() -> list[int]:
         tree = process_tree(root.pid)
-        if len(tree) == 4 and (not bind or len(affinity(tree[-1]) or ()) == 1):
-            return root, tree
-        time.sleep(0.1)
-    root.kill()
-    raise AssertionError(f"process chain did not come up: {process_tree(root.pid)}")
+        assert len(tree) == 4 and (not bind or len(affinity(tree[-1]) or ()) == 1), tree
+        return tree
+
+    try:
+        return root, wait_for(chain_up, 30, "the process chain to come up", interval=0.1)
+    except AssertionError:
+        root.kill()
+        raise
 
 
 def stop_chain(tree: list[int]) -> None:
