@@ -52,11 +52,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def health_ok(base_url: str, timeout_s: float) -> bool:
     """Whether GET base_url/health answers 200."""
-    try:
-        with urllib.request.urlopen(base_url + "/health", timeout=timeout_s) as resp:
-            return resp.status == 200
-    except OSError:  # URLError, HTTPError and refused/reset connections are all OSErrors
-        return False
+    return health_problem(base_url, timeout_s) is None
 
 
 def health_problem(base_url: str, timeout_s: float) -> str | None:
@@ -65,7 +61,11 @@ def health_problem(base_url: str, timeout_s: float) -> str | None:
     try:
         with urllib.request.urlopen(base_url + "/health", timeout=timeout_s) as resp:
             return None if resp.status == 200 else f"HTTP {resp.status}"
-    except urllib.error.HTTPError as exc:
-        return f"HTTP {exc.code}: {exc.read().decode(errors='replace').strip()}"
+    except urllib.error.HTTPError as exc:  # before OSError, which it is too (as are refused/reset connections)
+        try:
+            body = exc.read().decode(errors="replace").strip()
+        except OSError:  # the connection went while the error body was read
+            body = ""
+        return f"HTTP {exc.code}: {body}"
     except OSError as exc:
         return f"unreachable ({exc})"
