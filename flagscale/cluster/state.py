@@ -20,7 +20,7 @@ class HostRecord:
     """One host's Ray node as we started it: the session that owns all its processes."""
 
     host: str
-    role: str  # "head" or "worker"
+    role: str  # "head", "worker" or "driver" (the CPU-less node on this machine that a multi-host run drives from)
     session: int | None = None
     leader_start_ticks: int | None = (
         None  # the leader's ProcessInfo.start_ticks: stop skips a session whose PID was reused
