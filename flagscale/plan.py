@@ -31,9 +31,9 @@ from flagscale.config.engine_args import to_argv
 from flagscale.config.graph import CustomNodePlan, GraphPlan, build_graph_plan
 from flagscale.config.load import ConfigSources
 from flagscale.config.replicas import ReplicaSettings, replica_settings
-from flagscale.config.schema import NodeConfig, ServeConfig
+from flagscale.config.schema import Disaggregation, NodeConfig, PoolConfig, Resources, ServeConfig
 from flagscale.devices import local_gpus
-from flagscale.errors import ConfigError, NotSupportedError
+from flagscale.errors import ConfigError
 from flagscale.net import port_is_free
 from flagscale.serve.routing import DEFAULT_POLICY, RoutingSpec
 
@@ -57,6 +57,9 @@ class EnginePlan(ReplicaSettings):
     placement_bundles: list[dict[str, float]] | None = None  # set when TP x PP spans hosts
     placement_strategy: str | None = None
     routing: RoutingSpec = field(default_factory=RoutingSpec)  # how the router picks a replica (node `routing`)
+    role: str | None = None  # "prefill" / "decode": a pool of a disaggregated node (docs/disaggregation.md)
+    group: str = ""  # the node's serve_id (a pool's serve_id is <node>-<role>); set by _engine_plan
+    pinned_host: str | None = None  # the hostfile host a pool is pinned to (disaggregation.<role>.host)
 
 
 @dataclass
@@ -127,11 +130,160 @@ def served_names(node: NodeConfig, engine_args: dict[str, Any]) -> list[str]:
     return [names] if isinstance(names, str) else list(names)
 
 
-def _engine_plan(
+PD_ROLES = ("prefill", "decode")
+# FlagScale's prefill_decode_strategy -> the routing policy that picks the prefill replica (None: the node's).
+PD_STRATEGY_POLICY = {"robin": "round_robin", "random": "random", "slo": None}
+AUTOSCALING_FIELDS = ("min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s")
+
+
+def disaggregation_of(node: NodeConfig, config: ServeConfig) -> Disaggregation | None:
+    """The node's own `disaggregation`, else the one FlagScale's deploy.prefill_decode_disaggregation gives every
+    engine node: prefill_num / decode_num replicas, pools pinned by prefill_address / decode_address,
+    decode_gpu_memory_utilization for the decode engines, prefill_decode_strategy for picking prefill replicas."""
+    if node.disaggregation is not None or not node.is_engine:
+        return node.disaggregation
+    deploy = config.experiment.runner.deploy
+    if not deploy.prefill_decode_disaggregation:
+        return None
+    fixed = node.resources.model_dump(exclude_none=True, exclude=set(AUTOSCALING_FIELDS) | {"num_replicas"})
+
+    def pool(count: int, address: str, engine_args: dict[str, Any]) -> PoolConfig:
+        return PoolConfig(
+            resources=Resources(**fixed, num_replicas=count),
+            host=None if address == "auto" else address,
+            engine_args=engine_args,
+        )
+
+    decode_args = {}
+    if deploy.decode_gpu_memory_utilization is not None:
+        decode_args["gpu_memory_utilization"] = deploy.decode_gpu_memory_utilization
+    return Disaggregation(
+        prefill=pool(deploy.prefill_num, deploy.prefill_address, {}),
+        decode=pool(deploy.decode_num, deploy.decode_address, decode_args),
+        prefill_routing=PD_STRATEGY_POLICY[deploy.prefill_decode_strategy],
+    )
+
+
+def kv_transfer_config(pd: Disaggregation, role: str) -> dict[str, Any]:
+    """vLLM's --kv-transfer-config of a pool's engines: prefill produces KV blocks, decode consumes them."""
+    config: dict[str, Any] = {
+        "kv_connector": pd.kv_connector,
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+    }
+    if role == "decode":
+        config["kv_load_failure_policy"] = pd.kv_load_failure_policy
+    if pd.kv_connector_extra_config:
+        config["kv_connector_extra_config"] = pd.kv_connector_extra_config
+    return config
+
+
+def check_kv_connector(name: str, where: str) -> None:
+    """Before start: the installed vLLM has the connector, and what it needs is importable."""
+    import importlib.util
+
+    if name == "NixlConnector" and importlib.util.find_spec("nixl") is None:
+        raise ConfigError(
+            "kv_connector NixlConnector needs NIXL, which is not installed here "
+            "(pip install --no-deps nixl nixl-cu12 nixl-cu13; `make setup` does)",
+            where,
+        )
+    from flagscale.config.engine_args import vllm_version
+
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    except ImportError as exc:
+        raise ConfigError(f"vLLM {vllm_version()} has no KV connectors ({exc})", where) from None
+    known = sorted(getattr(KVConnectorFactory, "_registry", {}))
+    if known and name not in known:
+        raise ConfigError(f"vLLM {vllm_version()} has no KV connector {name!r}; it has: {', '.join(known)}", where)
+
+
+def engine_pools(node: NodeConfig, config: ServeConfig, where: str) -> list[tuple[str | None, NodeConfig]]:
+    """The engine deployments of a node: the node itself (colocated), or its prefill and decode pools, each a
+    node of its own (serve_id <node>-<role>, the pool's engine args, resources and KV transfer config)."""
+    pd = disaggregation_of(node, config)
+    if pd is None:
+        return [(None, node)]
+    args = engine_args_of(node, config)
+    if "kv_transfer_config" in args:
+        raise ConfigError(
+            "a disaggregated node sets its KV transfer through disaggregation.kv_connector / "
+            "kv_connector_extra_config, not engine_args.kv_transfer_config",
+            f"{where}.engine_args",
+        )
+    check_kv_connector(pd.kv_connector, f"{where}.disaggregation.kv_connector")
+    names = served_names(node, args)
+    pools = []
+    for role in PD_ROLES:
+        pool: PoolConfig = getattr(pd, role)
+        engine_args = {
+            **node.engine_args,
+            **pool.engine_args,
+            "served_model_name": names,
+            "kv_transfer_config": kv_transfer_config(pd, role),
+        }
+        routing = pd.prefill_routing if role == "prefill" and pd.prefill_routing else node.routing
+        update = {
+            "serve_id": f"{node.serve_id}-{role}",
+            "engine_args": engine_args,
+            "resources": pool.resources or node.resources,
+            "routing": routing,
+            "disaggregation": None,
+        }
+        pools.append((role, node.model_copy(update=update)))
+    return pools
+
+
+def _pin_to_host(engine: EnginePlan, host: str, config: ServeConfig, target: Target, where: str) -> EnginePlan:
+    """A pool pinned to a hostfile host: its replicas reserve a sliver of Ray's `node:<ip>` resource there."""
+    import dataclasses
+
+    if target.hostfile is None:
+        raise ConfigError(f"pinning a pool to host {host!r} needs runner.hostfile", where)
+    known = {entry.host for entry in target.hostfile.hosts}
+    if host not in known:
+        raise ConfigError(f"host {host!r} is not in {target.hostfile.path} (hosts: {', '.join(sorted(known))})", where)
+    from flagscale.cluster import ssh
+    from flagscale.cluster.multihost import resolve_ip
+
+    ip = resolve_ip(ssh.resolve(host, ssh.SshSettings.from_runner(config.experiment.runner)).hostname)
+    options = dict(engine.ray_actor_options)
+    options["resources"] = {**options.get("resources", {}), f"node:{ip}": 0.001}
+    return dataclasses.replace(engine, ray_actor_options=options, pinned_host=host)
+
+
+def _engine_plans(
     node: NodeConfig, index: int, config: ServeConfig, target: Target, sources: ConfigSources
+) -> list[EnginePlan]:
+    """One engine node -> its engine deployments (one, or a prefill and a decode pool)."""
+    node_where = f"{sources.file_for(('serve',))}: serve[{index}]({node.serve_id})"
+    plans = []
+    for role, pool_node in engine_pools(node, config, node_where):
+        engine = _engine_plan(pool_node, index, config, target, sources, role=role, group=node.serve_id)
+        pd = disaggregation_of(node, config)
+        host = getattr(pd, role).host if role else None
+        if host is not None:
+            pool_where = f"{node_where}.disaggregation.{role}.host"
+            if node.disaggregation is None:  # from FlagScale's deploy keys
+                pool_where = f"{sources.main}: experiment.runner.deploy.{role}_address"
+            engine = _pin_to_host(engine, host, config, target, pool_where)
+        plans.append(engine)
+    return plans
+
+
+def _engine_plan(
+    node: NodeConfig,
+    index: int,
+    config: ServeConfig,
+    target: Target,
+    sources: ConfigSources,
+    role: str | None = None,
+    group: str | None = None,
 ) -> EnginePlan:
     """engine args -> vLLM's argv (checked by its parser), and one placement decision on `target`."""
-    node_where = f"{sources.file_for(('serve',))}: serve[{index}]({node.serve_id})"
+    node_where = f"{sources.file_for(('serve',))}: serve[{index}]({group or node.serve_id})"
+    if role:
+        node_where += f".disaggregation.{role}"
     where = f"{node_where}.engine_args"
     if node.engine != "vllm":
         raise ConfigError(
@@ -180,6 +332,8 @@ def _engine_plan(
         placement_bundles=reservation.placement_bundles,
         placement_strategy=reservation.placement_strategy,
         routing=RoutingSpec(policy=node.routing or DEFAULT_POLICY, **node.routing_options.model_dump()),
+        role=role,
+        group=group or node.serve_id,
         **vars(scaling),
     )
 
@@ -255,14 +409,6 @@ def _cpu_sum(engines: list[EnginePlan | CustomNodePlan]) -> str:
 
 def _refuse_unsupported(config: ServeConfig, sources: ConfigSources) -> None:
     """FlagScale features whose keys are understood but that this project does not serve yet."""
-    deploy = config.experiment.runner.deploy
-    if deploy.prefill_decode_disaggregation:
-        raise NotSupportedError(
-            f"prefill/decode disaggregation is not supported yet (prefill_num={deploy.prefill_num}, "
-            f"decode_num={deploy.decode_num}, strategy {deploy.prefill_decode_strategy}); set "
-            "prefill_decode_disaggregation: false to serve colocated engines",
-            f"{sources.main}: experiment.runner.deploy.prefill_decode_disaggregation",
-        )
     serve_file = sources.file_for(("serve",))
     for index, node in enumerate(config.serve):
         if not node.is_engine and node.resources.num_replicas == "auto":
@@ -296,22 +442,29 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
         seen_ids[node.serve_id] = index
         if not node.is_engine:
             continue  # custom nodes: build_graph_plan below
-        engine = _engine_plan(node, index, config, target, sources)
-        if hostfile is not None:
-            on_hosts.append((engine, node))
-        if node.resources.num_replicas == "auto":
-            notes.append(
-                f"serve '{node.serve_id}': num_replicas auto -> {engine.num_replicas} "
-                f"({engine.devices_per_replica} {engine.device} device(s) per replica)"
-            )
-        for name in engine.model_names:
+        pools = _engine_plans(node, index, config, target, sources)
+        for engine in pools:
+            if hostfile is not None:
+                on_hosts.append((engine, node))
+            if engine.num_replicas is not None and node.resources.num_replicas == "auto":
+                notes.append(
+                    f"serve '{engine.serve_id}': num_replicas auto -> {engine.num_replicas} "
+                    f"({engine.devices_per_replica} {engine.device} device(s) per replica)"
+                )
+            if engine.role:
+                where = f"on host {engine.pinned_host}" if engine.pinned_host else "placed by Ray"
+                notes.append(
+                    f"serve '{node.serve_id}': {engine.role} pool '{engine.serve_id}', "
+                    f"{engine.describe_replicas()} replica(s), {where}, routing {engine.routing.policy}"
+                )
+        for name in pools[0].model_names:
             if name in seen_names:
                 raise ConfigError(
                     f"served model name '{name}' is used by both '{seen_names[name]}' and '{node.serve_id}'",
                     f"{serve_file}: serve[{index}]({node.serve_id})",
                 )
             seen_names[name] = node.serve_id
-        engines.append(engine)
+        engines.extend(pools)
 
     runner = config.experiment.runner
     deploy = runner.deploy

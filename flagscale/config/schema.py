@@ -59,14 +59,16 @@ class DeployConfig(Strict):
         description="Graph request fields: a list of {arg, type, required?, default?}, or the older "
         "{args: [...], types: [...]}. Types: str int float bool list dict tuple set Any Optional[..] Union[..].",
     )
-    # Prefill/decode disaggregation (FlagScale's keys; parsed and checked, not served yet).
+    # Prefill/decode disaggregation, FlagScale's keys: every engine node without `disaggregation` gets one.
     prefill_decode_disaggregation: bool = Field(False, description="Serve prefill and decode on separate engines.")
     prefill_num: int = Field(1, ge=1, description="Prefill replicas (with prefill_decode_disaggregation).")
     decode_num: int = Field(1, ge=1, description="Decode replicas (with prefill_decode_disaggregation).")
     prefill_address: str = Field("auto", min_length=1, description="Host the prefill pool is pinned to, or auto.")
     decode_address: str = Field("auto", min_length=1, description="Host the decode pool is pinned to, or auto.")
     prefill_decode_strategy: Literal["slo", "random", "robin"] = Field(
-        "slo", description="How a request's prefill and decode replicas are picked."
+        "slo",
+        description="How a request's prefill replica is picked: robin = round_robin, random = random, slo = the "
+        "node's routing (cache_aware by default: the replica holding the longest prefix, within a load bound).",
     )
     decode_gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="gpu_memory_utilization of the decode engines."
@@ -324,6 +326,39 @@ class RoutingOptions(Strict):
     )
 
 
+class PoolConfig(Strict):
+    """One engine pool of a disaggregated node: its replicas, and what differs from the node's settings."""
+
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Merged over the node's engine_args for this pool's engines."
+    )
+    resources: Resources | None = Field(
+        None, description="This pool's replicas and what each reserves (default: the node's resources)."
+    )
+    host: str | None = Field(None, description="Hostfile host every replica of the pool is pinned to.")
+
+
+class Disaggregation(Strict):
+    """Prefill/decode disaggregation of an engine node (docs/disaggregation.md): a prefill pool computes each
+    prompt's KV cache, the KV connector moves it to a decode replica, which streams the answer."""
+
+    prefill: PoolConfig = Field(default_factory=PoolConfig, description="The prefill pool: see PoolConfig.")
+    decode: PoolConfig = Field(default_factory=PoolConfig, description="The decode pool: see PoolConfig.")
+    kv_connector: str = Field(
+        "NixlConnector", min_length=1, description="vLLM KV connector moving the KV cache (kv_transfer_config)."
+    )
+    kv_connector_extra_config: dict[str, Any] = Field(
+        default_factory=dict, description="The connector's own settings (kv_transfer_config.kv_connector_extra_config)."
+    )
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute",
+        description="A decode engine whose KV transfer fails: recompute the prompt itself, or fail the request.",
+    )
+    prefill_routing: Literal["cache_aware", "least_load", "session", "round_robin", "random"] | None = Field(
+        None, description="How the prefill replica is picked (default: the node's routing); decode: the node's."
+    )
+
+
 class NodeConfig(Strict):
     """A graph node: an engine node (`engine: vllm`, or no `module` under task.backend vllm) or a custom Python
     node (`module` + `name`)."""
@@ -339,7 +374,7 @@ class NodeConfig(Strict):
     name: str | None = Field(None, description="Custom node: the class in `module`.")
     depends: list[str] = Field(default_factory=list, description="Custom node: the nodes whose outputs it takes.")
     profile: ProfileConfig | None = Field(None, description="FlagScale per-node default of action=bench.")
-    routing: Literal["cache_aware", "least_load", "session", "round_robin"] | None = Field(
+    routing: Literal["cache_aware", "least_load", "session", "round_robin", "random"] | None = Field(
         None,
         description="Engine node: how the router picks a replica per request (docs/routing.md). cache_aware "
         "(default): the replica that was sent the longest prefix of the prompt (chat: of the conversation), within "
@@ -349,11 +384,18 @@ class NodeConfig(Strict):
     routing_options: RoutingOptions = Field(
         default_factory=RoutingOptions, description="Engine node: settings of the routing policies: see below."
     )
+    disaggregation: Disaggregation | None = Field(
+        None,
+        description="Engine node: serve it as a prefill pool and a decode pool (docs/disaggregation.md); "
+        "deploy.prefill_decode_disaggregation gives every engine node one.",
+    )
 
     @model_validator(mode="after")
     def _kind(self) -> NodeConfig:
         if self.engine is not None and self.module is not None:
             raise ValueError("a node is either an engine node (`engine`) or a custom node (`module`), not both")
+        if self.module is not None and self.disaggregation is not None:
+            raise ValueError("`disaggregation` is for engine nodes; a custom node has no prefill or decode")
         if self.engine is not None and self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; supported: {', '.join(SUPPORTED_ENGINES)}")
         if self.module is not None and self.routing is not None:

@@ -218,7 +218,7 @@ class ClientStream:
             for key in ("prompt_token_ids", "token_ids"):
                 if key in choice:
                     choice[key] = None
-            if self.chat and choice.get("delta") == {} and choice.get("finish_reason") is None:
+            if self.chat and choice.get("delta") in ({}, {"content": ""}) and choice.get("finish_reason") is None:
                 # sent only because token ids were asked for: vLLM skips it otherwise
                 if not choice.get("logprobs") and chunk.get("usage") is None:
                     return None

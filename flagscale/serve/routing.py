@@ -8,13 +8,15 @@ Each policy is a small class behind one interface (in the style of SkyPilot's lo
   to the replica chosen;
 - `on_replica_joined(upstream)` / `on_replica_left(replica_id)`: the registry's replica list changed.
 
-Policies (`routing:` of an engine node): `cache_aware` (default), `least_load`, `session`, `round_robin`.
+Policies (`routing:` of an engine node): `cache_aware` (default), `least_load`, `session`, `round_robin`,
+`random`.
 Replicas whose circuit is open are never offered (`CircuitBreaker.allows`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the plan imports RoutingSpec; nothing here needs Ray
     from flagscale.serve import registry
 
-POLICIES = ("cache_aware", "least_load", "session", "round_robin")
+POLICIES = ("cache_aware", "least_load", "session", "round_robin", "random")
 DEFAULT_POLICY = "cache_aware"
 
 LOAD_SLACK = 1  # in-flight requests a replica may be above the least busy one and still count as "as free"
@@ -231,6 +233,21 @@ class RoundRobin(Policy):
         return ups[turn:] + ups[:turn]
 
 
+class Random(Policy):
+    """A replica drawn at random per request, the others after it in random order (FlagScale's `random`)."""
+
+    name = "random"
+
+    def __init__(self, spec: RoutingSpec | None = None):
+        super().__init__(spec)
+        self._rng = random.Random()
+
+    def select(self, upstreams, request, now):
+        ups = [u for u in upstreams if u.breaker.allows(now)]
+        self._rng.shuffle(ups)
+        return ups
+
+
 class Session(Policy):
     """Affinity by the OpenAI `user` field, else the X-Session-Id header: a session's requests go to the replica
     that served its first one while that replica is there and its circuit closed; requests without a session,
@@ -380,7 +397,9 @@ class CacheAware(Policy):
         return {"prefix_blocks": self.table.size(replica_id)}
 
 
-POLICY_CLASSES: dict[str, type[Policy]] = {cls.name: cls for cls in (CacheAware, LeastLoad, Session, RoundRobin)}
+POLICY_CLASSES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (CacheAware, LeastLoad, Session, RoundRobin, Random)
+}
 assert tuple(sorted(POLICY_CLASSES)) == tuple(sorted(POLICIES))
 
 

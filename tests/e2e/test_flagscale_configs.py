@@ -4,8 +4,9 @@ Each config directory is copied unchanged; what the machine cannot give them is 
 command line, as a user would: the model (the demo model), test hosts for the placeholder hostfile, the
 graph example's node classes (FlagScale's examples/qwen2_5/models.py is not shipped: equivalent test nodes
 at the same relative path). Then:
-- dryrun of all five: exit 0 where this machine (or the hostfile) offers what the config asks; otherwise a
-  resource or "not supported yet" message, never a schema error;
+- dryrun of all five: exit 0 where this machine (or the hostfile) offers what the config asks (the
+  disaggregated one plans its prefill and decode pools); otherwise a resource or "not supported yet" message,
+  never a schema error;
 - the single-model v1.0 config runs for real (vLLM on CPU), serves through the openai SDK, passes
   action=test, and stops, running cmds.after_stop.
 """
@@ -97,7 +98,7 @@ def test_multinode_config_dryruns_on_test_hosts(configs, demo_model_path):
     assert "endpoint: http://127.0.0.1:30000/v1" in out
 
 
-def test_disaggregated_config_loads_and_says_not_supported_yet(configs, demo_model_path):
+def test_disaggregated_config_plans_a_prefill_and_a_decode_pool(configs, demo_model_path):
     result = dryrun(
         configs,
         "qwen2_5-disagg-xpyd",
@@ -105,9 +106,10 @@ def test_disaggregated_config_loads_and_says_not_supported_yet(configs, demo_mod
         model_override(demo_model_path),
         f"experiment.runner.hostfile={configs / 'hostfile.txt'}",
     )
-    assert result.returncode == 2, result.output
-    assert "prefill_decode_disaggregation: prefill/decode disaggregation is not supported yet" in result.output
-    assert "prefill_num=2, decode_num=2, strategy random" in result.output
+    assert result.returncode == 0, result.output
+    out = " ".join(result.output.split())
+    assert "prefill pool 'vllm_model-prefill', 2 replica(s), placed by Ray, routing random" in out
+    assert "decode pool 'vllm_model-decode', 2 replica(s), placed by Ray, routing cache_aware" in out
     assert_no_schema_error(result)
 
 

@@ -10,7 +10,7 @@ from flagscale.actions.bench import bench_settings
 from flagscale.config.compat import ignored_key_reasons
 from flagscale.config.load import ConfigSources, load_config
 from flagscale.config.request import bind, parse_fields
-from flagscale.errors import ConfigError, NotSupportedError
+from flagscale.errors import ConfigError
 from flagscale.plan import build_plan
 
 SOURCES = ConfigSources(main="conf/serve.yaml", serve="conf/serve/7b.yaml")
@@ -174,18 +174,57 @@ def test_unknown_keys_flagscale_lacks_too_are_still_typos():
     assert "unknown key 'nnode'" in error_of(cfg) and "did you mean 'nnodes'" in error_of(cfg)
 
 
-def test_pd_keys_are_checked_and_pd_is_refused_as_not_supported_yet(demo_model_path):
+def test_pd_keys_make_a_prefill_and_a_decode_pool_of_every_engine_node(demo_model_path):
     cfg = v1_config(str(demo_model_path))
     deploy = cfg["experiment"]["runner"]["deploy"]
-    deploy.update(prefill_decode_disaggregation=True, prefill_num=2, decode_num=2, prefill_decode_strategy="random")
-    message = plan_error(cfg, NotSupportedError)
-    assert "deploy.prefill_decode_disaggregation" in message and "not supported yet" in message
-    deploy["prefill_num"] = 0
+    deploy.update(
+        prefill_decode_disaggregation=True,
+        prefill_num=2,
+        decode_num=3,
+        prefill_decode_strategy="random",
+        decode_gpu_memory_utilization=0.15,
+    )
+    cfg["serve"][0]["resources"] = {"num_cpus": 1}
+    plan = build_plan(load_config(cfg, SOURCES), SOURCES, check_port=False)
+    prefill, decode = plan.engines
+    assert (prefill.serve_id, prefill.role, prefill.num_replicas) == ("vllm_model-prefill", "prefill", 2)
+    assert (decode.serve_id, decode.role, decode.num_replicas) == ("vllm_model-decode", "decode", 3)
+    assert prefill.group == decode.group == "vllm_model" and prefill.model_names == decode.model_names
+    assert prefill.routing.policy == "random" and decode.routing.policy == "cache_aware"
+    assert prefill.ray_actor_options["num_cpus"] == 1
+    argv = " ".join(decode.argv)
+    assert "--gpu-memory-utilization 0.15" in argv and '"kv_role": "kv_consumer"' in argv
+    assert '"kv_load_failure_policy": "recompute"' in argv
+    assert '"kv_role": "kv_producer"' in " ".join(prefill.argv)
+    assert "--gpu-memory-utilization 0.15" not in " ".join(prefill.argv)
+
+
+def test_pd_keys_are_checked(demo_model_path):
+    cfg = v1_config(str(demo_model_path))
+    deploy = cfg["experiment"]["runner"]["deploy"]
+    deploy.update(prefill_decode_disaggregation=True, prefill_num=0)
     assert "experiment.runner.deploy.prefill_num" in error_of(cfg)
     deploy.update(prefill_num=1, prefill_decode_strategy="fastest")
     assert "prefill_decode_strategy" in error_of(cfg) and "'slo'" in error_of(cfg)
     deploy.update(prefill_decode_strategy="slo", decode_gpu_memory_utilization=1.5)
     assert "decode_gpu_memory_utilization" in error_of(cfg)
+    deploy.update(decode_gpu_memory_utilization=None, prefill_address="elsewhere")
+    message = plan_error(cfg)
+    assert "deploy.prefill_address" in message and "needs runner.hostfile" in message
+
+
+def test_pd_is_refused_before_start_where_it_cannot_work(demo_model_path):
+    cfg = v1_config(str(demo_model_path))
+    cfg["serve"][0]["disaggregation"] = {"kv_connector": "NoSuchConnector"}
+    message = plan_error(cfg)
+    assert "serve[0](vllm_model).disaggregation.kv_connector" in message and "has no KV connector" in message
+    assert "NixlConnector" in message  # what it has
+    cfg["serve"][0]["disaggregation"] = {}
+    cfg["serve"][0]["engine_args"]["kv_transfer_config"] = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    assert "not engine_args.kv_transfer_config" in plan_error(cfg)
+    custom = v1_config(str(demo_model_path))
+    custom["serve"].append({"serve_id": "c", "module": "x.py", "name": "C", "disaggregation": {}})
+    assert "`disaggregation` is for engine nodes" in error_of(custom)
 
 
 def test_auto_tuner_block_loads():

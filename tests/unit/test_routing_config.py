@@ -49,7 +49,7 @@ def test_app_gives_the_router_each_model_its_nodes_policy(demo_model_path):
 
 def test_unknown_policy_and_routing_on_a_custom_node_are_refused(demo_model_path):
     with pytest.raises(ConfigError, match="routing"):
-        load_config(config(demo_model_path, routing="random"), SOURCES)
+        load_config(config(demo_model_path, routing="fastest"), SOURCES)
     with pytest.raises(ConfigError, match="routing"):
         load_config(config(demo_model_path, routing_options={"balance_abs_threshold": -1}), SOURCES)
     cfg = config(demo_model_path)

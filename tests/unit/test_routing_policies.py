@@ -49,7 +49,7 @@ def test_every_policy_name_makes_its_policy():
     for name in POLICIES:
         assert make_policy(RoutingSpec(policy=name)).name == name
     with pytest.raises(ValueError, match="unknown routing policy"):
-        make_policy(RoutingSpec(policy="random"))
+        make_policy(RoutingSpec(policy="fastest"))
 
 
 def test_prompt_text_of_completions_and_chat():
