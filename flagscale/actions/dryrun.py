@@ -39,8 +39,11 @@ def dryrun(config: ServeConfig, plan: Plan, console: Console) -> int:
         args.update({k: ns.get(k) for k in _set_keys(engine.argv)})
         replicas = f"{engine.describe_replicas()}\nrouting: {engine.routing.policy}"
         resources = ", ".join(f"{k}={v}" for k, v in engine.ray_actor_options.items())
+        name = f"{engine.serve_id}\n({engine.role} pool of {engine.group})" if engine.role else engine.serve_id
+        if engine.pinned_host:
+            name += f"\non {engine.pinned_host}"
         table.add_row(
-            engine.serve_id,
+            name,
             replicas,
             resources,
             f"{engine.devices_per_replica} {engine.device}",
@@ -59,7 +62,7 @@ def dryrun(config: ServeConfig, plan: Plan, console: Console) -> int:
         console.print("[bold]graph[/]")
         console.print("\n".join(describe(plan)), markup=False)
         console.print(f"graph picture: {draw(plan, Path(plan.exp_dir) / 'graph.png')}")
-    console.print(f"endpoint: {plan.endpoint}/v1   models: {', '.join(plan.model_ids)}")
+    console.print(f"endpoint: {plan.endpoint}/v1   models: {', '.join(dict.fromkeys(plan.model_ids))}")
     if plan.cluster is None:
         console.print(f"Ray head: local, {plan.head_num_cpus} logical CPUs   exp_dir: {plan.exp_dir}")
     else:

@@ -49,6 +49,7 @@ def collect(state: RunState) -> dict[str, Any]:
             {
                 "serve_id": record.serve_id,
                 "replica_id": record.replica_id,
+                "role": record.role or "colocated",
                 "host": record.node_ip,
                 "node_id": record.node_id[:12],
                 "pid": record.pid,
@@ -211,7 +212,7 @@ def _render(console: Console, report: dict[str, Any]) -> None:
         routing = r.get("router") or {}
         table_size = next((f"{routing[k]} {k}" for k in ("prefix_blocks", "sessions") if k in routing), "-")
         replicas.add_row(
-            r["serve_id"],
+            r["serve_id"] if r["role"] == "colocated" else f"{r['serve_id']} ({r['role']})",
             r["replica_id"],
             r["state"],
             r["host"],

@@ -39,6 +39,7 @@ def build_app(plan: Plan) -> Application:
             env={} if plan.cluster else plan.envs,  # each host's Ray node already has its own envs
             startup_timeout_s=plan.startup_timeout_s,
             pin_cpus=plan.pin_cpus,
+            role=engine.role,
         )
         engines.append(deployment.bind(spec))
     router = serve.deployment(
@@ -53,9 +54,11 @@ def build_app(plan: Plan) -> Application:
 
 
 def router_spec(plan: Plan) -> RouterSpec:
-    """What the router is told: the models (served name -> node), each model's routing (its node's), the route."""
-    models = {name: e.serve_id for e in plan.engines for name in e.model_names}
-    routing = {name: e.routing for e in plan.engines for name in e.model_names}
+    """What the router is told: the models (served name -> node), each model's routing (its node's; a disaggregated
+    node's decode pool, and separately its prefill pool's), the graph's route."""
+    models = {name: e.group for e in plan.engines for name in e.model_names}
+    routing = {name: e.routing for e in plan.engines if e.role != "prefill" for name in e.model_names}
+    prefill_routing = {name: e.routing for e in plan.engines if e.role == "prefill" for name in e.model_names}
     return RouterSpec(
         app=plan.app_name,
         host=plan.host,
@@ -64,6 +67,7 @@ def router_spec(plan: Plan) -> RouterSpec:
         graph_route=plan.graph.route if plan.graph else None,
         pin_cpus=plan.pin_cpus,
         routing=routing,
+        prefill_routing=prefill_routing,
     )
 
 

@@ -33,6 +33,7 @@ class EngineSpec:
     startup_timeout_s: float
     pin_cpus: bool = True  # deploy.cpu_affinity == "auto" (see flagscale/serve/cpu_layout.py)
     host_argv: dict[str, list[str]] = field(default_factory=dict)  # node IP -> argv there (experiment.node_args)
+    role: str | None = None  # "prefill" / "decode": a pool of a disaggregated node (KV side channel needed)
 
 
 class EngineStartError(RuntimeError):
@@ -81,6 +82,9 @@ class VLLMEngine:
         with gpu_start_lock(gpu_ids, spec.startup_timeout_s, self._note):  # engines sharing a GPU start in turn
             port = free_port(host)
             self.url = f"http://{host}:{port}"
+            env = _engine_env(spec.env)
+            if spec.role:  # the KV connector's handshake listener: a port of this replica's own, on its address
+                env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port(host)))
             # engine_proc keeps the server from outliving this replica if the replica is killed outright.
             argv = [
                 sys.executable,
@@ -96,10 +100,11 @@ class VLLMEngine:
                 str(port),
             ]
             with open(self.log_path, "ab") as log:
-                log.write(f"$ {' '.join(argv)}\n".encode())
+                side_channel = {k: v for k, v in env.items() if k.startswith("VLLM_NIXL_SIDE_CHANNEL")}
+                log.write(f"$ {' '.join(f'{k}={v}' for k, v in side_channel.items())} {' '.join(argv)}\n".encode())
                 log.flush()
                 self.proc = subprocess.Popen(
-                    argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_engine_env(spec.env)
+                    argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
                 )
             self._wait_healthy(spec.startup_timeout_s)
 
@@ -126,6 +131,7 @@ class VLLMEngine:
             log_path=str(self.log_path),
             updated_at=time.time(),
             worker_cpus=layout.worker_cpus if layout else [],
+            role=spec.role or "",
         )
         registry.publish(self.record)
 

@@ -31,6 +31,7 @@ class ReplicaRecord:
     log_path: str
     updated_at: float
     worker_cpus: list[int] = field(default_factory=list)  # cores the engine's workers are bound to (CPU engines)
+    role: str = ""  # "prefill" / "decode" in a disaggregated node; "" colocated
 
     @property
     def stale(self) -> bool:

@@ -123,7 +123,8 @@ class ClientStream:
             request = {k: body[k] for k in SAMPLING_KEYS if k in body}
         else:
             limit = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
-            request = {k: v for k, v in body.items() if k not in ("prompt", "max_tokens", "min_tokens")}
+            dropped = ("prompt", "max_tokens", "min_tokens", "kv_transfer_params")
+            request = {k: v for k, v in body.items() if k not in dropped}
         request.update(
             model=self.model,
             prompt=self.prompt_ids + self.generated,

@@ -58,6 +58,8 @@ class RouterSpec:
     graph_route: str | None = None  # deployment graph entry (POST, JSON in/out), served by the graph driver
     pin_cpus: bool = True  # stay off the cores of engine workers on this host (flagscale/serve/cpu_layout.py)
     routing: dict[str, RoutingSpec] = field(default_factory=dict)  # served model name -> its node's routing
+    # Disaggregated models: served model name -> how its prefill replica is picked (docs/disaggregation.md).
+    prefill_routing: dict[str, RoutingSpec] = field(default_factory=dict)
 
 
 _Upstream = Upstream  # the name the tests and older code use
@@ -65,8 +67,20 @@ _Upstream = Upstream  # the name the tests and older code use
 
 @dataclass
 class _Table:
-    by_model: dict[str, list[_Upstream]] = field(default_factory=dict)
+    by_model: dict[str, list[_Upstream]] = field(default_factory=dict)  # replicas that answer (colocated or decode)
+    prefill_by_model: dict[str, list[_Upstream]] = field(default_factory=dict)  # prefill pools
     by_replica: dict[str, _Upstream] = field(default_factory=dict)
+
+
+# What a prefill replica is asked for: compute the prompt's KV cache, keep it for a decode replica to pull.
+REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def upstream_session():
@@ -112,6 +126,9 @@ class Router:
         self._table = _Table()
         self._policies: dict[str, Policy] = {
             model: make_policy(self.spec.routing.get(model, RoutingSpec())) for model in self.spec.models
+        }
+        self._prefill_policies: dict[str, Policy] = {
+            model: make_policy(spec) for model, spec in self.spec.prefill_routing.items()
         }
         self._inflight = 0
         self._moved = 0  # requests moved to another replica after theirs failed them
@@ -199,16 +216,22 @@ class Router:
             else:
                 upstream.record = record
             table.by_replica[record.replica_id] = upstream
+            pools = table.prefill_by_model if record.role == "prefill" else table.by_model
             for model in record.models:
-                table.by_model.setdefault(model, []).append(upstream)
+                pools.setdefault(model, []).append(upstream)
+        old_prefill = self._table.prefill_by_model
         self._table = table
-        self._update_policies(old_by_model, table.by_model)
+        self._update_policies(self._policies, old_by_model, table.by_model)
+        self._update_policies(self._prefill_policies, old_prefill, table.prefill_by_model)
         if self._pinning is not None:
             self._pinning.update(records)
 
-    def _update_policies(self, old: dict[str, list[Upstream]], new: dict[str, list[Upstream]]) -> None:
+    @staticmethod
+    def _update_policies(
+        policies: dict[str, Policy], old: dict[str, list[Upstream]], new: dict[str, list[Upstream]]
+    ) -> None:
         """Tell each model's policy which replicas left and joined (a replica at a new URL: both)."""
-        for model, policy in self._policies.items():
+        for model, policy in policies.items():
             before = {id(u): u for u in old.get(model, [])}
             after = {id(u): u for u in new.get(model, [])}
             for key in before.keys() - after.keys():
@@ -220,6 +243,7 @@ class Router:
         from aiohttp import web
 
         missing = [m for m in self.spec.models if not self._table.by_model.get(m)]
+        missing += [f"{m} (prefill)" for m in self._prefill_policies if not self._table.prefill_by_model.get(m)]
         if self._draining:
             return web.Response(status=503, text="draining\n")
         if missing:
@@ -274,6 +298,11 @@ class Router:
         exchange.headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         self._inflight += 1
         try:
+            if model in self._prefill_policies and request.method == "POST" and request.path in (COMPLETIONS, CHAT):
+                kv = await self._prefill(exchange, payload)
+                if not isinstance(kv, dict):
+                    return kv  # the prefill pool's answer (a 4xx) or why none could take the prompt
+                exchange.with_kv(payload, kv)
             while True:
                 upstream = self._pick(exchange)
                 if upstream is None:
@@ -288,6 +317,7 @@ class Router:
                     if exchange.moves >= exchange.max_moves:
                         return await self._give_up(exchange)
                     exchange.moves += 1
+                    exchange.without_kv()  # another decode replica computes the prompt itself
                     upstream.migrations += 1
                     self._moved += 1
                     log.warning(
@@ -300,16 +330,73 @@ class Router:
             self._inflight -= 1
 
     def _pick(self, exchange: _Exchange) -> Upstream | None:
-        """The policy's first choice among the replicas this request has not been sent to yet."""
-        now = time.monotonic()
-        for upstream in exchange.policy.select(self._table.by_model.get(exchange.model, []), exchange.info, now):
-            if upstream.replica_id in exchange.tried:
+        return _first_untried(
+            exchange.policy, self._table.by_model.get(exchange.model, []), exchange.info, exchange.tried
+        )
+
+    async def _prefill(self, exchange: _Exchange, payload: dict):
+        """A disaggregated model's first step: a prefill replica computes the prompt's KV cache and answers with
+        the kv_transfer_params a decode replica pulls it with. Returns them, or the answer for the client: a
+        prefill replica's 4xx as is, or why no prefill replica could take the prompt (each tried at most once)."""
+        import aiohttp
+        from aiohttp import web
+
+        body = {k: v for k, v in payload.items() if k != "stream_options"}
+        body.update(stream=False, max_tokens=1, kv_transfer_params=REMOTE_DECODE)
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        data = json.dumps(body).encode()
+        policy = self._prefill_policies[exchange.model]
+        pool = self._table.prefill_by_model.get(exchange.model, [])
+        tried: set[str] = set()
+        failure = ""
+        while True:
+            upstream = _first_untried(policy, pool, exchange.info, tried)
+            if upstream is None:
+                reason = f"{failure}; " if failure else ""
+                message = f"{reason}no prefill replica of {exchange.model!r} could take the prompt"
+                return _error(503, message, "ServiceUnavailableError")
+            name = f"prefill replica {upstream.record.replica_id} of {upstream.record.serve_id!r}"
+            ok = None
+            policy.before_request(upstream, exchange.info)
+            upstream.inflight += 1
+            upstream.sent += 1
+            try:
+                url = upstream.record.url + exchange.http.path
+                async with self._session.post(url, data=data, headers=exchange.headers) as resp:
+                    answer = await resp.read()
+                ok = resp.status < 500
+                if not ok:
+                    failure = f"{name} answered {resp.status}"
+            except aiohttp.ClientConnectorError:
+                ok = False
+                upstream.breaker.trip(time.monotonic())
                 continue
-            if not upstream.breaker.begin(now):  # another request took its half-open probe
+            except aiohttp.ClientError as exc:
+                ok = False
+                failure = f"{name} failed ({exc!r})"
+            finally:
+                upstream.inflight -= 1
+                if ok is None and upstream.breaker.probing:
+                    upstream.breaker.probing = False
+                policy.after_request(upstream, exchange.info, bool(ok))
+            if not ok:  # nothing reached the client: the next prefill replica takes the prompt
+                upstream.breaker.failure(time.monotonic())
+                upstream.migrations += 1
+                self._moved += 1
                 continue
-            exchange.tried.add(upstream.replica_id)
-            return upstream
-        return None
+            upstream.breaker.success()
+            upstream.served += 1
+            if resp.status >= 400:  # the client's problem: it would fail on decode too
+                headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP}
+                return web.Response(status=resp.status, body=answer, headers=headers)
+            try:
+                kv = json.loads(answer).get("kv_transfer_params")
+            except (ValueError, AttributeError):
+                kv = None
+            if not kv:
+                return _error(502, f"{name} answered without kv_transfer_params", "BadGatewayError")
+            return kv
 
     async def _give_up(self, exchange: _Exchange):
         """No replica is left to try: the last answer, an error, or (stream begun) a closing error event."""
@@ -504,8 +591,9 @@ class Router:
                 "circuit_opened": upstream.breaker.opened,
                 "migrations": upstream.migrations,
             }
+            policies = self._prefill_policies if upstream.record.role == "prefill" else self._policies
             for model in upstream.record.models:
-                policy = self._policies.get(model)
+                policy = policies.get(model)
                 if policy is not None:
                     entry["routing"] = policy.name
                     entry.update(policy.stats(upstream.replica_id))
@@ -531,6 +619,36 @@ class _Exchange:
     failure: str = ""  # why the last replica that had it failed
     last_answer: Any = None  # the last 5xx answer, returned as is when no replica is left
     response: Any = None  # the client's stream response, once begun
+    plain_body: bytes | None = None  # disaggregated: the request without the KV transfer parameters
+
+    def with_kv(self, payload: dict, kv: dict) -> None:
+        """A disaggregated request goes to decode with the prefill's KV transfer parameters."""
+        self.plain_body = self.body
+        with_kv = {**payload, "kv_transfer_params": kv}
+        self.body = json.dumps(with_kv).encode()
+        if self.stream is not None:
+            self.stream.body = with_kv
+
+    def without_kv(self) -> None:
+        """Sent again elsewhere: that replica computes the prompt itself (the KV blocks were for the first)."""
+        if self.plain_body is not None:
+            self.body = self.plain_body
+            if self.stream is not None:
+                self.stream.body = {k: v for k, v in self.stream.body.items() if k != "kv_transfer_params"}
+
+
+def _first_untried(policy: Policy, upstreams: list[Upstream], info: RequestInfo, tried: set[str]) -> Upstream | None:
+    """The policy's first choice among the replicas not tried yet (each gets a request at most once), taking the
+    replica's half-open probe if its circuit is half open."""
+    now = time.monotonic()
+    for upstream in policy.select(upstreams, info, now):
+        if upstream.replica_id in tried:
+            continue
+        if not upstream.breaker.begin(now):  # another request took its half-open probe
+            continue
+        tried.add(upstream.replica_id)
+        return upstream
+    return None
 
 
 class _Unreachable(Exception):
