@@ -31,11 +31,11 @@ from flagscale.config.engine_args import to_argv
 from flagscale.config.graph import CustomNodePlan, GraphPlan, build_graph_plan
 from flagscale.config.load import ConfigSources
 from flagscale.config.replicas import ReplicaSettings, replica_settings
+from flagscale.config.routing import DEFAULT_POLICY, RoutingSpec
 from flagscale.config.schema import Disaggregation, NodeConfig, PoolConfig, Resources, ServeConfig
 from flagscale.devices import local_gpus
 from flagscale.errors import ConfigError
 from flagscale.net import port_is_free
-from flagscale.serve.routing import DEFAULT_POLICY, RoutingSpec
 
 DEFAULT_PORT = 8000
 ROUTER_DEPLOYMENT = "router"

@@ -22,11 +22,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # the plan imports RoutingSpec; nothing here needs Ray
+from flagscale.config.routing import DEFAULT_POLICY, POLICIES, RoutingSpec  # noqa: F401 - re-exported
+
+if TYPE_CHECKING:  # nothing here needs Ray
     from flagscale.serve import registry
 
-POLICIES = ("cache_aware", "least_load", "session", "round_robin", "random")
-DEFAULT_POLICY = "cache_aware"
 
 LOAD_SLACK = 1  # in-flight requests a replica may be above the least busy one and still count as "as free"
 COOLDOWN_S = 5.0  # an open circuit stays open this long, then lets one probe through
@@ -110,19 +110,6 @@ class Upstream:
     @property
     def replica_id(self) -> str:
         return self.record.replica_id
-
-
-@dataclass(frozen=True)
-class RoutingSpec:
-    """One engine node's routing, as planned (flagscale/plan.py) and given to the router per model."""
-
-    policy: str = DEFAULT_POLICY
-    balance_abs_threshold: int = 4
-    cache_threshold: float = 0.3
-    prefix_block_chars: int = 64
-    max_prefix_blocks: int = 100_000
-    max_sessions: int = 100_000
-    max_migrations: int = 2
 
 
 @dataclass
