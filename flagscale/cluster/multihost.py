@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-import json
 import logging
 import socket
 import time
@@ -21,16 +20,12 @@ from pathlib import Path
 
 from flagscale.cluster import ssh
 from flagscale.cluster.hostfile import HostEntry
-from flagscale.cluster.ray_node import auth_env, head_port, ray_cli, ray_temp_dir, start_node
+from flagscale.cluster.ray_node import RayNode, auth_env, head_port, ray_temp_dir, start_node
 from flagscale.cluster.runner import LocalRunner, SshRunner, parallel
 from flagscale.cluster.state import RunState
 from flagscale.errors import ClusterError
-from flagscale.net import free_port
 
 log = logging.getLogger(__name__)
-
-# Keep Ray's worker ports away from the ports users pick for the router and engines.
-WORKER_PORTS = ("20000", "29999")
 
 
 def host_temp_dir(exp_dir: str, host: str) -> str:
@@ -52,68 +47,27 @@ def local_ip_towards(ip: str) -> str:
         return sock.getsockname()[0]
 
 
-def ray_start_argv(
+def host_node(
     entry: HostEntry,
     head: HostEntry,
     port: int,
     num_cpus: int | None,
     temp_dir: str,
     ip_of: Callable[[str], str] = resolve_ip,
-) -> list[str]:
-    """`ray start` for a hostfile host; `ip_of`: a hostfile host's IP (its ssh config HostName, resolved)."""
+) -> RayNode:
+    """The Ray node of a hostfile host; `ip_of`: a hostfile host's IP (its ssh config HostName, resolved)."""
     is_head = entry is head
     num_gpus, resources = entry.ray_resources(is_head)
-    argv = [*ray_cli(), "start"]
-    if is_head:
-        argv += ["--head", "--port", str(port), "--include-dashboard", "false"]
-    else:
-        argv += ["--address", f"{ip_of(head.host)}:{port}"]
-    argv += [
-        "--node-ip-address",
-        ip_of(entry.host),
-        "--temp-dir",
+    return RayNode(
+        "head" if is_head else "worker",
+        port,
         temp_dir,
-        "--resources",
-        json.dumps(resources),
-        "--disable-usage-stats",
-        "--node-manager-port",
-        "0",
-        "--object-manager-port",
-        "0",
-        "--min-worker-port",
-        WORKER_PORTS[0],
-        "--max-worker-port",
-        WORKER_PORTS[1],
-    ]
-    if num_cpus is not None:
-        argv += ["--num-cpus", str(num_cpus)]
-    argv += ["--num-gpus", str(num_gpus or 0)]
-    return argv
-
-
-def driver_argv(head_ip: str, port: int, my_ip: str, temp_dir: str) -> list[str]:
-    """A Ray node without CPUs on this machine: the runner's driver attaches to it."""
-    return [
-        *ray_cli(),
-        "start",
-        "--address",
-        f"{head_ip}:{port}",
-        "--node-ip-address",
-        my_ip,
-        "--num-cpus",
-        "0",
-        "--num-gpus",
-        "0",
-        "--temp-dir",
-        temp_dir,
-        "--disable-usage-stats",
-        "--node-manager-port",
-        "0",
-        "--object-manager-port",
-        "0",
-        "--dashboard-agent-listen-port",
-        str(free_port()),
-    ]
+        head_ip=None if is_head else ip_of(head.host),
+        node_ip=ip_of(entry.host),
+        num_cpus=num_cpus,
+        num_gpus=num_gpus or 0,
+        resources=resources,
+    )
 
 
 def _raise_failures(entries: list[HostEntry], results: list, what: str) -> None:
@@ -168,21 +122,18 @@ class ClusterLauncher:
     def _start_host(self, entry: HostEntry):
         head = self.cluster.hostfile.head
         temp_dir = host_temp_dir(self.state.exp_dir, entry.host)
-        ray_argv = ray_start_argv(entry, head, self.ray_port, self.cluster.num_cpus_per_host, temp_dir, self.ip_of)
+        node = host_node(entry, head, self.ray_port, self.cluster.num_cpus_per_host, temp_dir, self.ip_of)
         env = {**self.remote_env, **self.cluster.host_envs.get(entry.host, {}), **auth_env(f"{temp_dir}/auth_token")}
         return start_node(
             self.state,
             self.runners[entry.host],
-            "head" if entry is head else "worker",
-            ray_argv,
+            node,
             env,
             f"{temp_dir}/ray-start.log",
             self.cluster.join_timeout_s,
             self.plan.before_start,
-            temp_dir=temp_dir,
             chip=entry.chip,
             slots=entry.slots,
-            node_ip=self.ip_of(entry.host),
         )
 
     def _start_driver_node(self) -> None:
@@ -192,17 +143,17 @@ class ClusterLauncher:
         my_ip = local_ip_towards(head_ip)
         temp_dir = ray_temp_dir(self.state.exp_dir)
         self.state.extra["driver_ip"] = my_ip
+        node = RayNode(
+            "driver", self.ray_port, temp_dir, head_ip=head_ip, node_ip=my_ip, num_cpus=0, num_gpus=0, this_machine=True
+        )
         start_node(
             self.state,
             LocalRunner(),
-            "driver",
-            driver_argv(head_ip, self.ray_port, my_ip, temp_dir),
+            node,
             {**self.remote_env, **auth_env(self.state.token_path)},
             str(self.plan.log_dir / "ray-driver-node.log"),
             self.cluster.join_timeout_s,
             what=f"the local driver node (joining {head_ip})",
-            temp_dir=temp_dir,
-            node_ip=my_ip,
         )
 
     def _wait_joined(self) -> None:

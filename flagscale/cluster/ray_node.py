@@ -16,6 +16,7 @@ import os
 import secrets
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from flagscale.cluster import ssh
@@ -68,49 +69,68 @@ def with_before_start(argv: list[str], before_start: str | None) -> list[str]:
     return ["bash", "-c", f'set -e\n{before_start}\nexec "$@"', "flagscale-before-start", *argv]
 
 
-def head_argv(
-    port: int, num_cpus: int, num_gpus: int | None, temp_dir: str, resources: dict | None = None
-) -> list[str]:
-    argv = [
-        *ray_cli(),
-        "start",
-        "--head",
-        "--port",
-        str(port),
-        "--num-cpus",
-        str(num_cpus),
-        "--temp-dir",
-        temp_dir,
-        "--include-dashboard",
-        "false",
-        "--disable-usage-stats",
-        "--ray-client-server-port",
-        str(free_port()),
-        # What a static serving cluster does not use (~160 MB RSS less on the head):
-        "--no-monitor",  # the autoscaler monitor
-        "--include-log-monitor",
-        "false",  # drivers don't stream worker logs; they stay in the session dir
-        "--dashboard-port",
-        str(free_port()),
-        "--dashboard-agent-listen-port",
-        str(free_port()),
-        "--node-manager-port",
-        "0",
-        "--object-manager-port",
-        "0",
-    ]
-    if num_gpus is not None:
-        argv += ["--num-gpus", str(num_gpus)]
-    if resources:
-        argv += ["--resources", json.dumps(resources)]
-    return argv
+# Keep a hostfile host's Ray worker ports away from the ports users pick for the router and engines.
+WORKER_PORTS = ("20000", "29999")
+ROLES = ("head", "worker", "driver")
+
+
+@dataclass(frozen=True)
+class RayNode:
+    """One Ray node to start, as `ray start` is told (ray_start_argv). `role`: head, worker, or driver (the CPU-less
+    node on this machine a multi-host run drives from). `this_machine`: the node runs beside the runner (the head of a
+    run without a hostfile, or the driver node): Ray's fixed default listener ports become free ones, and a head
+    drops what a one-machine serving cluster does not use; a hostfile host's node keeps Ray's worker ports in
+    WORKER_PORTS instead."""
+
+    role: str
+    port: int  # the head's GCS port
+    temp_dir: str
+    head_ip: str | None = None  # worker, driver: the head's IP (the node joins head_ip:port)
+    node_ip: str | None = None  # None: Ray picks this node's IP
+    num_cpus: int | None = None  # None: Ray counts them
+    num_gpus: int | None = None  # None: Ray counts them
+    resources: dict[str, float] | None = None  # custom resources; None: no --resources
+    this_machine: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role != "head" and not self.head_ip:
+            raise ValueError(f"a {self.role} node joins a head: head_ip is needed")
+
+
+def ray_start_argv(node: RayNode) -> list[str]:
+    """The one `ray start` argv, for every node of every run."""
+    head = node.role == "head"
+    argv = [*ray_cli(), "start"]
+    if head:
+        argv += ["--head", "--port", str(node.port), "--include-dashboard", "false"]
+    else:
+        argv += ["--address", f"{node.head_ip}:{node.port}"]
+    if node.node_ip is not None:
+        argv += ["--node-ip-address", node.node_ip]
+    argv += ["--temp-dir", node.temp_dir, "--disable-usage-stats"]
+    argv += ["--node-manager-port", "0", "--object-manager-port", "0"]
+    if node.num_cpus is not None:
+        argv += ["--num-cpus", str(node.num_cpus)]
+    if node.num_gpus is not None:
+        argv += ["--num-gpus", str(node.num_gpus)]
+    if node.resources is not None:
+        argv += ["--resources", json.dumps(node.resources)]
+    if not node.this_machine:
+        return [*argv, "--min-worker-port", WORKER_PORTS[0], "--max-worker-port", WORKER_PORTS[1]]
+    if head:
+        argv += ["--ray-client-server-port", str(free_port()), "--dashboard-port", str(free_port())]
+        # What a static serving cluster does not use (~160 MB RSS less on the head): the autoscaler monitor, and
+        # the log monitor (drivers don't stream worker logs; they stay in the session dir).
+        argv += ["--no-monitor", "--include-log-monitor", "false"]
+    return [*argv, "--dashboard-agent-listen-port", str(free_port())]
 
 
 def start_node(
     state: RunState,
     runner: CommandRunner,
-    role: str,
-    ray_argv: list[str],
+    node: RayNode,
     env: dict[str, str],
     log_path: str,
     timeout_s: float,
@@ -118,22 +138,24 @@ def start_node(
     what: str = "`ray start`",
     **record: object,
 ) -> HostRecord:
-    """Start one Ray node (`role`: head, worker or driver) on the runner's host as a new session, after the user's
-    `before_start` in the same shell; record the session in `state` (saved) before waiting for `ray start` to
-    exit, so a failure from here on is torn down by session id. `record`: further HostRecord fields."""
-    argv = with_before_start(ray_argv, before_start)
+    """Start one Ray node on the runner's host as a new session, after the user's `before_start` in the same shell;
+    record the session in `state` (saved) before waiting for `ray start` to exit, so a failure from here on is torn
+    down by session id. `record`: further HostRecord fields."""
+    argv = with_before_start(ray_start_argv(node), before_start)
     log.info("%s: %s", runner.host, " ".join(argv))
     session = runner.start_session(argv, env, log_path, timeout_s)
-    node = HostRecord(
+    host = HostRecord(
         host=runner.host,
-        role=role,
+        role=node.role,
         session=session.id,
         leader_start_ticks=session.start_ticks,
         remote=runner.remote,
+        temp_dir=node.temp_dir,
+        node_ip=node.node_ip,
         **record,
     )
     with _state_lock:
-        state.hosts.append(node)
+        state.hosts.append(host)
         state.save()
     try:
         result = session.wait()
@@ -142,7 +164,7 @@ def start_node(
     if result.code != 0:
         tail = "\n    ".join(result.stdout.splitlines())
         raise ClusterError(f"{what} exited with {result.code}:\n    {tail}", runner.host)
-    return node
+    return host
 
 
 # Run on the head's host: bind port 0 on every interface, as the GCS will bind, and print the port the OS gave.
@@ -184,17 +206,16 @@ def start_local_head(
     port = head_port(runner, port)
     temp_dir = ray_temp_dir(state.exp_dir)
     state.ray_address = f"127.0.0.1:{port}"
+    node = RayNode("head", port, temp_dir, num_cpus=num_cpus, num_gpus=num_gpus, this_machine=True)
     record = start_node(
         state,
         runner,
-        "head",
-        head_argv(port, num_cpus, num_gpus, temp_dir),
+        node,
         {**envs, **auth_env(state.token_path)},
         str(log_path),
         timeout_s,
         before_start,
         "`ray start --head`",
-        temp_dir=temp_dir,
     )
     _wait_for_port("127.0.0.1", port, timeout_s=30, what="Ray GCS")
     return record

@@ -7,9 +7,9 @@ import shlex
 import pytest
 
 from flagscale.cluster.hostfile import HEAD_RESOURCE, parse_hostfile
-from flagscale.cluster.multihost import ray_start_argv
+from flagscale.cluster.multihost import host_node
 from flagscale.cluster.placement import Target, check_fits, reserve
-from flagscale.cluster.ray_node import with_before_start
+from flagscale.cluster.ray_node import ray_start_argv, with_before_start
 from flagscale.cluster.runner import session_argv
 from flagscale.cluster.ssh import remote_command
 from flagscale.config.replicas import replica_settings
@@ -159,10 +159,10 @@ def test_remote_command_quotes_every_word():
 
 def test_ray_start_argv_for_head_and_worker(tmp_path):
     hf = parse_hostfile(hostfile(tmp_path, "10.0.0.1 slots=1 type=chipA\n10.0.0.2 slots=2 type=chipB\n"))
-    head = ray_start_argv(hf.head, hf.head, 6379, 4, "/tmp/fsr-x")
+    head = ray_start_argv(host_node(hf.head, hf.head, 6379, 4, "/tmp/fsr-x"))
     assert "--head" in head and head[head.index("--port") + 1] == "6379"
     assert HEAD_RESOURCE in head[head.index("--resources") + 1]
-    worker = ray_start_argv(hf.hosts[1], hf.head, 6379, None, "/tmp/fsr-y")
+    worker = ray_start_argv(host_node(hf.hosts[1], hf.head, 6379, None, "/tmp/fsr-y"))
     assert worker[worker.index("--address") + 1] == "10.0.0.1:6379" and "--num-cpus" not in worker
     wrapped = session_argv(with_before_start(worker, "echo 'hi'"), "/tmp/fsr-y/ray-start.log")
     assert wrapped[:3] == ["setsid", "-w", "sh"] and wrapped[6] == "/tmp/fsr-y/ray-start.log"

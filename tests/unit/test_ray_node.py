@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from flagscale.cluster.hostfile import parse_hostfile
-from flagscale.cluster.multihost import ray_start_argv
-from flagscale.cluster.ray_node import RAY_CLI_MODULE, head_argv, head_port, ray_cli
+from flagscale.cluster.multihost import host_node
+from flagscale.cluster.ray_node import RAY_CLI_MODULE, RayNode, head_port, ray_cli, ray_start_argv
 from flagscale.cluster.runner import LocalRunner, Result
 from flagscale.errors import ClusterError
 from flagscale.net import port_is_free
@@ -17,7 +17,7 @@ from flagscale.net import port_is_free
 def test_head_argv_starts_ray_with_this_interpreter(monkeypatch, tmp_path):
     # An install whose scripts landed elsewhere: no `ray` next to the interpreter.
     monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python3"))
-    argv = head_argv(6379, 2, None, "/tmp/fsr-x")
+    argv = ray_start_argv(RayNode("head", 6379, "/tmp/fsr-x", num_cpus=2, this_machine=True))
     assert argv[0] == str(tmp_path / "bin" / "python3")
     assert argv[argv.index("-m") + 1] == RAY_CLI_MODULE
     assert argv[len(ray_cli()) : len(ray_cli()) + 2] == ["start", "--head"]
@@ -29,8 +29,15 @@ def test_multihost_argv_uses_the_same_cli(tmp_path):
     path.write_text("10.0.0.1 slots=1 type=cpu\n10.0.0.2 slots=1 type=cpu\n")
     hf = parse_hostfile(str(path))
     for entry in hf.hosts:
-        argv = ray_start_argv(entry, hf.head, 6379, None, "/tmp/fsr-y")
+        argv = ray_start_argv(host_node(entry, hf.head, 6379, None, "/tmp/fsr-y"))
         assert argv[: len(ray_cli()) + 1] == [*ray_cli(), "start"]
+
+
+def test_a_joining_node_needs_the_heads_ip():
+    with pytest.raises(ValueError, match="head_ip is needed"):
+        RayNode("worker", 6379, "/tmp/fsr-y")
+    with pytest.raises(ValueError, match="role must be one of"):
+        RayNode("client", 6379, "/tmp/fsr-y", head_ip="10.0.0.1")
 
 
 def test_ray_cli_module_runs():
