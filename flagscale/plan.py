@@ -79,6 +79,8 @@ class Plan:
     pin_cpus: bool = True  # deploy.cpu_affinity == "auto"
     ray_port: int | None = None  # runner.ray_port; None: a port free on the head's host when the run starts
     notes: list[str] = field(default_factory=list)
+    api_key: str | None = field(default=None, repr=False)  # deploy.api_key / api_key_env, resolved
+    protect_metrics: bool = False
     graph: GraphPlan | None = None  # custom nodes and the graph's HTTP entry, when the config has any
     cluster: ClusterPlan | None = None  # hosts of the hostfile, when runner.hostfile is set
 
@@ -524,6 +526,10 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
         notes.append(f"replicas reserve {required} logical CPUs on a {os.cpu_count()}-core machine: oversubscribed")
 
     exp_dir = resolve_exp_dir(config.experiment.exp_dir)
+    try:
+        api_key = deploy.resolved_api_key()
+    except ValueError as exc:
+        raise ConfigError(str(exc), f"{sources.main}: experiment.runner.deploy.api_key_env") from None
     return Plan(
         app_name=config.experiment.exp_name,
         exp_dir=exp_dir,
@@ -540,6 +546,8 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
         pin_cpus=deploy.cpu_affinity == "auto",
         ray_port=runner.ray_port,
         notes=notes,
+        api_key=api_key,
+        protect_metrics=deploy.protect_metrics,
         graph=graph,
         cluster=cluster,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from omegaconf import DictConfig
@@ -29,6 +30,16 @@ def report_error(exc: FlagScaleError) -> int:
     return exc.exit_code
 
 
+def plan_key(config, sources) -> str | None:
+    """deploy.api_key / api_key_env, resolved for a client action (test, bench); one clear error if unset."""
+    from flagscale.errors import ConfigError
+
+    try:
+        return config.experiment.runner.deploy.resolved_api_key()
+    except ValueError as exc:
+        raise ConfigError(str(exc), f"{sources.main}: experiment.runner.deploy.api_key_env") from None
+
+
 def _dispatch(cfg: DictConfig, console: Console) -> int:
     from flagscale.cluster.state import resolve_exp_dir
 
@@ -47,6 +58,9 @@ def _dispatch(cfg: DictConfig, console: Console) -> int:
     if action == "bench":
         from flagscale.actions.bench import bench
 
+        api_key = plan_key(config, sources)
+        if api_key:  # vLLM's benchmark sends OPENAI_API_KEY as the bearer token
+            os.environ["OPENAI_API_KEY"] = api_key
         return bench(config, exp_dir, console)
 
     if action == "auto_tune":
@@ -81,7 +95,7 @@ def _dispatch(cfg: DictConfig, console: Console) -> int:
                 return code
             state = RunState.load(exp_dir)
         assert state is not None
-        return smoke_test(state, console)
+        return smoke_test(state, console, plan_key(config, sources))
 
     refuse_if_running(exp_dir, console)
     with console.status("validating the config ..."):

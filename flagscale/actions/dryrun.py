@@ -29,7 +29,10 @@ SHOWN_ENGINE_ARGS = (
 
 def dryrun(config: ServeConfig, plan: Plan, console: Console) -> int:
     console.print("[bold]resolved config[/]")
-    console.print(yaml.safe_dump(config.model_dump(exclude_none=True), sort_keys=False).rstrip(), markup=False)
+    resolved = config.model_dump(exclude_none=True)
+    if resolved["experiment"]["runner"]["deploy"].get("api_key"):  # never printed
+        resolved["experiment"]["runner"]["deploy"]["api_key"] = "***"
+    console.print(yaml.safe_dump(resolved, sort_keys=False).rstrip(), markup=False)
     table = Table(title="plan", title_justify="left")
     for column in ("node", "replicas", "per replica", "devices", "engine args (after defaults)"):
         table.add_column(column)

@@ -20,10 +20,13 @@ PROMPT = "Hello, my name is"
 TIMEOUT_S = 120
 
 
-def complete_once(endpoint: str, model: str, timeout_s: float = TIMEOUT_S) -> tuple[bool, str, float]:
+def complete_once(
+    endpoint: str, model: str, timeout_s: float = TIMEOUT_S, api_key: str | None = None
+) -> tuple[bool, str, float]:
     """(answered, generated text or the error, seconds) for one short completion."""
     body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}).encode()
-    request = urllib.request.Request(f"{endpoint}/v1/completions", body, {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    request = urllib.request.Request(f"{endpoint}/v1/completions", body, headers)
     start = time.monotonic()
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
@@ -35,13 +38,13 @@ def complete_once(endpoint: str, model: str, timeout_s: float = TIMEOUT_S) -> tu
         return False, f"{type(exc).__name__}: {exc}", time.monotonic() - start
 
 
-def smoke_test(state: RunState, console: Console) -> int:
+def smoke_test(state: RunState, console: Console, api_key: str | None = None) -> int:
     table = Table(title=f"test: one completion per model at {state.endpoint}", title_justify="left")
     for column in ("model", "answered", "seconds", "text / error"):
         table.add_column(column)
     failed = 0
     for model in state.models:
-        ok, text, seconds = complete_once(state.endpoint, model)
+        ok, text, seconds = complete_once(state.endpoint, model, api_key=api_key)
         failed += not ok
         table.add_row(model, "[green]yes[/]" if ok else "[red]no[/]", f"{seconds:.2f}", repr(text) if ok else text)
     if state.models:

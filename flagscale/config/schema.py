@@ -38,6 +38,17 @@ class DeployConfig(Strict):
         90, gt=0, description="How long a replica may stay unscheduled before `run` gives up."
     )
     drain_timeout_s: float = Field(30, ge=0, description="Bound on `stop` waiting for in-flight requests.")
+    api_key: str | None = Field(
+        None,
+        min_length=1,
+        repr=False,
+        description="Clients must send `Authorization: Bearer <key>` (every route but /health; /metrics with "
+        "protect_metrics); engines get it too, so they refuse direct access. Prefer api_key_env.",
+    )
+    api_key_env: str | None = Field(
+        None, min_length=1, description="Name of an env var holding api_key, so the key stays out of YAML."
+    )
+    protect_metrics: bool = Field(False, description="With an API key: /metrics requires it as well.")
     cpu_affinity: Literal["auto", "off"] = Field(
         "auto",
         description="auto: when vLLM's CPU backend binds a worker to some cores, its engine core joins those "
@@ -73,6 +84,23 @@ class DeployConfig(Strict):
     decode_gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="gpu_memory_utilization of the decode engines."
     )
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> DeployConfig:
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("give api_key or api_key_env, not both")
+        return self
+
+    def resolved_api_key(self) -> str | None:
+        """The API key clients must send, or None; api_key_env must name a set, non-empty variable."""
+        import os
+
+        if self.api_key_env is None:
+            return self.api_key
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise ValueError(f"api_key_env names {self.api_key_env}, which is not set (or empty) in this environment")
+        return key
 
 
 class RunnerConfig(Strict):

@@ -36,7 +36,9 @@ def build_app(plan: Plan) -> Application:
             # Multi-host: the router on the head reaches engines at their node IP ("node-ip" = not loopback).
             bind_host="node-ip" if plan.cluster else "127.0.0.1",
             log_dir=log_dir,
-            env={} if plan.cluster else plan.envs,  # each host's Ray node already has its own envs
+            # each host's Ray node already has its own envs; vLLM reads its --api-key from VLLM_API_KEY (not argv,
+            # which its log and ours print)
+            env={**({} if plan.cluster else plan.envs), **({"VLLM_API_KEY": plan.api_key} if plan.api_key else {})},
             startup_timeout_s=plan.startup_timeout_s,
             pin_cpus=plan.pin_cpus,
             role=engine.role,
@@ -68,6 +70,8 @@ def router_spec(plan: Plan) -> RouterSpec:
         pin_cpus=plan.pin_cpus,
         routing=routing,
         prefill_routing=prefill_routing,
+        api_key=plan.api_key,
+        protect_metrics=plan.protect_metrics,
     )
 
 

@@ -17,6 +17,7 @@ own /health probe every refresh) closes it again or reopens it.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
@@ -27,6 +28,7 @@ from typing import Any
 
 from flagscale.serve import registry
 from flagscale.serve.cpu_layout import RouterPinning
+from flagscale.serve.metrics import SCRAPE_TIMEOUT_S, RouterMetrics, merge_replica_metrics
 from flagscale.serve.resume import CHAT, COMPLETIONS, ClientStream, error_event
 from flagscale.serve.routing import (  # noqa: F401 - LOAD_SLACK, rank_replicas: re-exported
     COOLDOWN_S,
@@ -60,6 +62,8 @@ class RouterSpec:
     routing: dict[str, RoutingSpec] = field(default_factory=dict)  # served model name -> its node's routing
     # Disaggregated models: served model name -> how its prefill replica is picked (docs/disaggregation.md).
     prefill_routing: dict[str, RoutingSpec] = field(default_factory=dict)
+    api_key: str | None = field(default=None, repr=False)  # deploy.api_key: required on every route but /health
+    protect_metrics: bool = False  # deploy.protect_metrics: /metrics needs the key too
 
 
 _Upstream = Upstream  # the name the tests and older code use
@@ -130,6 +134,7 @@ class Router:
         self._prefill_policies: dict[str, Policy] = {
             model: make_policy(spec) for model, spec in self.spec.prefill_routing.items()
         }
+        self.metrics = RouterMetrics()
         self._inflight = 0
         self._moved = 0  # requests moved to another replica after theirs failed them
         self._resumed = 0  # of them, streams resumed mid-way
@@ -159,8 +164,9 @@ class Router:
         from aiohttp import web
 
         self._session = upstream_session()
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._require_key])
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         if self._graph is not None and self.spec.graph_route:
             app.router.add_post(self.spec.graph_route, self._run_graph)
@@ -239,6 +245,61 @@ class Router:
             for key in after.keys() - before.keys():
                 policy.on_replica_joined(after[key])
 
+    @property
+    def _require_key(self):
+        from aiohttp import web
+
+        @web.middleware
+        async def require_key(request, handler):
+            """deploy.api_key: `Authorization: Bearer <key>` on every route but /health (and /metrics unless
+            protect_metrics), 401 in OpenAI's shape otherwise."""
+            key = self.spec.api_key
+            open_paths = ("/health",) if self.spec.protect_metrics else ("/health", "/metrics")
+            if key and request.path not in open_paths:
+                given = request.headers.get("Authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                    body = {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error"}}
+                    body["error"]["code"] = "invalid_api_key"
+                    return web.json_response(body, status=401)
+            return await handler(request)
+
+        return require_key
+
+    def _upstream_headers(self, headers: dict) -> dict:
+        """Headers of a request to an engine: the client's, with the deployment's key (engines require it too)."""
+        if self.spec.api_key:
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers["Authorization"] = f"Bearer {self.spec.api_key}"
+        return headers
+
+    async def _metrics(self, request):
+        """Every engine replica's own series, labelled by replica, then the router's (flagscale/serve/metrics.py)."""
+        import aiohttp
+        from aiohttp import web
+
+        timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+
+        async def scrape(upstream: Upstream):
+            record = upstream.record
+            labels = {
+                "serve_id": record.serve_id,
+                "replica": record.replica_id,
+                "role": record.role or "colocated",
+                "host": record.node_ip,
+            }
+            try:
+                async with self._session.get(record.url + "/metrics", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        return labels, await resp.text()
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+            self.metrics.scrape_failures.inc()
+            return None
+
+        scraped = await asyncio.gather(*(scrape(u) for u in list(self._table.by_replica.values())))
+        text = merge_replica_metrics([s for s in scraped if s is not None]).encode() + self.metrics.text()
+        return web.Response(body=text, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
     async def _health(self, request):
         from aiohttp import web
 
@@ -260,7 +321,8 @@ class Router:
             entries = None
             for upstream in ups[:2]:
                 try:
-                    async with self._session.get(upstream.record.url + "/v1/models") as resp:
+                    headers = self._upstream_headers({})
+                    async with self._session.get(upstream.record.url + "/v1/models", headers=headers) as resp:
                         entries = (await resp.json())["data"]
                         break
                 except Exception:
@@ -295,39 +357,64 @@ class Router:
             stream = ClientStream(request.path, payload)
         routing = self.spec.routing.get(model, RoutingSpec())
         exchange = _Exchange(request, model, policy, info, body, stream, routing.max_migrations)
-        exchange.headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        exchange.headers = self._upstream_headers(
+            {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        )
         self._inflight += 1
+        self.metrics.inflight.inc()
+        status = 499  # the client went away (the handler was cancelled)
         try:
-            if model in self._prefill_policies and request.method == "POST" and request.path in (COMPLETIONS, CHAT):
-                kv = await self._prefill(exchange, payload)
-                if not isinstance(kv, dict):
-                    return kv  # the prefill pool's answer (a 4xx) or why none could take the prompt
-                exchange.with_kv(payload, kv)
-            while True:
-                upstream = self._pick(exchange)
-                if upstream is None:
-                    return await self._give_up(exchange)
-                try:
-                    return await self._forward(exchange, upstream)
-                except _Unreachable:  # nothing was sent: the next replica may take it
-                    upstream.breaker.trip(time.monotonic())
-                    exchange.unreachable += 1
-                except _Failed as exc:  # the replica failed the request: another one takes it over, bounded
-                    exchange.failure = str(exc)
-                    if exchange.moves >= exchange.max_moves:
-                        return await self._give_up(exchange)
-                    exchange.moves += 1
-                    exchange.without_kv()  # another decode replica computes the prompt itself
-                    upstream.migrations += 1
-                    self._moved += 1
-                    log.warning(
-                        "%s; moving the request to another replica (%d of at most %d)",
-                        exc,
-                        exchange.moves,
-                        exchange.max_moves,
-                    )
+            response = await self._route(exchange, payload)
+            status = response.status
+            return response
         finally:
             self._inflight -= 1
+            self.metrics.inflight.dec()
+            self._observe(exchange, status)
+
+    def _observe(self, exchange: _Exchange, status: int) -> None:
+        m, model = self.metrics, exchange.model
+        m.requests.labels(model, str(status)).inc()
+        m.e2e.labels(model).observe(time.monotonic() - exchange.started)
+        if exchange.first_byte_at is not None:
+            m.ttft.labels(model).observe(exchange.first_byte_at - exchange.started)
+        m.bytes.labels(model).inc(exchange.sent_bytes)
+        if exchange.moves:
+            m.moved.labels(model).inc(exchange.moves)
+        if exchange.stream is not None and exchange.stream.resumed:
+            m.resumed.labels(model).inc(exchange.stream.resumed)
+
+    async def _route(self, exchange: _Exchange, payload: dict):
+        """Prefill (disaggregated models), then replicas in the policy's order until one answers, bounded."""
+        model, request = exchange.model, exchange.http
+        if model in self._prefill_policies and request.method == "POST" and request.path in (COMPLETIONS, CHAT):
+            kv = await self._prefill(exchange, payload)
+            if not isinstance(kv, dict):
+                return kv  # the prefill pool's answer (a 4xx) or why none could take the prompt
+            exchange.with_kv(payload, kv)
+        while True:
+            upstream = self._pick(exchange)
+            if upstream is None:
+                return await self._give_up(exchange)
+            try:
+                return await self._forward(exchange, upstream)
+            except _Unreachable:  # nothing was sent: the next replica may take it
+                upstream.breaker.trip(time.monotonic())
+                exchange.unreachable += 1
+            except _Failed as exc:  # the replica failed the request: another one takes it over, bounded
+                exchange.failure = str(exc)
+                if exchange.moves >= exchange.max_moves:
+                    return await self._give_up(exchange)
+                exchange.moves += 1
+                exchange.without_kv()  # another decode replica computes the prompt itself
+                upstream.migrations += 1
+                self._moved += 1
+                log.warning(
+                    "%s; moving the request to another replica (%d of at most %d)",
+                    exc,
+                    exchange.moves,
+                    exchange.max_moves,
+                )
 
     def _pick(self, exchange: _Exchange) -> Upstream | None:
         return _first_untried(
@@ -403,7 +490,7 @@ class Router:
         model = exchange.model
         if exchange.response is not None:
             message = f"{exchange.failure}; no other replica of {model!r} could take the stream over"
-            await exchange.response.write(error_event(message))
+            await exchange.write(error_event(message))
             await exchange.response.write_eof()
             return exchange.response
         if exchange.last_answer is not None:
@@ -494,9 +581,11 @@ class Router:
                         raise _Failed(f"{name} answered {upstream_resp.status}")
                     if exchange.response is not None:  # a stream's continuation was refused (a 4xx)
                         message = f"{name} refused to continue the stream: {answer[:500].decode(errors='replace')}"
-                        await exchange.response.write(error_event(message, upstream_resp.status, "BadRequestError"))
+                        await exchange.write(error_event(message, upstream_resp.status, "BadRequestError"))
                         await exchange.response.write_eof()
                         return exchange.response
+                    exchange.first_byte_at = time.monotonic()
+                    exchange.sent_bytes += len(answer)
                     return reply
                 if exchange.response is None:
                     exchange.response = web.StreamResponse(status=upstream_resp.status, headers=out_headers)
@@ -517,7 +606,7 @@ class Router:
                         break
                     out = stream.feed(chunk) if stream is not None else chunk
                     if out:
-                        await response.write(out)
+                        await exchange.write(out)
                 if stream is not None and not stream.done:  # the connection closed before the stream's end
                     ok = False
                     breaker.failure(time.monotonic())
@@ -536,7 +625,7 @@ class Router:
         stream, response = exchange.stream, exchange.response
         if stream.finished:  # every token is there: only the end was lost
             if not stream.done:
-                await response.write(b"data: [DONE]\n\n")
+                await exchange.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
         if not stream.sent_events:  # the client has nothing of it yet: send it again as it was
@@ -544,12 +633,12 @@ class Router:
         if stream.can_resume():
             remaining = stream.remaining_tokens()
             if remaining is not None and remaining <= 0:  # it broke off after its last token
-                await response.write(stream.finish_events() + b"data: [DONE]\n\n")
+                await exchange.write(stream.finish_events() + b"data: [DONE]\n\n")
                 await response.write_eof()
                 return response
             self._resumed += 1
             raise _Failed(reason + "; resuming it")
-        await response.write(error_event(f"{reason}; this request's stream cannot be resumed elsewhere"))
+        await exchange.write(error_event(f"{reason}; this request's stream cannot be resumed elsewhere"))
         await response.write_eof()
         return response
 
@@ -620,6 +709,16 @@ class _Exchange:
     last_answer: Any = None  # the last 5xx answer, returned as is when no replica is left
     response: Any = None  # the client's stream response, once begun
     plain_body: bytes | None = None  # disaggregated: the request without the KV transfer parameters
+    started: float = field(default_factory=time.monotonic)
+    first_byte_at: float | None = None  # when the client got the first byte of its answer
+    sent_bytes: int = 0
+
+    async def write(self, data: bytes) -> None:
+        """Bytes of a streamed answer to the client."""
+        if self.first_byte_at is None:
+            self.first_byte_at = time.monotonic()
+        self.sent_bytes += len(data)
+        await self.response.write(data)
 
     def with_kv(self, payload: dict, kv: dict) -> None:
         """A disaggregated request goes to decode with the prefill's KV transfer parameters."""
