@@ -61,6 +61,8 @@ def collect(state: RunState) -> dict[str, Any]:
                 "log": record.log_path,
             }
         )
+    for replica in report["replicas"]:
+        replica["engine"] = engine_load(replica["url"])
     router = _router_stats(state)
     routed = router.pop("replicas", {})
     report["router"] = router or None  # totals: in-flight, requests moved to another replica, streams resumed
@@ -79,6 +81,32 @@ def collect(state: RunState) -> dict[str, Any]:
         and report["http_health"] == "ok"
     )
     return report
+
+
+ENGINE_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+}
+
+
+def engine_load(url: str, timeout_s: float = 2.0) -> dict[str, float] | None:
+    """The engine's own view, from its /metrics: requests running and waiting, KV-cache usage (0..1)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=timeout_s) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    load: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        key = ENGINE_GAUGES.get(family.name)
+        if key is not None:
+            load[key] = sum(sample.value for sample in family.samples)
+    return load
 
 
 def _hosts(state: RunState, replicas: list[dict]) -> list[dict]:
@@ -133,6 +161,17 @@ def _scaling(app_name: str) -> dict[str, dict[str, Any]]:
             "autoscaling": autoscaling,
         }
     return scaling
+
+
+def _engine_cells(load: dict[str, float] | None) -> tuple[str, str]:
+    if not load:
+        return "-", "-"
+    running, waiting = load.get("running"), load.get("waiting")
+    usage = load.get("kv_cache_usage")
+    return (
+        f"{running:g}/{waiting:g}" if running is not None and waiting is not None else "-",
+        f"{usage:.0%}" if usage is not None else "-",
+    )
 
 
 def _router_stats(state: RunState) -> dict[str, Any]:
@@ -206,7 +245,7 @@ def _render(console: Console, report: dict[str, Any]) -> None:
     console.print(deployments)
     replicas = Table(title="engine replicas", title_justify="left")
     columns = ("serve_id", "replica", "state", "host", "pid", "engine pid", "url", "heartbeat", "served")
-    for column in (*columns, "in-flight", "circuit", "moved off", "routing table"):
+    for column in (*columns, "in-flight", "circuit", "moved off", "routing table", "running/waiting", "KV cache"):
         replicas.add_column(column)
     for r in report["replicas"]:
         routing = r.get("router") or {}
@@ -225,6 +264,7 @@ def _render(console: Console, report: dict[str, Any]) -> None:
             routing.get("circuit", "-"),
             str(routing.get("migrations", "-")),
             table_size,
+            *_engine_cells(r.get("engine")),
         )
     console.print(replicas)
     if report.get("router"):
