@@ -12,6 +12,8 @@ import os
 import signal
 import socket
 import struct
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -24,6 +26,7 @@ from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
 PORT = 18411
 MODELS = ("alpha", "beta")
 REPLICAS = {"alpha": 2, "beta": 1}
+KEY_ENV, API_KEY = "FS_E2E_API_KEY", "e2e-secret-key"  # deploy.api_key_env: the key stays out of the YAML
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,11 @@ def deployment(tmp_path_factory):
         }
         for name in MODELS
     ]
-    conf = write_config(root / "conf", nodes, exp_dir, PORT)
+    deploy = {"host": "127.0.0.1", "port": PORT, "startup_timeout_s": 600, "api_key_env": KEY_ENV}
+    conf = write_config(
+        root / "conf", nodes, exp_dir, PORT, experiment={"runner": {"hostfile": None, "deploy": deploy}}
+    )
+    os.environ[KEY_ENV] = API_KEY  # run_cli passes this process's environment on
     result = run_cli(conf, timeout=900)
     state_path = exp_dir / "state.json"
     sessions = [h["session"] for h in json.loads(state_path.read_text())["hosts"]] if state_path.exists() else []
@@ -51,7 +58,7 @@ def deployment(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(deployment):
     assert deployment["run"].returncode == 0, deployment["run"].output
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120)
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key=API_KEY, timeout=120)
 
 
 def test_run_prints_endpoint_and_models(deployment):
@@ -202,6 +209,45 @@ def test_status_is_healthy(deployment, client):
     assert sorted(r["serve_id"] for r in report["replicas"]) == ["alpha", "alpha", "beta"]
     table = run_cli(deployment["conf"], "action=status", timeout=120)
     assert table.returncode == 0 and "HEALTHY" in table.stdout and "alpha" in table.stdout
+
+
+def http_status(url: str, key: str | None = None, body: dict | None = None) -> int:
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=60) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_api_key_is_required_at_the_endpoint_and_at_each_engine(deployment, client):
+    engine_url = status_json(deployment)["replicas"][0]["url"]
+    request = {"model": "alpha", "prompt": "hi", "max_tokens": 2}
+    for base in (f"http://127.0.0.1:{PORT}", engine_url):
+        assert http_status(f"{base}/v1/completions", body=request) == 401, base
+        assert http_status(f"{base}/v1/completions", "wrong", body=request) == 401, base
+        assert http_status(f"{base}/v1/completions", API_KEY, body=request) == 200, base
+        assert http_status(f"{base}/health") == 200, base
+    assert API_KEY not in (deployment["exp_dir"] / "state.json").read_text()
+    assert API_KEY not in run_cli(deployment["conf"], "action=status", "output=json", timeout=120).output
+
+
+def test_metrics_show_every_engine_replica_and_the_router(deployment, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def every_replica() -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=30) as resp:
+            families = {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
+        replicas = {(s.labels["serve_id"], s.labels["replica"]) for s in families["vllm:num_requests_running"].samples}
+        assert sorted(serve_id for serve_id, _ in replicas) == ["alpha", "alpha", "beta"], replicas
+        return families
+
+    families = wait_for(every_replica, 60, "/metrics to carry all three engine replicas' series")
+    served = [s for s in families["flagscale_router_requests"].samples if s.name.endswith("_total")]
+    assert {s.labels["model"] for s in served if s.labels["status"] == "200"} == {"alpha", "beta"}
+    assert "flagscale_router_time_to_first_byte_seconds" in families
+    assert {s.labels["role"] for s in families["vllm:num_requests_running"].samples} == {"colocated"}
 
 
 def test_bench_action_writes_json_and_png(deployment, client):
