@@ -394,3 +394,23 @@ def test_request_field_errors_name_the_entry(request_, expect):
     with pytest.raises(ConfigError) as info:
         parse_fields(request_, "conf/serve.yaml: experiment.runner.deploy.request")
     assert expect in str(info.value) and "deploy.request" in str(info.value)
+
+
+def test_pools_land_on_their_chip_types_and_a_pinned_pool_on_its_host(demo_model_path, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.2 slots=2 type=chipA\n127.0.0.3 slots=1 type=chipB\n")
+    cfg = v1_config(str(demo_model_path))
+    cfg["experiment"]["runner"]["hostfile"] = str(hostfile)
+    cfg["serve"][0]["disaggregation"] = {
+        "prefill": {"resources": {"num_replicas": 2, "accelerator": "chipA"}},
+        "decode": {"resources": {"num_replicas": 1, "accelerator": "chipB"}, "host": "127.0.0.3"},
+    }
+    prefill, decode = build_plan(load_config(cfg, SOURCES), SOURCES, check_port=False).engines
+    assert prefill.chip == "chipA" and decode.chip == "chipB"
+    assert "accelerator_type:chipA" in str(prefill.ray_actor_options)
+    assert decode.pinned_host == "127.0.0.3" and decode.ray_actor_options["resources"]["node:127.0.0.3"] > 0
+    cfg["serve"][0]["disaggregation"]["decode"]["host"] = "127.0.0.9"
+    message = plan_error(cfg)
+    assert "disaggregation.decode.host" in message and "127.0.0.9" in message and "not in" in message
+    cfg["serve"][0]["disaggregation"]["decode"] = {"resources": {"accelerator": "chipC"}}
+    assert "chipC" in plan_error(cfg)
