@@ -36,6 +36,8 @@ class NotSupportedError(ConfigError):
 # vLLM's `(EngineCore_DP0 pid=7) `. The colon keeps out source lines quoted in a traceback (`raise SomeError(`).
 _ERROR_LINE = re.compile(r"(?:^|\s)[\w.]*(?:Error|Exception)(?:\([\w.]*\))?:")
 _TRACEBACK_FRAME = re.compile(r'\bFile "[^"]*", line \d+')
+# An error that only points at another one ("Engine core initialization failed. See root cause above.").
+_POINTER = re.compile(r"(root cause|stack trace)\b.{0,20}\babove", re.IGNORECASE)
 
 
 def error_excerpt(text: str, after: int = 2, fallback: int = 10) -> str:
@@ -51,4 +53,7 @@ def error_excerpt(text: str, after: int = 2, fallback: int = 10) -> str:
     frames = [i for i, line in enumerate(lines) if _TRACEBACK_FRAME.search(line)]
     after_last_frame = [i for i in errors if frames and i > frames[-1]]
     start = after_last_frame[0] if after_last_frame else errors[-1]
+    if _POINTER.search(lines[start]):  # the error it points at: the last one before it that says more
+        said = [i for i in errors if i < start and not _POINTER.search(lines[i])]
+        start = said[-1] if said else start
     return "\n".join(lines[start : start + 1 + after])

@@ -67,3 +67,17 @@ def test_callers(tmp_path):
     ray_text = 'ray::CustomNode.forward()\n  File "node.py", line 3, in forward\n    raise ValueError("boom")\nValueError: boom'
     assert str(GraphNodeError("summarize", RuntimeError(ray_text))) == "node 'summarize' failed: ValueError: boom"
     assert str(GraphNodeError("summarize", TimeoutError())) == "node 'summarize' failed: TimeoutError"
+
+
+def test_an_error_that_points_above_gives_way_to_the_one_it_points_at():
+    log = """(Worker pid=9) ERROR Traceback (most recent call last):
+(Worker pid=9) ERROR   File "/v/cpu_worker.py", line 260, in determine_available_memory
+(Worker pid=9) ERROR ValueError: Available memory on node 0 (6.99/13.59 GiB) is less than requested for kv
+(EngineCore pid=8) ERROR RuntimeError: Worker failed with error 'Available memory ...', please check the stack trace above for the root cause
+Traceback (most recent call last):
+  File "/v/core_client.py", line 80, in __init__
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+    assert error_excerpt(log, after=0) == (
+        "(Worker pid=9) ERROR ValueError: Available memory on node 0 (6.99/13.59 GiB) is less than requested for kv"
+    )
