@@ -20,6 +20,7 @@ from flagscale.cluster.placement import (
     Target,
     check_gpu_demand,
     check_gpu_share,
+    check_shared_gpus_across_nodes,
     check_weights_fit,
     endpoint_in_use,
     load_hostfile,
@@ -60,6 +61,7 @@ class EnginePlan(ReplicaSettings):
     role: str | None = None  # "prefill" / "decode": a pool of a disaggregated node (docs/disaggregation.md)
     group: str = ""  # the node's serve_id (a pool's serve_id is <node>-<role>); set by _engine_plan
     pinned_host: str | None = None  # the hostfile host a pool is pinned to (disaggregation.<role>.host)
+    gpu_memory_utilization: float | None = None  # GPU engines: what each replica promises vLLM of its GPU
 
 
 @dataclass
@@ -320,8 +322,8 @@ def _engine_plan(
     )
     host_argv = _host_argv(node, config, names, reservation, target, sources)
     scaling = replica_settings(node.resources, reservation.ray_actor_options, reservation.auto_replicas)
+    utilization = args.get("gpu_memory_utilization", VLLM_DEFAULT_GPU_MEMORY_UTILIZATION)
     if reservation.device == "gpu":
-        utilization = args.get("gpu_memory_utilization", VLLM_DEFAULT_GPU_MEMORY_UTILIZATION)
         most = max(scaling.initial_replicas, (scaling.autoscaling or {}).get("max_replicas", 0))
         check_gpu_share(
             node.serve_id,
@@ -347,6 +349,7 @@ def _engine_plan(
         routing=RoutingSpec(policy=node.routing or DEFAULT_POLICY, **node.routing_options.model_dump()),
         role=role,
         group=group or node.serve_id,
+        gpu_memory_utilization=utilization if reservation.device == "gpu" else None,
         **vars(scaling),
     )
 
@@ -501,6 +504,15 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
     check_gpu_demand(
         [(g.serve_id, g.initial_replicas, g.ray_actor_options.get("num_gpus", 0)) for g in groups], target, serve_file
     )
+    if hostfile is None:
+        check_shared_gpus_across_nodes(
+            [
+                (e.serve_id, e.ray_actor_options.get("num_gpus", 0), e.gpu_memory_utilization, e.initial_replicas)
+                for e in engines
+                if e.gpu_memory_utilization is not None
+            ],
+            serve_file,
+        )
     if graph is not None and hostfile is None and not gpus:
         for node in graph.nodes:
             if node.ray_actor_options.get("num_gpus"):

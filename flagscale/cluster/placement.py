@@ -3,6 +3,7 @@ chip type, and whether the whole graph fits the hostfile's slots. Nothing here t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +152,38 @@ def check_gpu_share(
             f"'{serve_id}': {sharing} replica(s) share a GPU (num_gpus={gpus_per_replica:g}) x gpu_memory_utilization "
             f"{utilization:g} = {sharing * utilization:.2f} of its memory > {MAX_SHARED_GPU_MEMORY_UTILIZATION}; "
             f"set gpu_memory_utilization <= {MAX_SHARED_GPU_MEMORY_UTILIZATION / sharing:.2f}",
+            where,
+        )
+
+
+def check_shared_gpus_across_nodes(shares: list[tuple[str, float, float, int]], where: str) -> None:
+    """Replicas of different nodes with fractions of a GPU may be packed onto one GPU by Ray: the mix that fits one
+    GPU (fractions summing to at most 1) and promises vLLM the most memory must still fit. `shares`: per node,
+    (serve_id, num_gpus per replica, gpu_memory_utilization, replicas)."""
+    fractional = [(sid, f, u, n) for sid, f, u, n in shares if 0 < f < 1]
+    if len({sid for sid, *_ in fractional}) < 2:
+        return  # one node's own sharing is check_gpu_share's
+    units = math.lcm(*(round(1 / f) for _, f, _, _ in fractional))
+    # best[c] = (most utilization within c units of one GPU, the replicas giving it)
+    best: list[tuple[float, list[str]]] = [(0.0, [])] * (units + 1)
+    for sid, f, u, n in fractional:
+        size = round(units * f)
+        for _ in range(min(n, round(1 / f))):  # bounded knapsack: this node's replicas one by one
+            for c in range(units, size - 1, -1):
+                candidate = best[c - size][0] + u
+                if candidate > best[c][0] + 1e-12:
+                    best[c] = (candidate, best[c - size][1] + [sid])
+    total, mix = best[units]
+    if total > MAX_SHARED_GPU_MEMORY_UTILIZATION and len(set(mix)) > 1:
+        terms = " + ".join(
+            f"{sid} ({next(f for s, f, _, _ in fractional if s == sid):g} GPU, "
+            f"utilization {next(u for s, _, u, _ in fractional if s == sid):g})"
+            for sid in mix
+        )
+        raise ConfigError(
+            f"replicas of different nodes may share one GPU: {terms} = {total:.2f} of its memory > "
+            f"{MAX_SHARED_GPU_MEMORY_UTILIZATION}; lower their gpu_memory_utilization (each at most "
+            f"{MAX_SHARED_GPU_MEMORY_UTILIZATION} x its num_gpus always fits)",
             where,
         )
 

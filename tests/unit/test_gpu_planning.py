@@ -103,3 +103,32 @@ def test_weights_that_cannot_fit_are_refused_with_the_arithmetic(gpus, model):
 def test_no_gpu_checks_on_a_cpu_machine(gpus, model):
     gpus(0)
     assert plan(model, {"num_replicas": 2}, gpu_memory_utilization=0.9).engines[0].device == "cpu"
+
+
+def test_replicas_of_different_nodes_sharing_a_gpu_must_fit_together(gpus, demo_model_path):
+    def two_nodes(a_util: float, b_util: float):
+        cfg = {
+            "experiment": {"exp_name": "t", "exp_dir": "/tmp/t", "runner": {"deploy": {"port": 8123}}},
+            "serve": [
+                {
+                    "serve_id": name,
+                    "engine": "vllm",
+                    "resources": {"num_replicas": 1, "num_gpus": 0.5},
+                    "engine_args": {
+                        "model": str(demo_model_path),
+                        "max_model_len": 256,
+                        "served_model_name": name,
+                        "gpu_memory_utilization": util,
+                    },
+                }
+                for name, util in (("alpha", a_util), ("beta", b_util))
+            ],
+        }
+        return build_plan(load_config(cfg, SOURCES), SOURCES, check_port=False)
+
+    assert len(two_nodes(0.45, 0.45).engines) == 2  # 0.90 of the GPU together: fits
+    with pytest.raises(ConfigError) as info:
+        two_nodes(0.6, 0.6)  # each fits alone; Ray may put both on the one GPU
+    message = str(info.value)
+    assert "replicas of different nodes may share one GPU" in message and "= 1.20 of its memory" in message
+    assert "alpha (0.5 GPU, utilization 0.6)" in message and "beta (0.5 GPU, utilization 0.6)" in message
