@@ -222,7 +222,7 @@ def http_status(url: str, key: str | None = None, body: dict | None = None) -> i
 
 
 def test_api_key_is_required_at_the_endpoint_and_at_each_engine(deployment, client):
-    engine_url = status_json(deployment)["replicas"][0]["url"]
+    engine_url = next(r["url"] for r in status_json(deployment)["replicas"] if r["serve_id"] == "alpha")
     request = {"model": "alpha", "prompt": "hi", "max_tokens": 2}
     for base in (f"http://127.0.0.1:{PORT}", engine_url):
         assert http_status(f"{base}/v1/completions", body=request) == 401, base
