@@ -64,6 +64,7 @@ from model import SIZES, ensure_model, parameter_count  # noqa: E402  (benchmark
 from flagscale.actions.bench import report_row, vllm_bench_argv, vllm_bench_worker  # noqa: E402
 from flagscale.config.schema import BenchConfig  # noqa: E402
 from flagscale.net import port_is_free  # noqa: E402
+from flagscale.serve.metrics import engine_metrics  # noqa: E402
 
 console = overhead.console
 MODEL_NAME = overhead.MODEL_NAME  # conf/serve/demo.yaml's served_model_name
@@ -228,13 +229,8 @@ class VllmRouter(overhead.PlainVLLM):
 
 def metric_sums(url: str) -> dict[str, float]:
     """COUNTERS summed over their label sets, from one vLLM server's /metrics."""
-    sums = dict.fromkeys(COUNTERS, 0.0)
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        for line in resp.read().decode().splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in sums:
-                sums[name] += float(line.rsplit(" ", 1)[1])
-    return sums
+    sums = engine_metrics(url)
+    return {name: sums.get(name, 0.0) for name in COUNTERS}
 
 
 def engine_counters(orchestrators: dict[str, PDOrchestrator]) -> dict[str, dict[str, float]]:

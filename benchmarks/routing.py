@@ -50,6 +50,7 @@ import psutil  # noqa: E402
 from model import SIZES, ensure_model, parameter_count  # noqa: E402  (benchmarks/gpu/model.py)
 
 from flagscale.net import port_is_free  # noqa: E402
+from flagscale.serve.metrics import engine_metrics  # noqa: E402
 
 console = overhead.console
 MODEL_NAME = overhead.MODEL_NAME  # conf/serve/demo.yaml's served_model_name
@@ -172,15 +173,12 @@ class RoutingOrchestrator(overhead.Orchestrator):
 
 
 def prefix_cache_counters(urls: list[str]) -> tuple[float, float]:
-    hits = queries = 0.0
-    for url in urls:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-            for line in resp.read().decode().splitlines():
-                if line.startswith("vllm:prefix_cache_hits_total"):
-                    hits += float(line.rsplit(" ", 1)[1])
-                elif line.startswith("vllm:prefix_cache_queries_total"):
-                    queries += float(line.rsplit(" ", 1)[1])
-    return hits, queries
+    """Prefix-cache hits and queries (tokens), summed over the replicas' own /metrics."""
+    sums = [engine_metrics(url) for url in urls]
+    return (
+        sum(m.get("vllm:prefix_cache_hits_total", 0.0) for m in sums),
+        sum(m.get("vllm:prefix_cache_queries_total", 0.0) for m in sums),
+    )
 
 
 def served_per_replica(orchestrator: RoutingOrchestrator) -> dict[str, int]:

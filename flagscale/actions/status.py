@@ -92,21 +92,13 @@ ENGINE_GAUGES = {
 
 def engine_load(url: str, timeout_s: float = 2.0) -> dict[str, float] | None:
     """The engine's own view, from its /metrics: requests running and waiting, KV-cache usage (0..1)."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
+    from flagscale.serve.metrics import engine_metrics
 
     try:
-        with urllib.request.urlopen(url + "/metrics", timeout=timeout_s) as resp:
-            text = resp.read().decode()
-    except OSError:
+        sums = engine_metrics(url, timeout_s)
+    except (OSError, ValueError):
         return None
-    load: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        key = ENGINE_GAUGES.get(family.name)
-        if key is not None:
-            load[key] = sum(sample.value for sample in family.samples)
-    return load
+    return {key: sums[name] for name, key in ENGINE_GAUGES.items() if name in sums}
 
 
 def _hosts(state: RunState, replicas: list[dict]) -> list[dict]:

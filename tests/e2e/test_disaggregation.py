@@ -13,12 +13,12 @@ import concurrent.futures
 import json
 import signal
 import time
-import urllib.request
 
 import openai
 import psutil
 import pytest
 
+from flagscale.serve.metrics import engine_metrics
 from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
 
 PORT = 19161
@@ -35,11 +35,7 @@ def status_json(conf) -> dict:
 
 
 def nixl_transfers(url: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith("vllm:nixl_xfer_time_seconds_count"):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return engine_metrics(url).get("vllm:nixl_xfer_time_seconds_count", 0.0)
 
 
 def answer(client: openai.OpenAI, model: str, kind: str, prompt: str, stream: bool) -> str:

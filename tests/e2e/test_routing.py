@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import urllib.request
 
 import openai
 
+from flagscale.serve.metrics import engine_metrics
 from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
 
 PORTS = {"cache_aware": 19111, "least_load": 19112}
@@ -41,15 +41,12 @@ def workload(seed: int = 11) -> list[str]:
 
 
 def prefix_cache_counters(urls: list[str]) -> tuple[float, float]:
-    hits = queries = 0.0
-    for url in urls:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-            for line in resp.read().decode().splitlines():
-                if line.startswith("vllm:prefix_cache_hits_total"):
-                    hits += float(line.rsplit(" ", 1)[1])
-                elif line.startswith("vllm:prefix_cache_queries_total"):
-                    queries += float(line.rsplit(" ", 1)[1])
-    return hits, queries
+    """Prefix-cache hits and queries (tokens), summed over the replicas' own /metrics."""
+    sums = [engine_metrics(url) for url in urls]
+    return (
+        sum(m.get("vllm:prefix_cache_hits_total", 0.0) for m in sums),
+        sum(m.get("vllm:prefix_cache_queries_total", 0.0) for m in sums),
+    )
 
 
 def status_json(conf) -> dict:
