@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -127,9 +128,37 @@ def bare_router(upstreams: list, policy: str):
     from flagscale.serve.routing import RoutingSpec
 
     router = Router.__new__(Router)
+    router._graph = None
     router.spec = RouterSpec(
         app="a", host="127.0.0.1", port=0, models={"m": "s"}, pin_cpus=False, routing={"m": RoutingSpec(policy=policy)}
     )
     router._init_state()
     router._table = _Table(by_model={"m": upstreams}, by_replica={u.record.replica_id: u for u in upstreams})
     return router
+
+
+async def serve(app):
+    """An aiohttp app on a free loopback port (fake engines, the router): (runner, port)."""
+    from aiohttp import web
+
+    from flagscale.net import free_port
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port
+
+
+@contextlib.asynccontextmanager
+async def router_listening(router):
+    """A bare router (bare_router) serving its real HTTP surface (Router.web_app) on a free port: its URL."""
+    from flagscale.serve.router import upstream_session
+
+    router._session = upstream_session()
+    runner, port = await serve(router.web_app())
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await router._session.close()
+        await runner.cleanup()

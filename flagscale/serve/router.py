@@ -164,6 +164,18 @@ class Router:
         from aiohttp import web
 
         self._session = upstream_session()
+        runner = web.AppRunner(self.web_app(), access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, self.spec.host, self.spec.port, backlog=1024, reuse_address=True)
+        await site.start()
+        await self._refresh()
+        asyncio.get_running_loop().create_task(self._refresh_forever())
+
+    def web_app(self):
+        """The HTTP surface: /health, /metrics, /v1/models, the graph's route, everything else proxied; the API
+        key checked in front of all of it."""
+        from aiohttp import web
+
         app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._require_key])
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -171,12 +183,7 @@ class Router:
         if self._graph is not None and self.spec.graph_route:
             app.router.add_post(self.spec.graph_route, self._run_graph)
         app.router.add_route("*", "/{tail:.*}", self._proxy)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, self.spec.host, self.spec.port, backlog=1024, reuse_address=True)
-        await site.start()
-        await self._refresh()
-        asyncio.get_running_loop().create_task(self._refresh_forever())
+        return app
 
     async def _refresh_forever(self) -> None:
         while True:

@@ -4,15 +4,16 @@ without blaming the replica, 5xx counted, an open replica skipped, a probe readm
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import aiohttp
 from aiohttp import web
 
-from flagscale.serve.router import upstream_session
+from flagscale.net import free_port
 from flagscale.serve.routing import BREAKER_FAILURES, CircuitBreaker, RoutingSpec, make_policy
-from tests.conftest import bare_router
-from tests.unit.test_router_retry import serve, upstream
+from tests.conftest import bare_router, router_listening, serve
+from tests.unit.test_router_retry import upstream
 
 
 def test_consecutive_failures_open_the_circuit_then_one_probe_readmits():
@@ -75,18 +76,13 @@ class RouterUnderTest:
         self.router = bare_router(upstreams, "round_robin")
 
     async def __aenter__(self):
-        self.router._session = upstream_session()
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self.router._proxy)
-        self.runner, port = await serve(app)
-        self.client = aiohttp.ClientSession()
-        self.url = f"http://127.0.0.1:{port}/v1/completions"
+        self._stack = contextlib.AsyncExitStack()
+        self.url = f"{await self._stack.enter_async_context(router_listening(self.router))}/v1/completions"
+        self.client = await self._stack.enter_async_context(aiohttp.ClientSession())
         return self
 
     async def __aexit__(self, *exc):
-        await self.client.close()
-        await self.router._session.close()
-        await self.runner.cleanup()
+        await self._stack.aclose()
 
     async def complete(self) -> tuple[int, dict]:
         async with self.client.post(self.url, json={"model": "m", "prompt": "x"}) as resp:
@@ -185,8 +181,6 @@ def test_health_probe_readmits_a_half_open_replica_or_keeps_it_out():
 def test_refused_connection_is_retried_elsewhere_and_opens_the_circuit_at_once():
     async def main():
         healthy = Replica()
-        from tests.unit.test_router_retry import free_port
-
         refused = with_url("refused", f"http://127.0.0.1:{free_port()}")
         good = with_url("good", await healthy.start())
         try:

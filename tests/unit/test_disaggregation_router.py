@@ -12,11 +12,11 @@ import json
 import aiohttp
 from aiohttp import web
 
-from flagscale.serve.router import REMOTE_DECODE, upstream_session
+from flagscale.serve.router import REMOTE_DECODE
 from flagscale.serve.routing import RoutingSpec, make_policy
-from tests.conftest import bare_router
+from tests.conftest import bare_router, router_listening, serve
 from tests.unit.test_failover import FakeEngine, events, greedy, streamed_text, text_of, tokenize
-from tests.unit.test_router_retry import serve, upstream
+from tests.unit.test_router_retry import upstream
 
 
 class FakePrefill:
@@ -49,17 +49,11 @@ async def through_pd_router(prefills, decodes, path, body):
     router = bare_router([u for u in ups if u.record.role == "decode"], "least_load")
     router._table.prefill_by_model = {"m": [u for u in ups if u.record.role == "prefill"]}
     router._prefill_policies = {"m": make_policy(RoutingSpec(policy="least_load"))}
-    router._session = upstream_session()
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", router._proxy)
-    runner, port = await serve(app)
     try:
-        async with aiohttp.ClientSession() as client:
-            async with client.post(f"http://127.0.0.1:{port}{path}", json=body) as resp:
+        async with router_listening(router) as url, aiohttp.ClientSession() as client:
+            async with client.post(f"{url}{path}", json=body) as resp:
                 return resp.status, await resp.read()
     finally:
-        await router._session.close()
-        await runner.cleanup()
         for engine in [*prefills, *decodes]:
             await engine.runner.cleanup()
 

@@ -12,10 +12,9 @@ import aiohttp
 from aiohttp import web
 
 from flagscale.serve.resume import ClientStream, unresumable
-from flagscale.serve.router import upstream_session
 from flagscale.serve.routing import RoutingSpec, make_policy
-from tests.conftest import bare_router
-from tests.unit.test_router_retry import serve, upstream
+from tests.conftest import bare_router, router_listening, serve
+from tests.unit.test_router_retry import upstream
 
 
 def next_token(last: int) -> int:
@@ -114,17 +113,11 @@ async def through_router(engines: list[FakeEngine], path: str, body: dict, max_m
     router = bare_router(ups, "least_load")
     router.spec.routing["m"] = RoutingSpec(policy="least_load", max_migrations=max_migrations)
     router._policies["m"] = make_policy(router.spec.routing["m"])
-    router._session = upstream_session()
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", router._proxy)
-    runner, port = await serve(app)
     try:
-        async with aiohttp.ClientSession() as client:
-            async with client.post(f"http://127.0.0.1:{port}{path}", json=body) as resp:
+        async with router_listening(router) as url, aiohttp.ClientSession() as client:
+            async with client.post(f"{url}{path}", json=body) as resp:
                 return resp.status, await resp.read(), router
     finally:
-        await router._session.close()
-        await runner.cleanup()
         for engine in engines:
             await engine.runner.cleanup()
 

@@ -14,9 +14,8 @@ from flagscale.config.load import ConfigSources, load_config
 from flagscale.errors import ConfigError
 from flagscale.plan import build_plan
 from flagscale.serve.metrics import merge_replica_metrics
-from flagscale.serve.router import upstream_session
-from tests.conftest import bare_router
-from tests.unit.test_router_retry import serve, upstream
+from tests.conftest import bare_router, router_listening, serve
+from tests.unit.test_router_retry import upstream
 
 ENGINE_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -77,22 +76,14 @@ async def with_router(engines, api_key=None, protect_metrics=False, calls=()):
         ups.append(up)
     router = bare_router(ups, "least_load")
     router.spec.api_key, router.spec.protect_metrics = api_key, protect_metrics
-    router._session = upstream_session()
-    app = web.Application(middlewares=[router._require_key])
-    app.router.add_get("/metrics", router._metrics)
-    app.router.add_get("/health", lambda request: web.Response(text="ok"))
-    app.router.add_route("*", "/{tail:.*}", router._proxy)
-    runner, port = await serve(app)
     results = []
     try:
-        async with aiohttp.ClientSession() as client:
+        async with router_listening(router) as url, aiohttp.ClientSession() as client:
             for method, path, headers in calls:
                 body = {"model": "m", "prompt": "x"} if method == "POST" else None
-                async with client.request(method, f"http://127.0.0.1:{port}{path}", json=body, headers=headers) as r:
+                async with client.request(method, f"{url}{path}", json=body, headers=headers) as r:
                     results.append((r.status, await r.text()))
     finally:
-        await router._session.close()
-        await runner.cleanup()
         for engine in engines:
             await engine.runner.cleanup()
     return results, router

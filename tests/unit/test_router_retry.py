@@ -6,32 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import aiohttp
 from aiohttp import web
 
-from flagscale.serve.router import _Upstream, upstream_session
-from tests.conftest import bare_router, replica_record
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from flagscale.net import free_port
+from flagscale.serve.router import _Upstream
+from tests.conftest import bare_router, replica_record, router_listening, serve
 
 
 def upstream(name: str, port: int, sent: int) -> _Upstream:
     record = replica_record(name, f"http://127.0.0.1:{port}")
     return _Upstream(record, sent=sent)  # fewer sent: tried first
-
-
-async def serve(app: web.Application) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, port
 
 
 async def healthy_replica(seen: list) -> tuple[web.AppRunner, int]:
@@ -58,18 +44,9 @@ async def dropping_replica(seen: list) -> tuple[asyncio.Server, int]:
 
 
 async def through_router(upstreams: list[_Upstream]) -> tuple[int, dict]:
-    router = bare_router(upstreams, "least_load")
-    router._session = upstream_session()
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", router._proxy)
-    runner, port = await serve(app)
-    try:
-        async with aiohttp.ClientSession() as client:
-            async with client.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": "x"}) as r:
-                return r.status, await r.json()
-    finally:
-        await router._session.close()
-        await runner.cleanup()
+    async with router_listening(bare_router(upstreams, "least_load")) as url, aiohttp.ClientSession() as client:
+        async with client.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+            return r.status, await r.json()
 
 
 def test_refused_connection_goes_to_the_next_replica():
