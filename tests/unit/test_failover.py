@@ -37,8 +37,15 @@ def text_of(ids: list[int]) -> str:
     return "".join(f"<{t}>" for t in ids)
 
 
+def part_of_a_character(token: int) -> bool:
+    """The toy model's byte-fallback tokens: they stream no text until the next token completes it."""
+    return token % 5 == 0
+
+
 class FakeEngine:
-    """Streams `max_tokens` tokens of the toy model above; `die_after` tokens: the connection is cut there."""
+    """Streams `max_tokens` tokens of the toy model above; `die_after` tokens: the connection is cut there.
+    Like vLLM, a token that is part of a character streams empty text, and a prompt of token ids that ends
+    part-way through a character gets the whole prompt's text streamed back with the first token."""
 
     def __init__(self, name: str, die_after: int | None = None, status: int = 200):
         self.name, self.die_after, self.status = name, die_after, status
@@ -77,17 +84,22 @@ class FakeEngine:
                 {"id": rid, "object": obj_kind, "created": created, "model": body["model"], "choices": [first]}
                 | {"prompt_token_ids": prompt_ids if with_ids else None}
             )
+        held = (
+            text_of(prompt_ids) if isinstance(body.get("prompt"), list) and part_of_a_character(prompt_ids[-1]) else ""
+        )
         for i, token in enumerate(ids):
             if self.die_after is not None and i == self.die_after:
                 await response.write(b'data: {"id":"partial')  # half an event, then the connection is cut
                 request.transport.abort()
                 return response
             finish = "length" if i == len(ids) - 1 else None
+            held += text_of([token])
+            text, held = ("", held) if part_of_a_character(token) and not finish else (held, "")
             if chat:
-                choice = {"index": 0, "delta": {"content": text_of([token])}, "logprobs": None}
+                choice = {"index": 0, "delta": {"content": text}, "logprobs": None}
                 choice |= {"finish_reason": finish, "token_ids": [token] if with_ids else None}
             else:
-                choice = {"index": 0, "text": text_of([token]), "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
                 choice |= {"stop_reason": None, "prompt_token_ids": prompt_ids if (with_ids and i == 0) else None}
                 choice |= {"token_ids": [token] if with_ids else None}
             await send({"id": rid, "object": obj_kind, "created": created, "model": body["model"], "choices": [choice]})
@@ -194,6 +206,43 @@ def test_client_asking_for_token_ids_gets_them_across_the_resume():
     )
     ids = [t for e in events(raw) if isinstance(e, dict) for t in e["choices"][0]["token_ids"]]
     assert status == 200 and ids == greedy(tokenize("abc"), 6)
+
+
+def test_stream_broken_part_way_through_a_character_resumes_from_its_last_whole_one():
+    body = {"model": "m", "prompt": "zz", "max_tokens": 12, "stream": True, "temperature": 0}
+    tokens = greedy(tokenize("zz"), 12)
+    assert part_of_a_character(tokens[1]) and not part_of_a_character(tokens[0])
+    dying, spare = FakeEngine("dying", die_after=2), FakeEngine("spare")  # cut after the half character
+    status, raw, _ = asyncio.run(through_router([dying, spare], "/v1/completions", body))
+    assert status == 200 and streamed_text(raw) == text_of(tokens)  # no prompt echoed, nothing twice
+    assert spare.bodies[0][1]["prompt"] == tokenize("zz") + tokens[:1] and spare.bodies[0][1]["max_tokens"] == 11
+
+    with_ids = {**body, "return_token_ids": True}
+    status, raw, _ = asyncio.run(
+        through_router([FakeEngine("a", die_after=2), FakeEngine("b")], "/v1/completions", with_ids)
+    )
+    ids = [t for e in events(raw) if isinstance(e, dict) for t in e["choices"][0]["token_ids"]]
+    assert status == 200 and ids == tokens and streamed_text(raw) == text_of(tokens)
+
+
+def test_resumed_stream_does_not_send_again_the_text_the_client_has():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 10, "stream": True}
+    prompt_ids = [1, 2, len("hi there")]
+    tokens = greedy(prompt_ids, 10)
+    stream = ClientStream("/v1/chat/completions", chat)
+    stream.first_request(b"")
+    first = {"id": "c", "created": 1, "model": "m", "prompt_token_ids": prompt_ids}
+    role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": []}
+    stream.feed(b"data: " + json.dumps(first | {"choices": [role]}).encode() + b"\n\n")
+    # one chunk of two tokens whose text is whole: which token completed it is unknown, so both go again
+    two = {"index": 0, "delta": {"content": "ab"}, "token_ids": tokens[:2], "finish_reason": None}
+    assert b'"ab"' in stream.feed(b"data: " + json.dumps({"id": "c", "choices": [two]}).encode() + b"\n\n")
+    path, body = stream.resume_request()
+    assert json.loads(body)["prompt"] == prompt_ids and json.loads(body)["max_tokens"] == 10
+    again = [{"text": "a", "token_ids": tokens[:1]}, {"text": "bc", "token_ids": tokens[1:2]}]
+    out = [stream.feed(b"data: " + json.dumps({"id": "x", "choices": [c]}).encode() + b"\n\n") for c in again]
+    assert out[0] == b"" and json.loads(out[1][6:])["choices"][0]["delta"] == {"content": "c"}
+    assert stream.generated == tokens[:2] and stream.clean == 2
 
 
 def test_stream_that_cannot_move_ends_with_an_error_event_not_a_cut():
