@@ -324,7 +324,7 @@ def _engine_plan(
     scaling = replica_settings(node.resources, reservation.ray_actor_options, reservation.auto_replicas)
     utilization = args.get("gpu_memory_utilization", VLLM_DEFAULT_GPU_MEMORY_UTILIZATION)
     if reservation.device == "gpu":
-        most = max(scaling.initial_replicas, (scaling.autoscaling or {}).get("max_replicas", 0))
+        most = scaling.most_replicas
         check_gpu_share(
             node.serve_id,
             reservation.ray_actor_options.get("num_gpus", 0),
@@ -523,6 +523,11 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
     replica_groups = [*engines, *(graph.nodes if graph else [])]
     required_cpus = sum(e.initial_replicas * e.ray_actor_options["num_cpus"] for e in replica_groups)
     required = int(-(-required_cpus // 1))
+    # Room for the most replicas autoscaling may start, and for one spare engine replica: an in-place update
+    # starts each new replica before the old one drains (flagscale/serve/app.py).
+    most_cpus = sum(e.most_replicas * e.ray_actor_options["num_cpus"] for e in replica_groups)
+    spare_cpus = max((e.ray_actor_options["num_cpus"] for e in engines), default=0)
+    room = int(-(-(most_cpus + spare_cpus) // 1))
     cluster = plan_cluster(config, sources, hostfile, on_hosts) if hostfile is not None else None
     if runner.num_cpus is not None and cluster is None:
         if runner.num_cpus < required:
@@ -533,7 +538,7 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
             )
         head_cpus = runner.num_cpus
     else:
-        head_cpus = max(os.cpu_count() or 1, required)
+        head_cpus = max(os.cpu_count() or 1, room)
     if cluster is None and required > (os.cpu_count() or 1):
         notes.append(f"replicas reserve {required} logical CPUs on a {os.cpu_count()}-core machine: oversubscribed")
 

@@ -55,6 +55,10 @@ def _dispatch(cfg: DictConfig, console: Console) -> int:
         from flagscale.actions.status import status
 
         return status(exp_dir, console, config.output)
+    if action == "logs":
+        from flagscale.actions.logs import logs
+
+        return logs(exp_dir, console, config.serve_id, config.replica, config.follow, config.lines)
     if action == "bench":
         from flagscale.actions.bench import bench
 
@@ -74,33 +78,51 @@ def _dispatch(cfg: DictConfig, console: Console) -> int:
 
     for notice in config.notices:
         console.print(f"[yellow]notice:[/] {notice}", soft_wrap=True)
+    from flagscale.update import snapshot
+
+    snap = snapshot(config, plan_key(config, sources))
+    running = running_state(exp_dir)
     if action == "dryrun":
         from flagscale.actions.dryrun import dryrun
 
-        return dryrun(config, build_plan(config, sources, check_port=False), console)
+        running_config = running.extra.get("config") if running is not None else None
+        return dryrun(config, build_plan(config, sources, check_port=False), console, running_config, snap)
     from flagscale.actions.run import refuse_if_running, run
 
     if action == "test":
         from flagscale.actions.smoke import smoke_test
-        from flagscale.cluster.ray_node import cluster_alive
         from flagscale.cluster.state import RunState
 
-        state = RunState.load(exp_dir)
-        if state is None or state.phase != "running" or not cluster_alive(state):
+        if running is None:
             refuse_if_running(exp_dir, console)
             with console.status("validating the config ..."):
                 plan = build_plan(config, sources)
-            code = run(plan, console)
+            code = run(plan, console, snapshot=snap)
             if code != 0:
                 return code
-            state = RunState.load(exp_dir)
+        state = RunState.load(exp_dir)
         assert state is not None
         return smoke_test(state, console, plan_key(config, sources))
 
+    if running is not None:
+        from flagscale.actions.run import update
+
+        with console.status("validating the config ..."):
+            plan = build_plan(config, sources, check_port=False)  # the port is the running router's
+        return update(running, plan, snap, console, sources.main)
     refuse_if_running(exp_dir, console)
     with console.status("validating the config ..."):
         plan = build_plan(config, sources)
-    return run(plan, console, foreground=config.foreground)
+    return run(plan, console, foreground=config.foreground, snapshot=snap)
+
+
+def running_state(exp_dir: str):
+    """The state of a deployment that is up and serving from this exp_dir, else None."""
+    from flagscale.cluster.ray_node import cluster_alive
+    from flagscale.cluster.state import RunState
+
+    state = RunState.load(exp_dir)
+    return state if state is not None and state.phase == "running" and cluster_alive(state) else None
 
 
 def main_exit(code: int) -> None:

@@ -27,7 +27,15 @@ SHOWN_ENGINE_ARGS = (
 )
 
 
-def dryrun(config: ServeConfig, plan: Plan, console: Console) -> int:
+def dryrun(
+    config: ServeConfig,
+    plan: Plan,
+    console: Console,
+    running_config: dict | None = None,
+    snapshot: dict | None = None,
+) -> int:
+    """`running_config`: the config of a deployment running from this exp_dir; what `run` would change in it is
+    shown last."""
     console.print("[bold]resolved config[/]")
     resolved = config.model_dump(exclude_none=True)
     if resolved["experiment"]["runner"]["deploy"].get("api_key"):  # never printed
@@ -72,8 +80,24 @@ def dryrun(config: ServeConfig, plan: Plan, console: Console) -> int:
         _print_hosts(plan, console)
     for note in plan.notes:
         console.print(f"[yellow]note:[/] {note}")
+    if running_config is not None and snapshot is not None:
+        _print_update(running_config, snapshot, console)
     console.print("dryrun: nothing was started")
     return 0
+
+
+def _print_update(running_config: dict, snapshot: dict, console: Console) -> None:
+    from flagscale.update import diff
+
+    changes = diff(running_config, snapshot)
+    if not changes:
+        console.print("running from this exp_dir with this config: `run` would change nothing")
+        return
+    fixed = [c for c in changes if not c.in_place]
+    console.print(f"[bold]running from this exp_dir; `run` would {'refuse' if fixed else 'update it in place'}:[/]")
+    for change in changes:
+        mark = "  " if change.in_place else "  [not in place] "
+        console.print(mark + change.describe(), markup=False)
 
 
 def _set_keys(argv: list[str]) -> list[str]:

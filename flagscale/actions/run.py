@@ -12,12 +12,12 @@ from pathlib import Path
 from rich.console import Console
 
 from flagscale.actions.teardown import teardown
-from flagscale.cluster.ray_compat import SERVE_WAITING_FOR_RESOURCES, deploy_app
+from flagscale.cluster.ray_compat import SERVE_WAITING_FOR_RESOURCES, deploy_app, free_resources_per_node
 from flagscale.cluster.ray_env import worker_env
 from flagscale.cluster.ray_node import cluster_alive, connect, start_local_head, write_token
 from flagscale.cluster.state import RunState
 from flagscale.devices import local_gpu_count
-from flagscale.errors import DeployError, FlagScaleError, error_excerpt
+from flagscale.errors import ConfigError, DeployError, FlagScaleError, error_excerpt
 from flagscale.net import health_ok
 from flagscale.plan import Plan
 
@@ -40,7 +40,8 @@ def refuse_if_running(exp_dir: str, console: Console) -> None:
     RunState.remove(exp_dir)
 
 
-def run(plan: Plan, console: Console, foreground: bool = False) -> int:
+def run(plan: Plan, console: Console, foreground: bool = False, snapshot: dict | None = None) -> int:
+    """`snapshot`: the validated config (flagscale/update.py), recorded so that a later `run` can update in place."""
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     _log_to_file(plan.log_dir / "runner.log")
     state = RunState(
@@ -105,6 +106,8 @@ def run(plan: Plan, console: Console, foreground: bool = False) -> int:
             return 130
         raise DeployError(str(exc)) from exc
     state.phase = "running"
+    if snapshot is not None:
+        state.extra["config"] = snapshot
     state.save()
     _print_ready(plan, console, time.monotonic() - t0)
     import ray
@@ -115,6 +118,88 @@ def run(plan: Plan, console: Console, foreground: bool = False) -> int:
     return 0
 
 
+def update(state: RunState, plan: Plan, snapshot: dict, console: Console, config_file: str) -> int:
+    """`run` on a running deployment: apply what changed (flagscale/update.py) by redeploying the application;
+    Serve replaces only the replicas whose spec changed, each new one healthy before the old one drains."""
+    from flagscale.update import changed_nodes, diff
+
+    running = state.extra.get("config")
+    if running is None:
+        raise FlagScaleError(
+            "this deployment was started without a record of its config (an earlier version of the runner), so "
+            "it cannot be updated in place; action=stop, then run",
+            f"{state.exp_dir}/state.json",
+        )
+    changes = diff(running, snapshot)
+    if not changes:
+        console.print(f"already running this config at {state.endpoint}: nothing to change")
+        return 0
+    fixed = [c for c in changes if not c.in_place]
+    if fixed:
+        raise ConfigError(
+            "cannot be changed while the deployment runs (its cluster was started with it): "
+            + "; ".join(c.describe() for c in fixed)
+            + ". Nothing was changed; action=stop, then run",
+            f"{config_file}: {fixed[0].path}",
+        )
+    console.print(f"updating in place ({len(changes)} change(s)):")
+    for change in changes:
+        console.print(f"  {change.describe()}", markup=False)
+    t0 = time.monotonic()
+    connect(state)
+    check_fits(plan)
+    nodes = changed_nodes(changes)
+    no_spare = _without_room_for_a_spare(plan, nodes)
+    for engine in plan.engines:
+        if engine.serve_id in no_spare:
+            if engine.initial_replicas < 2:
+                raise DeployError(
+                    f"no node has room for a spare replica of '{engine.serve_id}' "
+                    f"({_fmt(_need(engine.ray_actor_options))}): replacing its only replica in place would stop "
+                    "serving it; nothing was changed. Free that much, or action=stop, then run",
+                    f"serve_id {engine.serve_id}",
+                )
+            console.print(
+                f"[yellow]no room for a spare replica of '{engine.serve_id}': its replicas are replaced one at a "
+                "time, one fewer serving meanwhile[/]"
+            )
+    _deploy(plan, console, no_spare)
+    # Recorded at once: Serve now works toward this config, and a later `run` must diff against it.
+    state.extra["config"] = snapshot
+    state.models = plan.model_ids
+    state.save()
+    try:
+        _wait_until_serving(plan, console, t0)
+    except FlagScaleError as exc:
+        raise DeployError(
+            f"the update did not complete: {exc}. Replicas that were not replaced keep serving (action=status); "
+            "run again with a fixed config, or action=stop"
+        ) from None
+    finally:
+        import ray
+
+        ray.shutdown()
+    console.print(f"[green]updated[/] in {time.monotonic() - t0:.1f}s; serving at {plan.endpoint}/v1")
+    return 0
+
+
+def _need(options: dict) -> dict:
+    need = {"CPU": options.get("num_cpus", 0), "GPU": options.get("num_gpus", 0), **options.get("resources", {})}
+    return {k: v for k, v in need.items() if v}
+
+
+def _without_room_for_a_spare(plan: Plan, serve_ids: list[str]) -> frozenset[str]:
+    """The changed engine nodes for which no node has the free resources of one more replica."""
+    free = list(free_resources_per_node().values())
+    tight = set()
+    for engine in plan.engines:
+        if engine.serve_id in serve_ids:
+            need = _need(engine.ray_actor_options)
+            if not any(all(node.get(k, 0) >= v for k, v in need.items()) for node in free):
+                tight.add(engine.serve_id)
+    return frozenset(tight)
+
+
 def check_fits(plan: Plan) -> None:
     """Every replica must fit on some node of the cluster; otherwise Serve would wait forever."""
     import ray
@@ -122,9 +207,7 @@ def check_fits(plan: Plan) -> None:
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     groups = [*plan.engines, *(plan.graph.nodes if plan.graph else [])]
     for group in groups:
-        options = group.ray_actor_options
-        need = {"CPU": options.get("num_cpus", 0), "GPU": options.get("num_gpus", 0), **options.get("resources", {})}
-        need = {k: v for k, v in need.items() if v}
+        need = _need(group.ray_actor_options)
         if not any(all(node.get(k, 0) >= v for k, v in need.items()) for node in nodes):
             largest = max(nodes, key=lambda n: n.get("CPU", 0)) if nodes else {}
             offer = {k: v for k, v in largest.items() if not k.startswith(("node:", "memory", "object_store"))}
@@ -138,16 +221,18 @@ def _fmt(resources: dict) -> str:
     return ", ".join(f"{k}:{v:g}" for k, v in sorted(resources.items())) or "nothing"
 
 
-def _deploy(plan: Plan, console: Console) -> None:
+def _deploy(plan: Plan, console: Console, no_spare: frozenset[str] = frozenset()) -> None:
     from ray import serve
 
     from flagscale.serve.app import build_app
 
     serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
-    deploy_app(build_app(plan), plan.app_name)
+    deploy_app(build_app(plan, no_spare), plan.app_name)
 
 
 def _wait_until_serving(plan: Plan, console: Console, t0: float) -> None:
+    """Until the application runs, every engine replica of the planned version is in the router's registry (and
+    no other), and the endpoint answers."""
     from ray import serve
 
     deadline = time.monotonic() + plan.startup_timeout_s
@@ -172,7 +257,7 @@ def _wait_until_serving(plan: Plan, console: Console, t0: float) -> None:
                             raise DeployError(f"replicas cannot be scheduled: {dep.message}", f"deployment {name}")
                     else:
                         pending_since.pop(name, None)
-                if app.status == "RUNNING" and health_ok(plan.endpoint, timeout_s=2):
+                if app.status == "RUNNING" and _runs(plan) and health_ok(plan.endpoint, timeout_s=2):
                     return
                 if app.status == "DEPLOY_FAILED":
                     raise DeployError(_cause(app.message), f"application {plan.app_name}")
@@ -181,6 +266,21 @@ def _wait_until_serving(plan: Plan, console: Console, t0: float) -> None:
                 )
                 spinner.update(f"deploying [{now - t0:.0f}s] {summary}")
             time.sleep(1.0)
+
+
+def _runs(plan: Plan) -> bool:
+    """Whether the router's registry lists, for each engine node, only replicas of the planned version (an update
+    is not done while an old one is listed) and as many as planned (at least one when autoscaling)."""
+    from flagscale.serve import registry
+    from flagscale.serve.app import engine_spec
+
+    listed = registry.list_replicas(plan.app_name)
+    for engine in plan.engines:
+        versions = [r.version for r in listed if r.serve_id == engine.serve_id]
+        expected = engine.num_replicas if engine.num_replicas is not None else max(1, len(versions))
+        if len(versions) != expected or set(versions) != {engine_spec(plan, engine).version}:
+            return False
+    return True
 
 
 def _replicas(states: dict) -> str:

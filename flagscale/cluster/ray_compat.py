@@ -7,6 +7,11 @@ this file. What each wraps, and why the public API does not do:
 - deploy_app: `serve._run(app, _blocking=False, name=, route_prefix=None)`. The public `serve.run` calls `_run`
   with `_blocking=True` (it waits for RUNNING and raises on failure); `run` polls `serve.status()` itself to
   bound the wait and report each deployment's cause.
+- with_version: `Deployment.options(version=..., _internal=True)`. Ray 2.60 removed `version` from the public
+  options and gives imperatively deployed applications a random code version per deploy (every replica restarts
+  on each redeploy); `_internal` is how Serve's own callers still set it.
+- free_resources_per_node: `ray._private.state.available_resources_per_node()`, node id (hex) -> the resources
+  not reserved now (`ray.available_resources()` sums them over the cluster).
 - delete_app: `serve.delete(name, _blocking=False)`; `_blocking` is an underscore parameter of a public call.
   `stop` waits (bounded) on `serve.status()` itself.
 - serve_details: `ray.serve.context._get_global_client().get_serve_details()` as `ServeInstanceDetails`: the
@@ -41,6 +46,20 @@ def deploy_app(app: Application, name: str) -> None:
     from ray import serve
 
     serve._run(app, _blocking=False, name=name, route_prefix=None)
+
+
+def with_version(deployment: Any, version: str) -> Any:
+    """The deployment with a code version of ours. Serve gives every deployment of an imperatively deployed
+    application a random version, so each redeploy would restart every replica; with a version derived from
+    what the replicas are built from, a redeploy restarts only what changed (an in-place update) and scales or
+    reconfigures the rest. Ray 2.60 accepts it only from its own callers (`_internal`)."""
+    return deployment.options(version=version, _internal=True)
+
+
+def free_resources_per_node() -> dict[str, dict[str, float]]:
+    from ray._private.state import available_resources_per_node
+
+    return available_resources_per_node()
 
 
 def delete_app(name: str) -> None:

@@ -25,6 +25,13 @@ class ReplicaSettings:
         assert self.autoscaling is not None
         return max(1, self.autoscaling.get("min_replicas", 1))
 
+    @property
+    def most_replicas(self) -> int:
+        """The most replicas that run at once: the count, or autoscaling's max_replicas."""
+        if self.autoscaling is None:
+            return self.initial_replicas
+        return max(self.initial_replicas, self.autoscaling.get("max_replicas", 1))
+
     def serve_scaling(self, default_max_ongoing: int | None = None) -> dict[str, Any]:
         """The replica keywords of `serve.deployment`: count or autoscaling, and requests per replica."""
         scaling: dict[str, Any] = (

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import asdict
+
 from ray import serve
 from ray.serve import Application
 
-from flagscale.plan import ROUTER_DEPLOYMENT, Plan
+from flagscale.cluster.ray_compat import with_version
+from flagscale.plan import ROUTER_DEPLOYMENT, EnginePlan, Plan
 from flagscale.serve.engine import EngineSpec, VLLMEngine
+from flagscale.serve.registry import version_of
 from flagscale.serve.router import Router, RouterSpec
 
 HEALTH_CHECK_PERIOD_S = 5
 HEALTH_CHECK_TIMEOUT_S = 30
 
 
-def build_app(plan: Plan) -> Application:
+def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application:
+    """Every deployment gets a version derived from what its replicas are built from, so redeploying (an in-place
+    update) restarts only the replicas whose spec changed. Engine replicas are replaced one at a time, the new one
+    healthy before the old one drains (Serve's surge), except for the nodes in `no_spare` (no room for a spare
+    replica: the old one stops first)."""
     engines = []
-    log_dir = str(plan.log_dir)
     for engine in plan.engines:
         deployment = serve.deployment(
             VLLMEngine,
@@ -26,33 +34,52 @@ def build_app(plan: Plan) -> Application:
             graceful_shutdown_timeout_s=plan.drain_timeout_s,
             **engine.serve_scaling(default_max_ongoing=1000),
             **_placement_group(engine),
+            **_one_at_a_time(engine.initial_replicas, spare=engine.serve_id not in no_spare),
         )
-        spec = EngineSpec(
-            app=plan.app_name,
-            serve_id=engine.serve_id,
-            model_names=engine.model_names,
-            argv=engine.argv,
-            host_argv=engine.host_argv,
-            # Multi-host: the router on the head reaches engines at their node IP ("node-ip" = not loopback).
-            bind_host="node-ip" if plan.cluster else "127.0.0.1",
-            log_dir=log_dir,
-            # each host's Ray node already has its own envs; vLLM reads its --api-key from VLLM_API_KEY (not argv,
-            # which its log and ours print)
-            env={**({} if plan.cluster else plan.envs), **({"VLLM_API_KEY": plan.api_key} if plan.api_key else {})},
-            startup_timeout_s=plan.startup_timeout_s,
-            pin_cpus=plan.pin_cpus,
-            role=engine.role,
-        )
-        engines.append(deployment.bind(spec))
+        spec = engine_spec(plan, engine)
+        engines.append(with_version(deployment, spec.version).bind(spec))
+    spec = router_spec(plan)
     router = serve.deployment(
         Router,
         name=ROUTER_DEPLOYMENT,
         num_replicas=1,
         ray_actor_options={"num_cpus": 0, **_on_head(plan)},
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        # The rest of its spec reaches a running router through reconfigure(): an update never restarts it
+        user_config=spec.user_config(),
     )
+    # (the API key is in its init args only: a new key restarts it; version_of keeps a digest, not the key)
+    router = with_version(router, version_of([plan.app_name, plan.host, plan.port, plan.pin_cpus, plan.api_key]))
     graph = {"graph": build_graph_driver(plan)} if plan.graph else {}
-    return router.bind(router_spec(plan), *engines, **graph)
+    return router.bind(spec, *engines, **graph)
+
+
+def engine_spec(plan: Plan, engine: EnginePlan) -> EngineSpec:
+    return EngineSpec(
+        app=plan.app_name,
+        serve_id=engine.serve_id,
+        model_names=engine.model_names,
+        argv=engine.argv,
+        host_argv=engine.host_argv,
+        # Multi-host: the router on the head reaches engines at their node IP ("node-ip" = not loopback).
+        bind_host="node-ip" if plan.cluster else "127.0.0.1",
+        log_dir=str(plan.log_dir),
+        # each host's Ray node already has its own envs; vLLM reads its --api-key from VLLM_API_KEY (not argv,
+        # which its log and ours print)
+        env={**({} if plan.cluster else plan.envs), **({"VLLM_API_KEY": plan.api_key} if plan.api_key else {})},
+        startup_timeout_s=plan.startup_timeout_s,
+        pin_cpus=plan.pin_cpus,
+        role=engine.role,
+        drain_timeout_s=plan.drain_timeout_s,
+    )
+
+
+def _one_at_a_time(replicas: int, spare: bool) -> dict:
+    replicas = max(1, replicas)
+    return {
+        "rolling_update_percentage": 1 / replicas,
+        "max_surge_percent": math.ceil(100 / replicas) if spare else 0,
+    }
 
 
 def router_spec(plan: Plan) -> RouterSpec:
@@ -93,7 +120,8 @@ def build_graph_driver(plan: Plan) -> Application:
         clients = {
             param: (plan.endpoint, plan.graph.engine_models[serve_id]) for param, serve_id in node.engine_params.items()
         }
-        nodes[node.serve_id] = deployment.bind(NodeSpec(node.serve_id, node.module_path, node.class_name, clients))
+        spec = NodeSpec(node.serve_id, node.module_path, node.class_name, clients)
+        nodes[node.serve_id] = with_version(deployment, version_of(asdict(spec))).bind(spec)
     driver = serve.deployment(
         GraphDriver,
         name=GRAPH_DRIVER_DEPLOYMENT,
@@ -102,7 +130,7 @@ def build_graph_driver(plan: Plan) -> Application:
         max_ongoing_requests=1000,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )
-    return driver.bind(plan.graph, **nodes)
+    return with_version(driver, version_of(asdict(plan.graph))).bind(plan.graph, **nodes)
 
 
 def _placement_group(engine) -> dict:

@@ -11,13 +11,14 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from flagscale.errors import error_excerpt
 from flagscale.net import free_port, health_ok
 from flagscale.serve import registry
 from flagscale.serve.cpu_layout import pin_engine
+from flagscale.serve.metrics import engine_metrics
 from flagscale.serve.startup_lock import gpu_start_lock
 
 
@@ -34,6 +35,16 @@ class EngineSpec:
     pin_cpus: bool = True  # deploy.cpu_affinity == "auto" (see flagscale/serve/cpu_layout.py)
     host_argv: dict[str, list[str]] = field(default_factory=dict)  # node IP -> argv there (experiment.node_args)
     role: str | None = None  # "prefill" / "decode": a pool of a disaggregated node (KV side channel needed)
+    drain_timeout_s: float = 30.0  # Serve's graceful shutdown bound for this replica (deploy.drain_timeout_s)
+
+    @property
+    def version(self) -> str:
+        """What the server runs: the bounds on start and drain change without restarting it."""
+        spec = {k: v for k, v in asdict(self).items() if k not in ("startup_timeout_s", "drain_timeout_s")}
+        return registry.version_of(spec)
+
+
+DRAIN_MARGIN_S = 12.0  # of deploy.drain_timeout_s, kept for the server's own exit (SIGTERM, then SIGKILL after 10 s)
 
 
 class EngineStartError(RuntimeError):
@@ -132,6 +143,7 @@ class VLLMEngine:
             updated_at=time.time(),
             worker_cpus=layout.worker_cpus if layout else [],
             role=spec.role or "",
+            version=spec.version,
         )
         registry.publish(self.record)
 
@@ -176,9 +188,26 @@ class VLLMEngine:
                 self.proc.wait(5)
 
     def __del__(self):
+        """Serve's graceful shutdown (stop, an update replacing this replica, a downscale): leave the registry,
+        let the requests the router already sent here finish (bounded by deploy.drain_timeout_s, less a margin
+        for the server's own exit before Serve kills the replica), then stop the server."""
         try:
             registry.withdraw(self.spec.app, self.replica_id)
         except Exception:
             pass
         if hasattr(self, "proc"):
+            if self.proc.poll() is None and hasattr(self, "record"):
+                self._drain(deadline=time.monotonic() + max(0.0, self.spec.drain_timeout_s - DRAIN_MARGIN_S))
             self._terminate()
+
+    def _drain(self, deadline: float) -> None:
+        time.sleep(min(registry.ROUTER_REFRESH_S + 1.0, max(0.0, deadline - time.monotonic())))
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                load = engine_metrics(self.url, timeout_s=2)
+            except OSError:
+                return
+            if load.get("vllm:num_requests_running", 0) + load.get("vllm:num_requests_waiting", 0) == 0:
+                return
+            time.sleep(0.5)
+        self._note("drain: requests still running at the drain deadline; stopping the server anyway")

@@ -7,13 +7,16 @@ refreshed goes stale and is dropped, so a dead replica disappears even if it nev
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from flagscale.cluster.ray_compat import kv_del, kv_get, kv_list, kv_put
 
 STALE_AFTER_S = 30.0
+ROUTER_REFRESH_S = 2.0  # how often the router re-reads the records: a withdrawn replica gets no request after that
 KV_NAMESPACE = "flagscale"
 
 
@@ -32,10 +35,17 @@ class ReplicaRecord:
     updated_at: float
     worker_cpus: list[int] = field(default_factory=list)  # cores the engine's workers are bound to (CPU engines)
     role: str = ""  # "prefill" / "decode" in a disaggregated node; "" colocated
+    version: str = ""  # version_of(the replica's spec): which update of its deployment it runs
 
     @property
     def stale(self) -> bool:
         return time.time() - self.updated_at > STALE_AFTER_S
+
+
+def version_of(built_from: Any) -> str:
+    """A deployment's version: a digest of what its replicas are built from (their spec), so that an update
+    restarts exactly the deployments whose spec changed, and `run` knows when every replica runs the new one."""
+    return hashlib.sha256(json.dumps(built_from, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _prefix(app: str) -> bytes:

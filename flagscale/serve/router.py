@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from flagscale.serve import registry
@@ -56,7 +56,7 @@ class RouterSpec:
     host: str
     port: int
     models: dict[str, str]  # served model name -> serve_id
-    refresh_s: float = 2.0
+    refresh_s: float = registry.ROUTER_REFRESH_S
     graph_route: str | None = None  # deployment graph entry (POST, JSON in/out), served by the graph driver
     pin_cpus: bool = True  # stay off the cores of engine workers on this host (flagscale/serve/cpu_layout.py)
     routing: dict[str, RoutingSpec] = field(default_factory=dict)  # served model name -> its node's routing
@@ -64,6 +64,19 @@ class RouterSpec:
     prefill_routing: dict[str, RoutingSpec] = field(default_factory=dict)
     api_key: str | None = field(default=None, repr=False)  # deploy.api_key: required on every route but /health
     protect_metrics: bool = False  # deploy.protect_metrics: /metrics needs the key too
+
+    # What a running router takes in place (Serve's user_config -> Router.reconfigure). Where it listens, and the
+    # API key (Serve shows user_configs in its status), are fixed for the router replica's life.
+    RECONFIGURABLE = ("models", "refresh_s", "graph_route", "routing", "prefill_routing", "protect_metrics")
+
+    def user_config(self) -> dict[str, Any]:
+        return {key: value for key, value in asdict(self).items() if key in self.RECONFIGURABLE}
+
+    def reconfigured(self, config: dict[str, Any]) -> RouterSpec:
+        config = dict(config)
+        for key in ("routing", "prefill_routing"):
+            config[key] = {model: RoutingSpec(**spec) for model, spec in config.get(key, {}).items()}
+        return replace(self, **config)
 
 
 _Upstream = Upstream  # the name the tests and older code use
@@ -125,6 +138,40 @@ class Router:
         if self._failure is not None:
             raise RuntimeError(f"router cannot listen on {spec.host}:{spec.port}: {self._failure}")
 
+    def reconfigure(self, config: dict[str, Any]) -> None:
+        """Serve calls this after __init__ and on every update whose router spec changed (models added or
+        removed, routing policies): applied on the router's event loop, keeping the policies (and their prefix
+        tables) of models whose routing did not change."""
+        spec = self.spec.reconfigured(config)
+        loop = getattr(self, "_loop", None)
+        if loop is None or not loop.is_running():
+            self._apply_spec(spec)
+            return
+        done = asyncio.run_coroutine_threadsafe(self._apply_spec_and_refresh(spec), loop)
+        done.result(timeout=30)
+
+    async def _apply_spec_and_refresh(self, spec: RouterSpec) -> None:
+        self._apply_spec(spec)
+        await self._refresh()
+
+    def _apply_spec(self, spec: RouterSpec) -> None:
+        old = self.spec
+        self.spec = spec
+        for policies, old_routing, routing, models in (
+            (self._policies, old.routing, spec.routing, spec.models),
+            (self._prefill_policies, old.prefill_routing, spec.prefill_routing, spec.prefill_routing),
+        ):
+            for model in list(policies):
+                if model not in models or old_routing.get(model) != routing.get(model):
+                    del policies[model]
+            for model in models:
+                if model not in policies:
+                    policies[model] = make_policy(routing.get(model, RoutingSpec()))
+                    for upstream in (
+                        self._table.prefill_by_model if policies is self._prefill_policies else self._table.by_model
+                    ).get(model, []):
+                        policies[model].on_replica_joined(upstream)
+
     def _init_state(self) -> None:
         """The request path's state (the unit tests build a Router with this only: no Ray, no thread)."""
         self._table = _Table()
@@ -180,9 +227,7 @@ class Router:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
-        if self._graph is not None and self.spec.graph_route:
-            app.router.add_post(self.spec.graph_route, self._run_graph)
-        app.router.add_route("*", "/{tail:.*}", self._proxy)
+        app.router.add_route("*", "/{tail:.*}", self._proxy)  # the graph's route too: it may change
         return app
 
     async def _refresh_forever(self) -> None:
@@ -340,7 +385,8 @@ class Router:
         return web.json_response({"object": "list", "data": data})
 
     async def _proxy(self, request):
-
+        if self._graph is not None and request.method == "POST" and request.path == self.spec.graph_route:
+            return await self._run_graph(request)
         if self._draining:
             return _error(503, "server is shutting down", "ServiceUnavailableError")
         body = await request.read()

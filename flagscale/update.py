@@ -1,0 +1,89 @@
+"""In-place updates: what changed between the config a deployment runs and the one `run` is given again.
+
+`run` records a snapshot of the validated config in the state file; a later `run` on the same exp_dir diffs the
+new config against it. Changes to the graph's nodes (engine args, resources, routing, nodes added or removed,
+replica counts) and to the deployment settings of the endpoint are applied in place by redeploying the Serve
+application (flagscale/actions/run.py:update); changes to what the running cluster was started with (hosts,
+ports, env vars, shell hooks, the experiment's name and directory) are refused, and nothing is changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from flagscale.config.schema import ServeConfig
+
+# Paths under `experiment` that are applied in place; everything else under it is fixed while the cluster runs.
+IN_PLACE = ("experiment.runner.deploy.", "experiment.node_args.", "experiment.task.")
+FIXED = ("experiment.runner.deploy.host", "experiment.runner.deploy.port")
+# What has no effect on a running deployment (used by other actions only).
+IGNORED = ("experiment.bench.", "experiment.auto_tuner")
+
+
+@dataclass(frozen=True)
+class Change:
+    path: str  # dotted; nodes by serve_id: serve.<serve_id>.engine_args.max_num_seqs
+    old: Any  # MISSING when added
+    new: Any  # MISSING when removed
+
+    @property
+    def in_place(self) -> bool:
+        if self.path.startswith("serve."):
+            return True
+        return self.path.startswith(IN_PLACE) and not self.path.startswith(FIXED)
+
+    def describe(self) -> str:
+        if self.old is MISSING:
+            return f"{self.path}: added ({_show(self.new)})"
+        if self.new is MISSING:
+            return f"{self.path}: removed (was {_show(self.old)})"
+        return f"{self.path}: {_show(self.old)} -> {_show(self.new)}"
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING: Any = _Missing()
+
+
+def snapshot(config: ServeConfig, api_key: str | None) -> dict[str, Any]:
+    """What a deployment runs, as JSON: the experiment and the nodes (keyed by serve_id), the API key only as a
+    digest (a changed key is still a change; the key itself never reaches the state file)."""
+    experiment = config.experiment.model_dump(mode="json", exclude_none=True)
+    deploy = experiment["runner"]["deploy"]
+    deploy.pop("api_key", None)
+    if api_key:
+        deploy["api_key_digest"] = hashlib.sha256(api_key.encode()).hexdigest()[:16]
+    nodes = {node.serve_id: node.model_dump(mode="json", exclude_none=True) for node in config.serve}
+    return {"experiment": experiment, "serve": nodes}
+
+
+def diff(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
+    """Every leaf that differs, in the new config's order (removed ones last); ignored sections left out."""
+    before, after = _flatten(old), _flatten(new)
+    changes = [Change(p, before.get(p, MISSING), v) for p, v in after.items() if before.get(p, MISSING) != v]
+    changes += [Change(p, v, MISSING) for p, v in before.items() if p not in after]
+    return [c for c in changes if not c.path.startswith(IGNORED)]
+
+
+def changed_nodes(changes: list[Change]) -> list[str]:
+    return list(dict.fromkeys(c.path.split(".")[1] for c in changes if c.path.startswith("serve.")))
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict) and tree:
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): tree}
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,122 @@
+"""End to end: `run` on a running deployment updates it in place (issue 12).
+
+Real Ray, a real vLLM (CPU) engine on the demo model, one replica. While two clients send requests without a
+pause (streamed and not), the config's `max_num_seqs` changes from 8 to 4 and `run` is given it again: Serve
+starts a replica with the new args, the router takes it in, the old one drains and stops. No request fails,
+and the replica serving afterwards runs with the new value. A change that cannot be applied in place (the
+port) is refused and changes nothing; the same config again changes nothing; dryrun shows the difference.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import openai
+import psutil
+
+from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
+
+PORT = 19171
+
+
+def status_json(conf) -> dict:
+    result = run_cli(conf, "action=status", "output=json", timeout=120)
+    assert result.returncode == 0, result.output
+    return json.loads(result.stdout[result.stdout.index("{") :])
+
+
+def serving_replicas(conf) -> list[dict]:
+    return [r for r in status_json(conf)["replicas"] if r["state"] == "READY"]
+
+
+def vllm_argv(replica: dict) -> list[str]:
+    return psutil.Process(replica["engine_pid"]).children()[0].cmdline()  # engine_proc's child: vLLM's server
+
+
+class SteadyLoad:
+    """Clients sending one request after another until stopped; every answer is checked."""
+
+    def __init__(self, clients: int = 2):
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
+        self.stop = threading.Event()
+        self.ok = 0
+        self.failures: list[str] = []
+        self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(clients)]
+
+    def _loop(self, index: int) -> None:
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            try:
+                request = {"model": "demo", "prompt": f"update {index} {n}", "max_tokens": 24}
+                request["extra_body"] = {"ignore_eos": True}
+                if (index + n) % 2:
+                    chunks = list(self.client.completions.create(stream=True, **request))
+                    finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+                else:
+                    finish = self.client.completions.create(**request).choices[0].finish_reason
+                assert finish == "length", f"an answer that ended with {finish!r}, not after its 24 tokens"
+                self.ok += 1
+            except Exception as exc:  # noqa: BLE001 - every failure is the finding
+                self.failures.append(f"{type(exc).__name__}: {exc}")
+
+    def __enter__(self) -> SteadyLoad:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(180)
+
+
+def test_changing_an_engine_arg_under_load_replaces_the_replica_without_a_failed_request(tmp_path):
+    def node(max_num_seqs: int) -> dict:
+        return {
+            "serve_id": "demo",
+            "engine": "vllm",
+            "engine_args": demo_engine_args(served_model_name="demo", max_num_seqs=max_num_seqs),
+            "resources": {"num_replicas": 1, "num_cpus": 1},
+        }
+
+    exp = tmp_path / "exp"
+    conf = write_config(tmp_path / "conf", [node(8)], exp, PORT)
+    started = run_cli(conf, timeout=900)
+    try:
+        assert started.returncode == 0, started.output
+        (before,) = wait_for(lambda: serving_replicas(conf), 120, "the replica to be listed")
+        assert (
+            "--max-num-seqs" in vllm_argv(before)
+            and vllm_argv(before)[vllm_argv(before).index("--max-num-seqs") + 1] == "8"
+        )
+
+        same = run_cli(conf, timeout=120)
+        assert same.returncode == 0 and "nothing to change" in same.stdout, same.output
+
+        other_port = write_config(tmp_path / "conf-port", [node(8)], exp, PORT + 1)
+        refused = run_cli(other_port, timeout=120)
+        assert refused.returncode != 0 and "experiment.runner.deploy.port" in refused.stderr, refused.output
+        assert "Nothing was changed" in refused.stderr
+
+        conf = write_config(tmp_path / "conf", [node(4)], exp, PORT)
+        shown = run_cli(conf, "action=dryrun", timeout=120)
+        assert shown.returncode == 0 and "serve.demo.engine_args.max_num_seqs: 8 -> 4" in shown.stdout, shown.output
+
+        with SteadyLoad() as load:
+            wait_for(lambda: load.ok >= 4, 120, "the clients' first answers")
+            updated = run_cli(conf, timeout=900)
+            served_before = load.ok
+            wait_for(lambda: load.ok >= served_before + 4, 120, "answers from the updated deployment")
+        assert updated.returncode == 0 and "updated" in updated.stdout, updated.output
+        assert not load.failures, f"{len(load.failures)} of {load.ok + len(load.failures)} failed: {load.failures[:3]}"
+
+        (after,) = wait_for(lambda: serving_replicas(conf), 60, "one serving replica after the update")
+        assert after["replica_id"] != before["replica_id"]
+        argv = vllm_argv(after)
+        assert argv[argv.index("--max-num-seqs") + 1] == "4"
+        assert not psutil.pid_exists(before["engine_pid"]) or psutil.Process(before["engine_pid"]).status() == "zombie"
+    finally:
+        stopped = run_cli(conf, "action=stop", timeout=300)
+        assert stopped.returncode == 0, stopped.output

@@ -1,0 +1,114 @@
+"""In-place updates, the pure parts: what changed between two configs and which changes apply in place
+(flagscale/update.py), the deployment versions that make Serve restart only what changed (serve/app.py), and
+the router taking a new spec without a restart (Router.reconfigure)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from flagscale.config.routing import RoutingSpec
+from flagscale.config.schema import ServeConfig
+from flagscale.serve.app import _one_at_a_time
+from flagscale.serve.registry import version_of
+from flagscale.serve.router import Router, RouterSpec
+from flagscale.update import MISSING, Change, changed_nodes, diff, snapshot
+
+
+def config(**deploy) -> ServeConfig:
+    return ServeConfig.model_validate(
+        {
+            "experiment": {
+                "exp_name": "x",
+                "exp_dir": "/tmp/x",
+                "runner": {"deploy": {"port": 9000, **deploy}},
+                "envs": {"A": "1"},
+            },
+            "serve": [
+                {"serve_id": "a", "engine": "vllm", "engine_args": {"model": "m", "max_num_seqs": 8}},
+                {"serve_id": "b", "engine": "vllm", "engine_args": {"model": "m2"}},
+            ],
+        }
+    )
+
+
+def test_the_same_config_is_no_change():
+    assert diff(snapshot(config(), None), snapshot(config(), None)) == []
+
+
+def test_nodes_are_compared_by_serve_id_not_position():
+    old, new = config(), config()
+    new.serve.reverse()
+    new.serve[1].engine_args["max_num_seqs"] = 4
+    changes = diff(snapshot(old, None), snapshot(new, None))
+    assert changes == [Change("serve.a.engine_args.max_num_seqs", 8, 4)]
+    assert changes[0].in_place and changes[0].describe() == "serve.a.engine_args.max_num_seqs: 8 -> 4"
+    assert changed_nodes(changes) == ["a"]
+
+
+def test_added_and_removed_nodes_and_keys_are_changes_in_place():
+    old, new = config(), config()
+    del new.serve[1]
+    new.serve[0].engine_args["dtype"] = "float32"
+    changes = diff(snapshot(old, None), snapshot(new, None))
+    assert Change("serve.a.engine_args.dtype", MISSING, "float32") in changes
+    assert any(c.path.startswith("serve.b.") and c.new is MISSING for c in changes)
+    assert all(c.in_place for c in changes) and set(changed_nodes(changes)) == {"a", "b"}
+
+
+def test_what_the_cluster_was_started_with_cannot_change_in_place():
+    old = snapshot(config(), None)
+    for change_of in (
+        lambda c: setattr(c.experiment.runner.deploy, "port", 9001),
+        lambda c: setattr(c.experiment.runner.deploy, "host", "0.0.0.0"),
+        lambda c: c.experiment.envs.update(A="2"),
+        lambda c: setattr(c.experiment.runner, "hostfile", "/etc/hosts"),
+        lambda c: setattr(c.experiment, "exp_name", "y"),
+    ):
+        new = config()
+        change_of(new)
+        (change,) = diff(old, snapshot(new, None))
+        assert not change.in_place, change
+    new = config(drain_timeout_s=5)
+    (change,) = diff(old, snapshot(new, None))
+    assert change.in_place and change.path == "experiment.runner.deploy.drain_timeout_s"
+
+
+def test_the_api_key_is_compared_by_digest_and_never_recorded():
+    with_key = snapshot(config(api_key="sekret"), "sekret")
+    assert "sekret" not in str(with_key)
+    (change,) = diff(with_key, snapshot(config(api_key="other"), "other"))
+    assert change.path == "experiment.runner.deploy.api_key_digest" and change.in_place
+    assert diff(with_key, snapshot(config(api_key="sekret"), "sekret")) == []
+
+
+def test_versions_follow_what_replicas_are_built_from():
+    assert version_of({"argv": ["--max-num-seqs", "8"]}) == version_of({"argv": ["--max-num-seqs", "8"]})
+    assert version_of({"argv": ["--max-num-seqs", "8"]}) != version_of({"argv": ["--max-num-seqs", "4"]})
+    # one new replica at a time, started before an old one stops (unless there is no room for it)
+    assert _one_at_a_time(1, spare=True) == {"rolling_update_percentage": 1.0, "max_surge_percent": 100}
+    assert _one_at_a_time(3, spare=True) == {"rolling_update_percentage": 1 / 3, "max_surge_percent": 34}
+    assert _one_at_a_time(3, spare=False)["max_surge_percent"] == 0
+
+
+def test_router_takes_a_new_spec_in_place_keeping_unchanged_policies():
+    spec = RouterSpec(
+        app="x",
+        host="127.0.0.1",
+        port=1,
+        models={"a": "a", "b": "b"},
+        routing={"a": RoutingSpec(policy="cache_aware"), "b": RoutingSpec(policy="least_load")},
+        api_key="k",
+    )
+    router = Router.__new__(Router)
+    router.spec = spec
+    router._graph = None
+    router._init_state()
+    kept = router._policies["a"]
+    config = spec.user_config()
+    assert "api_key" not in config and "port" not in config  # Serve shows user_configs; the listener is fixed
+    config["models"] = {"a": "a", "c": "c"}
+    config["routing"] = {"a": config["routing"]["a"], "c": {"policy": "round_robin"}}
+    router.reconfigure(config)
+    assert router._policies["a"] is kept and set(router._policies) == {"a", "c"}
+    assert router.spec.routing["c"] == RoutingSpec(policy="round_robin") and router.spec.api_key == "k"
+    assert asyncio.run(router._health(None)).status == 503  # model c has no replica yet
