@@ -1,4 +1,4 @@
-"""Entry point: `python run.py --config-name serve action=run|status|stop|dryrun|bench`."""
+"""Entry point: `python run.py --config-name serve action=run|status|logs|stop|dryrun|bench`."""
 
 import sys
 from pathlib import Path

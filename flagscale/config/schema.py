@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, PrivateAttr, field_validator, model_validator
 
-ACTIONS = ("run", "stop", "status", "dryrun", "bench", "test", "auto_tune")
+ACTIONS = ("run", "stop", "status", "logs", "dryrun", "bench", "test", "auto_tune")
 ENGINES = ("vllm", "sglang")
 SUPPORTED_ENGINES = ("vllm",)
 
@@ -452,6 +452,18 @@ class ServeConfig(Strict):
     action: str = Field("run", description=f"One of {', '.join(ACTIONS)}.")
     foreground: bool = Field(False, description="Keep `run` attached; Ctrl-C stops everything.")
     output: Literal["table", "json"] = Field("table", description="`status` output format.")
+    serve_id: str | None = Field(
+        None,
+        description="`logs`: only this node's engine replicas (a disaggregated node's: both of its pools; or one "
+        "pool, `<node>-prefill` / `<node>-decode`).",
+    )
+    replica: str | None = Field(
+        None, description="`logs`: only this engine replica: its id, or a prefix of it that names one replica."
+    )
+    follow: bool = Field(
+        False, description="`logs`: keep printing new lines (like tail -f) until Ctrl-C or until the deployment stops."
+    )
+    lines: int = Field(50, ge=0, description="`logs`: how many of each log's last lines to print.")
     _notices: list[str] = PrivateAttr(default_factory=list)
 
     @property
@@ -465,3 +477,13 @@ class ServeConfig(Strict):
         if action not in ACTIONS:
             raise ValueError(f"unknown action {action!r}; one of: {', '.join(ACTIONS)}")
         return action
+
+    @field_validator("serve_id", "replica", mode="before")
+    @classmethod
+    def _id_text(cls, value: Any) -> Any:
+        """An id typed on the command line: Hydra reads `replica=4` as a number; a digit-only prefix is fine."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{value!r} is not an id; quote it for Hydra, e.g. replica=\"'1e5'\"")
+        return value
