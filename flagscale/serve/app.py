@@ -10,6 +10,7 @@ from ray.serve import Application
 
 from flagscale.cluster.ray_compat import with_version
 from flagscale.plan import ROUTER_DEPLOYMENT, EnginePlan, Plan
+from flagscale.serve.autoscaling import with_engine_load_policy
 from flagscale.serve.engine import EngineSpec, VLLMEngine
 from flagscale.serve.registry import version_of
 from flagscale.serve.router import Router, RouterSpec
@@ -32,7 +33,7 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
             health_check_period_s=HEALTH_CHECK_PERIOD_S,
             health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
             graceful_shutdown_timeout_s=plan.drain_timeout_s,
-            **engine.serve_scaling(default_max_ongoing=1000),
+            **with_engine_load_policy(engine.serve_scaling(default_max_ongoing=1000)),
             **_placement_group(engine),
             **_one_at_a_time(engine.initial_replicas, spare=engine.serve_id not in no_spare),
         )

@@ -17,6 +17,7 @@ from pathlib import Path
 from flagscale.errors import error_excerpt
 from flagscale.net import free_port, health_ok
 from flagscale.serve import registry
+from flagscale.serve.autoscaling import ENGINE_REQUESTS
 from flagscale.serve.cpu_layout import pin_engine
 from flagscale.serve.metrics import engine_metrics
 from flagscale.serve.startup_lock import gpu_start_lock
@@ -177,6 +178,15 @@ class VLLMEngine:
         if not health_ok(self.url, timeout_s=5):
             raise RuntimeError(f"vLLM server at {self.url} failed its /health probe")
         registry.publish(self.record)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Called by Serve when the node autoscales: this replica's load as its vLLM server counts it
+        (flagscale/serve/autoscaling.py)."""
+        import asyncio
+
+        load = await asyncio.get_running_loop().run_in_executor(None, engine_metrics, self.url, 2.0)
+        running = load.get("vllm:num_requests_running", 0) + load.get("vllm:num_requests_waiting", 0)
+        return {ENGINE_REQUESTS: running}
 
     def _terminate(self, grace_s: float = 10.0) -> None:
         if self.proc.poll() is None:
