@@ -12,11 +12,10 @@ from pathlib import Path
 from rich.console import Console
 
 from flagscale.actions.teardown import teardown
+from flagscale.cluster.launch import launch_cluster
 from flagscale.cluster.ray_compat import SERVE_WAITING_FOR_RESOURCES, deploy_app, free_resources_per_node
-from flagscale.cluster.ray_env import worker_env
-from flagscale.cluster.ray_node import cluster_alive, connect, start_local_head, write_token
+from flagscale.cluster.ray_node import cluster_alive, connect, write_token
 from flagscale.cluster.state import RunState
-from flagscale.devices import local_gpu_count
 from flagscale.errors import ConfigError, DeployError, FlagScaleError, error_excerpt
 from flagscale.net import health_ok
 from flagscale.plan import Plan
@@ -66,29 +65,8 @@ def run(plan: Plan, console: Console, foreground: bool = False, snapshot: dict |
     )
     t0 = time.monotonic()
     try:
-        if plan.cluster is not None:
-            with console.status(f"starting Ray on {len(plan.cluster.hostfile.hosts)} host(s) over SSH ..."):
-                from flagscale.cluster.multihost import start_cluster
-
-                common_env = {k: v for k, v in worker_env(plan.envs).items() if k not in plan.envs}  # envs go per host
-                start_cluster(state, plan, common_env, console)
-            console.print(
-                f"Ray cluster up: head {state.ray_address}, {len(plan.cluster.hostfile.hosts)} host(s) "
-                f"joined ({time.monotonic() - t0:.1f}s)"
-            )
-        else:
-            with console.status("starting a local Ray head ..."):
-                start_local_head(
-                    state,
-                    num_cpus=plan.head_num_cpus,
-                    num_gpus=local_gpu_count() or None,
-                    envs=worker_env(plan.envs),
-                    before_start=plan.before_start,
-                    log_path=plan.log_dir / "ray-head.log",
-                    port=plan.ray_port,
-                )
-            _link_ray_logs(state, plan)
-            console.print(f"Ray head up at {state.ray_address} ({time.monotonic() - t0:.1f}s)")
+        started = launch_cluster(state, plan, console)
+        console.print(f"{started} ({time.monotonic() - t0:.1f}s)")
         connect(state)
         check_fits(plan)
         _deploy(plan, console)
@@ -318,16 +296,6 @@ def _stay_attached(state: RunState, plan: Plan, console: Console) -> int:
     RunState.remove(plan.exp_dir)
     console.print("stopped" if not problems else "stopped with problems:\n  " + "\n  ".join(problems))
     return 0 if not problems else 1
-
-
-def _link_ray_logs(state: RunState, plan: Plan) -> None:
-    head = state.hosts[0]
-    link = plan.log_dir / "ray"
-    if head.temp_dir and not link.exists():
-        try:
-            link.symlink_to(Path(head.temp_dir) / "session_latest" / "logs")
-        except OSError:
-            pass
 
 
 def _log_to_file(path: Path) -> None:

@@ -179,7 +179,3 @@ class ClusterLauncher:
                     f"did not join the Ray cluster within {self.cluster.join_timeout_s:g}s", ", ".join(missing)
                 )
             time.sleep(0.5)
-
-
-def start_cluster(state: RunState, plan, remote_env: dict[str, str], console) -> None:
-    ClusterLauncher(state, plan, remote_env).start(console)
