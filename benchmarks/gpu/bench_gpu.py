@@ -65,8 +65,9 @@ from model import SIZES, ensure_model, parameter_count  # noqa: E402
 console = overhead.console
 PORT_RANGE = range(8600, 8700)  # clear of 8000-8010 (make serve) and 18700-18960 (the e2e tests)
 # Engine args both systems get (the orchestrator as Hydra overrides of serve[0].engine_args). Every key
-# conf/serve/demo.yaml sets is given, so the two configs are the same.
-GPU_ENGINE_ARGS = {"max_model_len": 2048, "max_num_seqs": 1024, "enforce_eager": False}
+# conf/serve/demo.yaml sets is given, so the two configs are the same (dtype too: demo.yaml's float32 is for CPUs,
+# the GPU model is bfloat16, which plain vLLM takes from the checkpoint).
+GPU_ENGINE_ARGS = {"max_model_len": 2048, "max_num_seqs": 1024, "enforce_eager": False, "dtype": "bfloat16"}
 CPU_ENGINE_ARGS = dict(overhead.ENGINE_ARGS)  # max_model_len 512, enforce_eager, max_num_seqs 16
 # GPU memory: all systems stay up during the whole run, so their fractions must fit one GPU together.
 GPU_UTIL_TWO_SYSTEMS = 0.4  # as in ../shared/anchor-figures.md
