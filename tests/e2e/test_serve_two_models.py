@@ -278,11 +278,12 @@ def test_bench_action_writes_json_and_png(deployment, client):
     assert width > 100 and height > 100
 
 
-def test_second_run_does_not_start_a_second_copy(deployment, client):
+def test_second_run_with_the_same_config_changes_nothing(deployment, client):
+    state_before = (deployment["exp_dir"] / "state.json").read_text()
     result = run_cli(deployment["conf"], timeout=300)
-    assert result.returncode != 0
-    assert "already running" in result.output
+    assert result.returncode == 0 and "nothing to change" in result.output, result.output
     assert sorted(m.id for m in client.models.list().data) == sorted(MODELS)
+    assert (deployment["exp_dir"] / "state.json").read_text() == state_before  # nothing started or redeployed
 
 
 def test_stop_leaves_nothing(deployment, client):
