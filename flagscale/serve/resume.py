@@ -82,8 +82,19 @@ def unresumable(path: str, body: dict[str, Any]) -> str | None:
     return None
 
 
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+try:  # the router parses every event of a resumable stream: orjson does it in about a fifth of the time
+    import orjson
+
+    _loads = orjson.loads
+
+    def _dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+
+except ImportError:  # pragma: no cover - orjson is in requirements/base.txt
+    _loads = json.loads
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 class ClientStream:
@@ -189,7 +200,7 @@ class ClientStream:
             self.done = True
             return event
         try:
-            chunk = json.loads(payload)
+            chunk = _loads(payload)
         except ValueError:
             self.trackable = False
             return event
