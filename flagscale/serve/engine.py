@@ -97,6 +97,8 @@ class VLLMEngine:
             port = free_port(host)
             self.url = f"http://{host}:{port}"
             env = _engine_env(spec.env)
+            if host != "127.0.0.1":  # vLLM's own guess routes to 8.8.8.8, which a host without a default route lacks
+                env.setdefault("VLLM_HOST_IP", host)
             if spec.role:  # the KV connector's handshake listener: a port of this replica's own, on its address
                 env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port(host)))
             # engine_proc keeps the server from outliving this replica if the replica is killed outright.
