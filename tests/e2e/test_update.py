@@ -116,7 +116,13 @@ def test_changing_an_engine_arg_under_load_replaces_the_replica_without_a_failed
         assert after["replica_id"] != before["replica_id"]
         argv = vllm_argv(after)
         assert argv[argv.index("--max-num-seqs") + 1] == "4"
-        assert not psutil.pid_exists(before["engine_pid"]) or psutil.Process(before["engine_pid"]).status() == "zombie"
+
+        def old_engine_gone() -> bool:
+            return (
+                not psutil.pid_exists(before["engine_pid"]) or psutil.Process(before["engine_pid"]).status() == "zombie"
+            )
+
+        wait_for(old_engine_gone, 60, "the replaced replica's engine process to exit")
     finally:
         stopped = run_cli(conf, "action=stop", timeout=300)
         assert stopped.returncode == 0, stopped.output

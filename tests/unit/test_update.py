@@ -112,3 +112,36 @@ def test_router_takes_a_new_spec_in_place_keeping_unchanged_policies():
     assert router._policies["a"] is kept and set(router._policies) == {"a", "c"}
     assert router.spec.routing["c"] == RoutingSpec(policy="round_robin") and router.spec.api_key == "k"
     assert asyncio.run(router._health(None)).status == 503  # model c has no replica yet
+
+
+def test_update_of_a_deployment_without_a_config_record_is_refused_before_touching_it(tmp_path):
+    import pytest
+    from rich.console import Console
+
+    from flagscale.actions.run import update
+    from flagscale.cluster.state import RunState
+    from flagscale.errors import FlagScaleError
+
+    state = RunState(
+        app_name="x", exp_dir=str(tmp_path), endpoint="http://127.0.0.1:1", ray_address="", token_path=None
+    )
+    with pytest.raises(FlagScaleError) as info:
+        update(state, plan=None, snapshot=snapshot(config(), None), console=Console(), config_file="serve.yaml")
+    assert "without a record of its config" in str(info.value) and "state.json" in str(info.value)
+
+
+def test_update_refuses_a_fixed_key_naming_it_and_the_file(tmp_path):
+    import pytest
+    from rich.console import Console
+
+    from flagscale.actions.run import update
+    from flagscale.cluster.state import RunState
+    from flagscale.errors import ConfigError
+
+    state = RunState(app_name="x", exp_dir=str(tmp_path), endpoint="", ray_address="", token_path=None)
+    state.extra["config"] = snapshot(config(), None)
+    new = config()
+    new.experiment.runner.deploy.port = 9001
+    with pytest.raises(ConfigError) as info:  # before connecting to anything: plan=None is never read
+        update(state, plan=None, snapshot=snapshot(new, None), console=Console(), config_file="serve.yaml")
+    assert "serve.yaml: experiment.runner.deploy.port" in str(info.value) and "Nothing was changed" in str(info.value)
