@@ -157,9 +157,15 @@ class Router:
     def _apply_spec(self, spec: RouterSpec) -> None:
         old = self.spec
         self.spec = spec
-        for policies, old_routing, routing, models in (
-            (self._policies, old.routing, spec.routing, spec.models),
-            (self._prefill_policies, old.prefill_routing, spec.prefill_routing, spec.prefill_routing),
+        for policies, old_routing, routing, models, pools in (
+            (self._policies, old.routing, spec.routing, spec.models, self._table.by_model),
+            (
+                self._prefill_policies,
+                old.prefill_routing,
+                spec.prefill_routing,
+                spec.prefill_routing,
+                self._table.prefill_by_model,
+            ),
         ):
             for model in list(policies):
                 if model not in models or old_routing.get(model) != routing.get(model):
@@ -167,9 +173,7 @@ class Router:
             for model in models:
                 if model not in policies:
                     policies[model] = make_policy(routing.get(model, RoutingSpec()))
-                    for upstream in (
-                        self._table.prefill_by_model if policies is self._prefill_policies else self._table.by_model
-                    ).get(model, []):
+                    for upstream in pools.get(model, []):
                         policies[model].on_replica_joined(upstream)
 
     def _init_state(self) -> None:
