@@ -21,6 +21,11 @@ SUBNET = "10.213.77"
 BRIDGE = "fs77br"
 SSH_PORT = 18822
 SSHD = "/usr/sbin/sshd"
+# The test hosts share this machine's cores, which real hosts never do. Each host's Ray node runs in a session of
+# its own, and with the kernel's session autogroups on, a vLLM CPU worker pinned to a core and spinning there
+# starved another host's process pinned to that core: measured 2026-11-25, an engine starting on a second test host
+# got 0.6 s of CPU in 10 minutes and never came up. Off while the hosts exist, restored when they are torn down.
+AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled")
 
 
 @dataclass
@@ -115,6 +120,9 @@ def available() -> str | None:
 def build(count: int, workdir: Path) -> TestHosts:
     teardown(count, workdir)  # leftovers of an interrupted earlier session
     workdir.mkdir(parents=True, exist_ok=True)
+    if AUTOGROUP.exists():
+        (workdir / "autogroup").write_text(AUTOGROUP.read_text())
+        AUTOGROUP.write_text("0\n")
     key = workdir / "client_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
     authorized = workdir / "authorized_keys"
@@ -197,4 +205,7 @@ def teardown(count: int, workdir: Path) -> None:
                 pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
         subprocess.run(["ip", "netns", "del", netns], capture_output=True)
     subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+    saved = workdir / "autogroup"
+    if saved.exists():
+        AUTOGROUP.write_text(saved.read_text())
     shutil.rmtree(workdir, ignore_errors=True)

@@ -4,6 +4,7 @@ Ray started on each over SSH from a hostfile, real vLLM (CPU) engines, requests 
 One set of hosts is shared by the module, in order:
   run with 2 replicas (land on two hosts) -> requests -> status host table -> stop -> no Ray process anywhere;
   a node pinned to type=chipB runs only on the chipB host -> kill a worker's Ray node -> status says dead -> stop;
+  2 prefill replicas on the chipA hosts and 1 decode replica on the chipB host pass KV caches between hosts;
   a hostfile with an unreachable host fails within the SSH timeout, naming it, nothing left on the others.
 """
 
@@ -181,6 +182,59 @@ def test_chip_pinned_node_runs_on_its_chip_and_a_dead_worker_shows(hosts, hostfi
     assert result.returncode != 0  # not healthy while a host is down
     assert client.completions.create(model="b", prompt="hi", max_tokens=4).usage.completion_tokens == 4
 
+    stop = run_cli(conf, "action=stop", timeout=300)
+    assert stop.returncode == 0, stop.output
+    assert_no_ray_left(hosts)
+
+
+def test_disaggregated_pools_on_hosts_of_two_chip_types(hosts, hostfile, tmp_path, stop_on_failure):
+    """2P1D across hosts: the prefill pool on the two chipA hosts, the decode pool on the chipB host; the KV cache
+    crosses hosts over NIXL (UCX over TCP between the namespaces) and the answers equal the engine's own greedy ones."""
+    from flagscale.serve.metrics import engine_metrics
+
+    h1, h2, h3 = (h.ip for h in hosts.hosts)
+    nodes = [
+        {
+            "serve_id": "pd",
+            "engine": "vllm",
+            "engine_args": demo_engine_args(served_model_name="pd"),
+            "disaggregation": {
+                "prefill": {"resources": {"num_replicas": 2, "num_cpus": 1, "accelerator": "chipA"}},
+                "decode": {"resources": {"num_replicas": 1, "num_cpus": 1, "accelerator": "chipB"}},
+            },
+        }
+    ]
+    conf, exp_dir = deploy(tmp_path, hosts, hostfile, nodes, "pd-hosts")
+    stop_on_failure((conf, exp_dir))
+    run = run_cli(conf, timeout=900)
+    assert run.returncode == 0, run.output
+
+    def pools_placed():
+        result, report = status_json(conf)
+        ready = [r for r in report["replicas"] if r["state"] == "READY" and r["requests_served"] is not None]
+        placed = sorted((r["role"], r["host"]) for r in ready)
+        return ready if placed == sorted([("prefill", h1), ("prefill", h2), ("decode", h3)]) else None
+
+    replicas = wait_for(pools_placed, 180, "prefill replicas routed on both chipA hosts, decode on the chipB host")
+    decode_url = next(r["url"] for r in replicas if r["role"] == "decode")
+    assert decode_url.startswith(f"http://{h3}:"), decode_url
+
+    client = openai.OpenAI(base_url=f"http://{h1}:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
+    greedy = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+    prompts = [f"host {i} asks: " + "what crosses the wire " * (3 + 4 * i) for i in range(4)]
+    for prompt in prompts:
+        streamed = client.completions.create(model="pd", prompt=prompt, stream=True, **greedy)
+        text = "".join(c.choices[0].text for c in streamed if c.choices)
+        whole = client.completions.create(model="pd", prompt=prompt, **greedy).choices[0].text
+        assert text and text == whole, prompt
+        # The decode engine alone, given the whole prompt: what the disaggregated answer must equal.
+        direct = openai.OpenAI(base_url=f"{decode_url}/v1", api_key="none", timeout=120, max_retries=0)
+        assert direct.completions.create(model="pd", prompt=prompt, **greedy).choices[0].text == text, prompt
+
+    def transfers():
+        return engine_metrics(decode_url).get("vllm:nixl_xfer_time_seconds_count", 0.0) >= len(prompts)
+
+    wait_for(transfers, 30, "the decode replica on the chipB host to count NIXL transfers")
     stop = run_cli(conf, "action=stop", timeout=300)
     assert stop.returncode == 0, stop.output
     assert_no_ray_left(hosts)
