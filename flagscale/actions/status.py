@@ -88,17 +88,30 @@ ENGINE_GAUGES = {
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_cache_usage",
 }
+# A decode engine's KV pulls over NIXL since it started. A failed pull is handled by the pool's
+# kv_load_failure_policy (recompute: the decode engine computes that prompt itself), so failures here mean
+# prompts computed twice, not failed requests; expired: prefill blocks freed before decode pulled them.
+KV_TRANSFER_COUNTERS = {
+    "vllm:nixl_xfer_time_seconds_count": "kv_transfers",
+    "vllm:nixl_num_failed_transfers_total": "kv_transfer_failures",
+    "vllm:nixl_num_failed_notifications_total": "kv_notification_failures",
+    "vllm:nixl_num_kv_expired_reqs_total": "kv_expired",
+}
 
 
 def engine_load(url: str, timeout_s: float = 2.0) -> dict[str, float] | None:
-    """The engine's own view, from its /metrics: requests running and waiting, KV-cache usage (0..1)."""
+    """The engine's own view, from its /metrics: requests running and waiting, KV-cache usage (0..1), and for
+    an engine that pulls KV caches (decode), its transfers and their failures."""
     from flagscale.serve.metrics import engine_metrics
 
     try:
         sums = engine_metrics(url, timeout_s)
     except (OSError, ValueError):
         return None
-    return {key: sums[name] for name, key in ENGINE_GAUGES.items() if name in sums}
+    load = {key: sums[name] for name, key in ENGINE_GAUGES.items() if name in sums}
+    if "vllm:nixl_xfer_time_seconds_count" in sums:  # engines with NixlConnector: prefill ones pull nothing
+        load.update({key: sums.get(name, 0.0) for name, key in KV_TRANSFER_COUNTERS.items()})
+    return load
 
 
 def _hosts(state: RunState, replicas: list[dict]) -> list[dict]:
@@ -155,14 +168,16 @@ def _scaling(app_name: str) -> dict[str, dict[str, Any]]:
     return scaling
 
 
-def _engine_cells(load: dict[str, float] | None) -> tuple[str, str]:
+def _engine_cells(load: dict[str, float] | None) -> tuple[str, str, str]:
     if not load:
-        return "-", "-"
+        return "-", "-", "-"
     running, waiting = load.get("running"), load.get("waiting")
     usage = load.get("kv_cache_usage")
+    pulled = load.get("kv_transfers")
     return (
         f"{running:g}/{waiting:g}" if running is not None and waiting is not None else "-",
         f"{usage:.0%}" if usage is not None else "-",
+        f"{pulled:g} ({load['kv_transfer_failures']:g} failed)" if pulled is not None else "-",
     )
 
 
@@ -237,7 +252,16 @@ def _render(console: Console, report: dict[str, Any]) -> None:
     console.print(deployments)
     replicas = Table(title="engine replicas", title_justify="left")
     columns = ("serve_id", "replica", "state", "host", "pid", "engine pid", "url", "heartbeat", "served")
-    for column in (*columns, "in-flight", "circuit", "moved off", "routing table", "running/waiting", "KV cache"):
+    for column in (
+        *columns,
+        "in-flight",
+        "circuit",
+        "moved off",
+        "routing table",
+        "running/waiting",
+        "KV cache",
+        "KV pulled",
+    ):
         replicas.add_column(column)
     for r in report["replicas"]:
         routing = r.get("router") or {}

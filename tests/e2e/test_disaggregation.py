@@ -3,7 +3,7 @@
 Real Ray, real vLLM (CPU) engines on the demo model: a disaggregated model `pd` (2 prefill replicas, 1 decode
 replica) beside a colocated model `plain` in one deployment. Through the openai SDK, streamed and not, chat and
 completions, `pd` answers greedy requests with exactly the text `plain` gives; the decode replica's own
-/metrics count NIXL transfers; status shows each replica's role; killing a prefill replica's server under load
+/metrics count NIXL transfers, and status shows them; status shows each replica's role; killing a prefill replica's server under load
 fails no request.
 """
 
@@ -114,6 +114,10 @@ def test_disaggregated_answers_equal_colocated_ones_and_kv_moves_over_nixl(deplo
         assert got and got == answer(client, "plain", kind, prompt, stream), (kind, prompt, stream)
     # a transfer per request whose prompt the decode replica did not already hold
     wait_for(lambda: nixl_transfers(decode_url) - before >= len(prompts), 30, "NIXL transfers on the decode replica")
+    # status shows the decode replica's pulls and that none failed (a failure would have been recomputed)
+    (decode,) = replicas_by_role(conf)["decode"]
+    assert decode["engine"]["kv_transfers"] >= len(prompts) and decode["engine"]["kv_transfer_failures"] == 0
+    assert "pulled" in run_cli(conf, "action=status", timeout=120).stdout  # the table's column (may wrap)
 
 
 def test_killing_a_prefill_replica_under_load_fails_no_request(deployment):
