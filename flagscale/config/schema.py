@@ -6,6 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, PrivateAttr, field_validator, model_validator
 
+# How the router picks an engine node's replica per request (flagscale/serve/routing.py, docs/routing.md).
+RoutingPolicy = Literal["cache_aware", "least_load", "session", "round_robin", "random"]
+
 ACTIONS = ("run", "stop", "status", "logs", "dryrun", "bench", "test", "auto_tune")
 ENGINES = ("vllm", "sglang")
 SUPPORTED_ENGINES = ("vllm",)
@@ -382,7 +385,7 @@ class Disaggregation(Strict):
         "recompute",
         description="A decode engine whose KV transfer fails: recompute the prompt itself, or fail the request.",
     )
-    prefill_routing: Literal["cache_aware", "least_load", "session", "round_robin", "random"] | None = Field(
+    prefill_routing: RoutingPolicy | None = Field(
         None, description="How the prefill replica is picked (default: the node's routing); decode: the node's."
     )
 
@@ -402,7 +405,7 @@ class NodeConfig(Strict):
     name: str | None = Field(None, description="Custom node: the class in `module`.")
     depends: list[str] = Field(default_factory=list, description="Custom node: the nodes whose outputs it takes.")
     profile: ProfileConfig | None = Field(None, description="FlagScale per-node default of action=bench.")
-    routing: Literal["cache_aware", "least_load", "session", "round_robin", "random"] | None = Field(
+    routing: RoutingPolicy | None = Field(
         None,
         description="Engine node: how the router picks a replica per request (docs/routing.md). cache_aware "
         "(default): the replica that was sent the longest prefix of the prompt (chat: of the conversation), within "

@@ -234,3 +234,13 @@ def test_session_moves_when_its_replica_leaves_or_fails():
     for user in ("a", "b", "c"):
         send(policy, [r1, r2], {"user": user}, now=100.0)
     assert list(policy.sessions) == ["user:b", "user:c"]  # bounded, least recently used forgotten
+
+
+def test_routing_spec_carries_every_routing_option_with_the_schema_default():
+    from dataclasses import fields
+
+    from flagscale.config.schema import RoutingOptions
+
+    spec = RoutingSpec()
+    assert {f.name for f in fields(RoutingSpec)} == {"policy", *RoutingOptions.model_fields}
+    assert RoutingOptions().model_dump() == {k: getattr(spec, k) for k in RoutingOptions.model_fields}
