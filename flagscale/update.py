@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from flagscale.config.graph import GraphPlan
 from flagscale.config.schema import ServeConfig
 
 # Paths under `experiment` that are applied in place; everything else under it is fixed while the cluster runs.
@@ -51,15 +52,18 @@ class _Missing:
 MISSING: Any = _Missing()
 
 
-def snapshot(config: ServeConfig, api_key: str | None) -> dict[str, Any]:
+def snapshot(config: ServeConfig, api_key: str | None, graph: GraphPlan | None = None) -> dict[str, Any]:
     """What a deployment runs, as JSON: the experiment and the nodes (keyed by serve_id), the API key only as a
-    digest (a changed key is still a change; the key itself never reaches the state file)."""
+    digest (a changed key is still a change; the key itself never reaches the state file), and with the planned
+    `graph`, each custom node's module file as a digest of its code (edited code is a change too)."""
     experiment = config.experiment.model_dump(mode="json", exclude_none=True)
     deploy = experiment["runner"]["deploy"]
     deploy.pop("api_key", None)
     if api_key:
         deploy["api_key_digest"] = hashlib.sha256(api_key.encode()).hexdigest()[:16]
     nodes = {node.serve_id: node.model_dump(mode="json", exclude_none=True) for node in config.serve}
+    for custom in graph.nodes if graph is not None else []:
+        nodes[custom.serve_id]["module_digest"] = custom.module_digest
     return {"experiment": experiment, "serve": nodes}
 
 

@@ -80,13 +80,14 @@ def _dispatch(cfg: DictConfig, console: Console) -> int:
         console.print(f"[yellow]notice:[/] {notice}", soft_wrap=True)
     from flagscale.update import snapshot
 
-    snap = snapshot(config, plan_key(config, sources))
+    api_key = plan_key(config, sources)
     running = running_state(exp_dir)
     if action == "dryrun":
         from flagscale.actions.dryrun import dryrun
 
+        plan = build_plan(config, sources, check_port=False)
         running_config = running.extra.get("config") if running is not None else None
-        return dryrun(config, build_plan(config, sources, check_port=False), console, running_config, snap)
+        return dryrun(config, plan, console, running_config, snapshot(config, api_key, plan.graph))
     from flagscale.actions.run import refuse_if_running, run
 
     if action == "test":
@@ -97,23 +98,23 @@ def _dispatch(cfg: DictConfig, console: Console) -> int:
             refuse_if_running(exp_dir, console)
             with console.status("validating the config ..."):
                 plan = build_plan(config, sources)
-            code = run(plan, console, snapshot=snap)
+            code = run(plan, console, snapshot=snapshot(config, api_key, plan.graph))
             if code != 0:
                 return code
         state = RunState.load(exp_dir)
         assert state is not None
-        return smoke_test(state, console, plan_key(config, sources))
+        return smoke_test(state, console, api_key)
 
     if running is not None:
         from flagscale.actions.run import update
 
         with console.status("validating the config ..."):
             plan = build_plan(config, sources, check_port=False)  # the port is the running router's
-        return update(running, plan, snap, console, sources.main)
+        return update(running, plan, snapshot(config, api_key, plan.graph), console, sources.main)
     refuse_if_running(exp_dir, console)
     with console.status("validating the config ..."):
         plan = build_plan(config, sources)
-    return run(plan, console, foreground=config.foreground, snapshot=snap)
+    return run(plan, console, foreground=config.foreground, snapshot=snapshot(config, api_key, plan.graph))
 
 
 def running_state(exp_dir: str):

@@ -33,6 +33,7 @@ RESERVED_ROUTES = ("/v1", "/health")
 class CustomNodePlan(ReplicaSettings):
     serve_id: str
     module_path: str  # absolute
+    module_digest: str  # of the file's bytes: new code is a change to update in place (flagscale/update.py)
     class_name: str
     depends: list[str]
     engine_params: dict[str, str]  # constructor parameter -> engine serve_id
@@ -283,6 +284,7 @@ def build_graph_plan(config: ServeConfig, sources: ConfigSources, engine_models:
         plans[node.serve_id] = CustomNodePlan(
             serve_id=node.serve_id,
             module_path=str(path),
+            module_digest=hashlib.sha256(path.read_bytes()).hexdigest()[:16],
             class_name=node.name,
             depends=list(node.depends),
             engine_params=engine_params,

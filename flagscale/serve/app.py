@@ -121,7 +121,7 @@ def build_graph_driver(plan: Plan) -> Application:
         clients = {
             param: (plan.endpoint, plan.graph.engine_models[serve_id]) for param, serve_id in node.engine_params.items()
         }
-        spec = NodeSpec(node.serve_id, node.module_path, node.class_name, clients)
+        spec = NodeSpec(node.serve_id, node.module_path, node.class_name, clients, node.module_digest)
         nodes[node.serve_id] = with_version(deployment, version_of(asdict(spec))).bind(spec)
     driver = serve.deployment(
         GraphDriver,

@@ -64,6 +64,7 @@ class NodeSpec:
     module_path: str
     class_name: str
     engine_clients: dict[str, tuple[str, str]]  # constructor parameter -> (router endpoint, model name)
+    module_digest: str = ""  # part of the deployment's version: changed code replaces the replicas
 
 
 class CustomNode:

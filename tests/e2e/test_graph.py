@@ -4,7 +4,8 @@
    a sync forward does not block its replica, autoscaling settings read back from Serve, status, stop, and
    cmds.after_stop run by that stop.
 2. rewrite -> generate (calls a real vLLM engine node on the demo model) -> post-process.
-Plus dryrun's picture and a validation error through the real CLI (nothing started).
+Plus dryrun's picture and a validation error through the real CLI (nothing started), and a custom node whose
+module file is edited while it runs: `run` again redeploys it with the new code.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import REPO, run_cli, write_config
+from tests.conftest import REPO, run_cli, wait_for, write_config
 
 EXAMPLE_CONF = REPO / "examples" / "graph" / "conf"
 GRAPH_PORT = 18700
@@ -197,3 +198,32 @@ def test_pipeline_returns_generated_text_through_custom_nodes(pipeline):
 def test_stop_pipeline(pipeline):
     result = run_cli(EXAMPLE_CONF, *pipeline["overrides"], "action=stop", timeout=300, name="pipeline")
     assert result.returncode == 0, result.output
+
+
+def test_run_again_after_editing_a_node_redeploys_it_with_the_new_code(tmp_path):
+    port = GRAPH_PORT + 60
+    module = tmp_path / "greeter.py"
+    code = "class Greet:\n    def forward(self, prompt):\n        return {{'text': '{greeting} ' + prompt}}\n"
+    module.write_text(code.format(greeting="hello"))
+    deploy = {"host": "127.0.0.1", "port": port, "name": "/greet", "request": {"args": ["prompt"], "types": ["str"]}}
+    nodes = [{"serve_id": "greet", "module": str(module), "name": "Greet"}]
+    conf = write_config(tmp_path / "conf", nodes, tmp_path / "exp", port, experiment={"runner": {"deploy": deploy}})
+    try:
+        started = run_cli(conf, timeout=600)
+        assert started.returncode == 0, started.output
+        assert post(port, "/greet", {"prompt": "you"}) == (200, {"text": "hello you"})
+
+        module.write_text(code.format(greeting="goodbye"))
+        updated = run_cli(conf, timeout=600)
+        assert updated.returncode == 0, updated.output
+        assert "serve.greet.module_digest" in updated.output, updated.output
+        wait_for(
+            lambda: post(port, "/greet", {"prompt": "you"}) == (200, {"text": "goodbye you"}),
+            60,
+            "the redeployed node to answer with the edited code",
+        )
+        again = run_cli(conf, timeout=300)
+        assert again.returncode == 0 and "nothing to change" in again.output.lower(), again.output
+    finally:
+        if (tmp_path / "exp" / "state.json").exists():
+            run_cli(conf, "action=stop", timeout=300)

@@ -211,3 +211,25 @@ def test_check_request(conf):
 
 def test_reserved_serve_ids(conf):
     assert "'graph' is reserved" in error(conf, [node("graph", "Root")])
+
+
+def test_edited_module_code_is_an_in_place_change(conf):
+    """A custom node's code is part of what runs: `run` again after editing the file redeploys that node."""
+    from flagscale.update import diff, snapshot
+
+    sources = ConfigSources(main=str(conf / "serve.yaml"), serve=str(conf / "serve" / "nodes.yaml"))
+    cfg = {
+        "experiment": {"exp_name": "t", "exp_dir": str(conf / "exp"), "runner": {"deploy": {"name": "/generate"}}},
+        "serve": [node("A", "Root")],
+    }
+
+    def snap():
+        config = load_config(cfg, sources)
+        return snapshot(config, None, build_graph_plan(config, sources, {}))
+
+    before = snap()
+    assert diff(before, snap()) == []
+    with (conf / "nodes.py").open("a") as f:
+        f.write("\n# edited\n")
+    (change,) = diff(before, snap())
+    assert change.path == "serve.A.module_digest" and change.in_place
