@@ -58,6 +58,7 @@ def collect(state: RunState) -> dict[str, Any]:
                 "heartbeat_age_s": round(time.time() - record.updated_at, 1),
                 "state": "STALE" if record.stale else "READY",
                 "worker_cpus": record.worker_cpus,  # cores the CPU layout gave the engine's workers; [] = not pinned
+                "gpus": record.gpus,  # GPU ids Ray gave the replica; [] = none
                 "log": record.log_path,
             }
         )
@@ -270,7 +271,7 @@ def _render(console: Console, report: dict[str, Any]) -> None:
             r["serve_id"] if r["role"] == "colocated" else f"{r['serve_id']} ({r['role']})",
             r["replica_id"],
             r["state"],
-            r["host"],
+            r["host"] + (f" GPU {','.join(r['gpus'])}" if r.get("gpus") else ""),
             str(r["pid"]),
             str(r["engine_pid"]),
             r["url"],

@@ -83,9 +83,9 @@ class VLLMEngine:
             host = ray.util.get_node_ip_address()
         Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
         self.log_path = Path(spec.log_dir) / f"engine-{spec.serve_id}-{self.replica_id}.log"
-        gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
+        self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
         try:
-            self._start(spec, host, gpu_ids)
+            self._start(spec, host, self.gpu_ids)
         except TimeoutError as exc:  # the GPU start-up lock
             raise EngineStartError(f"vLLM server for '{spec.serve_id}' could not start: {exc}") from None
         self._after_start(spec)
@@ -147,6 +147,7 @@ class VLLMEngine:
             log_path=str(self.log_path),
             updated_at=time.time(),
             worker_cpus=layout.worker_cpus if layout else [],
+            gpus=self.gpu_ids,
             role=spec.role or "",
             version=spec.version,
         )

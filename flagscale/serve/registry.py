@@ -34,6 +34,7 @@ class ReplicaRecord:
     log_path: str
     updated_at: float
     worker_cpus: list[int] = field(default_factory=list)  # cores the engine's workers are bound to (CPU engines)
+    gpus: list[str] = field(default_factory=list)  # the GPUs Ray gave the replica (its CUDA_VISIBLE_DEVICES)
     role: str = ""  # "prefill" / "decode" in a disaggregated node; "" colocated
     version: str = ""  # version_of(the replica's spec): which update of its deployment it runs
 
