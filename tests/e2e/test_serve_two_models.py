@@ -153,6 +153,7 @@ def test_cpu_engines_keep_their_cores(deployment, client):
         worker_cpus = affinity(worker)
         assert worker_cpus and len(worker_cpus) < len(host_cpus), replica
         assert replica["worker_cpus"] == sorted(worker_cpus), replica
+        assert replica["gpus"] == [], replica  # CPU engines hold no GPU
         assert affinity(engine_core) == worker_cpus, replica
         assert not affinity(tree[1]) & worker_cpus, replica
         return worker_cpus
