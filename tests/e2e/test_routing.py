@@ -5,8 +5,8 @@ Real Ray, real vLLM (CPU) engines on the demo model, 2 replicas of one model beh
 shuffled, one request at a time. The hit rate is the engines' `vllm:prefix_cache_hits_total /
 vllm:prefix_cache_queries_total`, summed over both replicas' /metrics, counted over the workload only. Sending
 everything to one replica would give about 0.55 here; cache_aware must reach 0.45. least_load is measured in
-the same test, on a second deployment with `routing: least_load`, for comparison; both numbers are printed and
-written to $ROUTING_E2E_REPORT when set.
+the same test for comparison, on the same engines after `run` switched the node's routing in place, with new
+prefixes; both numbers are printed and written to $ROUTING_E2E_REPORT when set.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import openai
 from flagscale.serve.metrics import engine_metrics
 from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
 
-PORTS = {"cache_aware": 19111, "least_load": 19112}
+PORT = 19111
 PREFIXES, PER_PREFIX = 16, 3
 WORDS = (
     "the quick brown fox jumps over a lazy dog while serving engineers measure tokens per second ray "
@@ -28,9 +28,9 @@ WORDS = (
 ).split()
 
 
-def workload(seed: int = 11) -> list[str]:
+def workload(seed: int) -> list[str]:
     rng = random.Random(seed)
-    prefixes = [f"document {p}: " + " ".join(rng.choice(WORDS) for _ in range(300)) for p in range(PREFIXES)]
+    prefixes = [f"document {seed}.{p}: " + " ".join(rng.choice(WORDS) for _ in range(300)) for p in range(PREFIXES)]
     prompts = [
         f"{prefix}\nquestion {q}: " + " ".join(rng.choice(WORDS) for _ in range(12))
         for prefix in prefixes
@@ -55,53 +55,60 @@ def status_json(conf) -> dict:
     return json.loads(result.stdout[result.stdout.index("{") :])
 
 
-def measure(root, routing: str) -> dict:
-    port = PORTS[routing]
-    node = {
+def node(routing: str) -> dict:
+    return {
         "serve_id": "demo",
         "engine": "vllm",
         "engine_args": demo_engine_args(served_model_name="demo"),
         "resources": {"num_replicas": 2, "num_cpus": 1},
         "routing": routing,
     }
-    conf = write_config(root / routing / "conf", [node], root / routing / "exp", port)
-    started = run_cli(conf, timeout=900)
-    try:
-        assert started.returncode == 0, started.output
 
-        def both_replicas_routed() -> list[dict] | None:  # the router knows both replicas
-            replicas = status_json(conf)["replicas"]
-            routed = [r for r in replicas if r["requests_served"] is not None]
-            return routed if len(routed) == 2 else None
 
-        replicas = wait_for(both_replicas_routed, 120, "the router to list both replicas")
-        assert {r["router"]["routing"] for r in replicas} == {routing}
-        urls = [r["url"] for r in replicas]
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
-        hits0, queries0 = prefix_cache_counters(urls)
-        prompt_tokens = []
-        for prompt in workload():
-            completion = client.completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0)
-            prompt_tokens.append(completion.usage.prompt_tokens)
-        hits1, queries1 = prefix_cache_counters(urls)
-        after = {r["replica_id"]: r for r in status_json(conf)["replicas"]}
-        return {
-            "routing": routing,
-            "hit_rate": (hits1 - hits0) / (queries1 - queries0),
-            "hits": hits1 - hits0,
-            "queries": queries1 - queries0,
-            "prompt_tokens": [min(prompt_tokens), max(prompt_tokens)],
-            "served": sorted(r["requests_served"] for r in after.values()),
-            "router": [r["router"] for r in after.values()],
-        }
-    finally:
-        stopped = run_cli(conf, "action=stop", timeout=300)
-        assert stopped.returncode == 0, stopped.output
+def measure(conf, routing: str, seed: int) -> dict:
+    """One pass of the workload (its own prefixes, by `seed`) once the router routes with `routing`."""
+
+    def both_replicas_routed() -> list[dict] | None:  # the router knows both replicas, with this policy
+        replicas = [r for r in status_json(conf)["replicas"] if r["requests_served"] is not None]
+        return replicas if len(replicas) == 2 and {r["router"]["routing"] for r in replicas} == {routing} else None
+
+    replicas = wait_for(both_replicas_routed, 120, f"the router to route to both replicas with {routing}")
+    served0 = {r["replica_id"]: r["requests_served"] for r in replicas}
+    urls = [r["url"] for r in replicas]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
+    hits0, queries0 = prefix_cache_counters(urls)
+    prompt_tokens = []
+    for prompt in workload(seed):
+        completion = client.completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0)
+        prompt_tokens.append(completion.usage.prompt_tokens)
+    hits1, queries1 = prefix_cache_counters(urls)
+    after = {r["replica_id"]: r for r in status_json(conf)["replicas"]}
+    return {
+        "routing": routing,
+        "hit_rate": (hits1 - hits0) / (queries1 - queries0),
+        "hits": hits1 - hits0,
+        "queries": queries1 - queries0,
+        "prompt_tokens": [min(prompt_tokens), max(prompt_tokens)],
+        "served": sorted(r["requests_served"] - served0.get(i, 0) for i, r in after.items()),
+        "router": [r["router"] for r in after.values()],
+    }
 
 
 def test_cache_aware_routing_raises_the_prefix_cache_hit_rate(tmp_path):
-    cache_aware = measure(tmp_path, "cache_aware")
-    least_load = measure(tmp_path, "least_load")
+    conf = write_config(tmp_path / "conf", [node("cache_aware")], tmp_path / "exp", PORT)
+    started = run_cli(conf, timeout=900)
+    try:
+        assert started.returncode == 0, started.output
+        cache_aware = measure(conf, "cache_aware", seed=11)
+        # The same engines, the router switched in place (no engine restarts); new prefixes, so that what the
+        # first pass left in the engines' caches does not count.
+        conf = write_config(tmp_path / "conf", [node("least_load")], tmp_path / "exp", PORT)
+        switched = run_cli(conf, timeout=300)
+        assert switched.returncode == 0, switched.output
+        least_load = measure(conf, "least_load", seed=12)
+    finally:
+        stopped = run_cli(conf, "action=stop", timeout=300)
+        assert stopped.returncode == 0, stopped.output
     report = {"cache_aware": cache_aware, "least_load": least_load}
     print(json.dumps(report, indent=1))
     if os.environ.get("ROUTING_E2E_REPORT"):
