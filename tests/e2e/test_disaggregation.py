@@ -114,9 +114,15 @@ def test_disaggregated_answers_equal_colocated_ones_and_kv_moves_over_nixl(deplo
         assert got and got == answer(client, "plain", kind, prompt, stream), (kind, prompt, stream)
     # a transfer per request whose prompt the decode replica did not already hold
     wait_for(lambda: nixl_transfers(decode_url) - before >= len(prompts), 30, "NIXL transfers on the decode replica")
+
     # status shows the decode replica's pulls and that none failed (a failure would have been recomputed)
-    (decode,) = replicas_by_role(conf)["decode"]
-    assert decode["engine"]["kv_transfers"] >= len(prompts) and decode["engine"]["kv_transfer_failures"] == 0
+    def pulls_shown() -> dict:
+        (decode,) = replicas_by_role(conf)["decode"]
+        engine = decode["engine"]
+        return engine if engine["kv_transfers"] >= len(prompts) else None
+
+    engine = wait_for(pulls_shown, 60, "status to show the decode replica's KV pulls")
+    assert engine["kv_transfer_failures"] == 0, engine
     assert "pulled" in run_cli(conf, "action=status", timeout=120).stdout  # the table's column (may wrap)
 
 
