@@ -51,6 +51,7 @@ class Hostfile:
     path: str
     hosts: list[HostEntry]
     head: HostEntry
+    num_cpus: int | None = None  # CPUs each host gives the run, when the source says (a Slurm allocation)
 
     @property
     def workers(self) -> list[HostEntry]:

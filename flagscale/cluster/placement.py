@@ -4,6 +4,7 @@ chip type, and whether the whole graph fits the hostfile's slots. Nothing here t
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -273,11 +274,14 @@ def check_fits(
 
 
 def load_hostfile(config, sources) -> Hostfile | None:
+    from flagscale.cluster import slurm
     from flagscale.cluster.hostfile import parse_hostfile
 
     runner = config.experiment.runner
     if not runner.hostfile:
         return None
+    if runner.hostfile == slurm.KEYWORD:
+        return slurm.allocation_hostfile(os.environ, runner.head, f"{sources.main}: experiment.runner.head")
     return parse_hostfile(runner.hostfile, runner.head, f"{sources.main}: experiment.runner.head")
 
 
@@ -285,11 +289,12 @@ def plan_cluster(config, sources, hostfile: Hostfile, engines_nodes: list[tuple[
     from flagscale.cluster.ssh import SshSettings
 
     runner = config.experiment.runner
-    demand = check_fits(engines_nodes, hostfile, runner.num_cpus, f"{sources.main}: experiment.runner.hostfile")
+    num_cpus = runner.num_cpus or hostfile.num_cpus
+    demand = check_fits(engines_nodes, hostfile, num_cpus, f"{sources.main}: experiment.runner.hostfile")
     return ClusterPlan(
         hostfile=hostfile,
         ssh=SshSettings.from_runner(runner).to_dict(),
-        num_cpus_per_host=runner.num_cpus,
+        num_cpus_per_host=num_cpus,
         host_envs={h.host: config.experiment.env_for(h.host) for h in hostfile.hosts},
         placement_strategy=runner.placement_strategy,
         join_timeout_s=runner.join_timeout_s,

@@ -107,7 +107,11 @@ class DeployConfig(Strict):
 
 
 class RunnerConfig(Strict):
-    hostfile: str | None = Field(None, description="FlagScale hostfile; null serves on this machine.")
+    hostfile: str | None = Field(
+        None,
+        description="FlagScale hostfile; `slurm`: the nodes of the Slurm allocation this runs in; null serves on "
+        "this machine.",
+    )
     head: str | None = Field(None, description="Host of the hostfile that runs the Ray head (default: first).")
     ray_port: int | None = Field(
         None,
