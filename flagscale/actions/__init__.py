@@ -46,6 +46,23 @@ def _dispatch(cfg: DictConfig, console: Console) -> int:
     sources = hydra_sources()
     config = load_config(cfg, sources)
     exp_dir = resolve_exp_dir(config.experiment.exp_dir)
+    # `stop` of an exp_dir that does not exist has nothing to stop, and must not create it.
+    if config.action in LOCKED_ACTIONS and (config.action != "stop" or os.path.isdir(exp_dir)):
+        from flagscale.cluster.lock import ExpDirLock
+
+        with ExpDirLock(exp_dir, config.action) as lock:
+            if config.action == "run" and config.foreground:
+                lock.describe(foreground=True)
+            return _act(config, sources, exp_dir, console)
+    return _act(config, sources, exp_dir, console)
+
+
+# Actions that change what runs from an exp_dir hold its lock (flagscale/cluster/lock.py) for their whole life;
+# the others only read the state file and never wait for one.
+LOCKED_ACTIONS = ("run", "test", "stop")
+
+
+def _act(config, sources, exp_dir: str, console: Console) -> int:
     action = config.action
     if action == "stop":
         from flagscale.actions.stop import stop

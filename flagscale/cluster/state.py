@@ -9,6 +9,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
+from flagscale.errors import FlagScaleError
+
+# The state file's layout; a file written by a newer runner (a higher number) is refused, never half-read.
+STATE_FORMAT = 1
+
+
+class StateFileError(FlagScaleError):
+    """The state file cannot be read: not JSON, or wrong types."""
+
+
+class NewerStateFormat(StateFileError):
+    """The state file was written by a newer runner; no action reads it."""
+
 
 def resolve_exp_dir(exp_dir: str | os.PathLike) -> str:
     """The one spelling of a run's exp_dir (state file, logs, token): absolute, `~` expanded, links resolved."""
@@ -46,6 +61,7 @@ class RunState:
     started_at: float = 0.0
     runner_pid: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    format_version: int = STATE_FORMAT
 
     @staticmethod
     def path(exp_dir: str | Path) -> Path:
@@ -60,14 +76,59 @@ class RunState:
 
     @classmethod
     def load(cls, exp_dir: str | Path) -> RunState | None:
+        """None when there is no state file; StateFileError naming the file when it cannot be read."""
         target = cls.path(exp_dir)
         if not target.exists():
             return None
-        data = json.loads(target.read_text())
+        data = _read_json(target)
+        version = data.get("format_version", 1)
+        if not isinstance(version, int) or version > STATE_FORMAT:
+            raise NewerStateFormat(
+                f"written by a newer version of this runner (state format {version}; this one reads up to "
+                f"{STATE_FORMAT}): use that version for status and stop",
+                str(target),
+            )
         data.pop("started_cluster", None)  # written by earlier versions: every run starts its own cluster
-        data["hosts"] = [HostRecord(**h) for h in data.get("hosts", [])]
-        return cls(**data)
+        try:
+            return _STATE.validate_python(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise StateFileError(f"unreadable: {where}: {first['msg']}; {_WHAT_TO_DO}", str(target)) from None
+
+    @classmethod
+    def recorded_hosts(cls, exp_dir: str | Path) -> tuple[list[HostRecord], dict]:
+        """What an unreadable state file still tells: the host records that parse (each a session `stop` can end)
+        and the SSH settings. ([], {}) when nothing does."""
+        try:
+            data = _read_json(cls.path(exp_dir))
+        except StateFileError:
+            return [], {}
+        hosts = []
+        for entry in data.get("hosts") if isinstance(data.get("hosts"), list) else []:
+            try:
+                hosts.append(_HOST.validate_python(entry))
+            except ValidationError:
+                continue
+        extra = data.get("extra") if isinstance(data.get("extra"), dict) else {}
+        ssh = extra.get("ssh") if isinstance(extra.get("ssh"), dict) else {}
+        return [h for h in hosts if h.session is not None], ssh
 
     @classmethod
     def remove(cls, exp_dir: str | Path) -> None:
         cls.path(exp_dir).unlink(missing_ok=True)
+
+
+_STATE = TypeAdapter(RunState)
+_HOST = TypeAdapter(HostRecord)
+_WHAT_TO_DO = "action=stop stops the Ray sessions it still names"
+
+
+def _read_json(target: Path) -> dict:
+    try:
+        data = json.loads(target.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise StateFileError(f"unreadable ({exc}); {_WHAT_TO_DO}", str(target)) from None
+    if not isinstance(data, dict):
+        raise StateFileError(f"unreadable (not a JSON object); {_WHAT_TO_DO}", str(target))
+    return data
