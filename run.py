@@ -7,7 +7,7 @@ import hydra
 from omegaconf import DictConfig
 
 from flagscale.actions import dispatch, main_exit, report_error
-from flagscale.config.cli import check_yaml_files, config_dir_of, upsert_overrides
+from flagscale.config.cli import check_yaml_files, config_dir_of, upsert_overrides, without_hydra_config_copy
 from flagscale.config.resolvers import register_resolvers
 from flagscale.errors import FlagScaleError
 
@@ -25,5 +25,5 @@ if __name__ == "__main__":
         check_yaml_files(sys.argv[1:], CONFIG_DIR, "serve")
     except FlagScaleError as exc:
         main_exit(report_error(exc))
-    sys.argv[1:] = upsert_overrides(sys.argv[1:], config_dir_of(sys.argv[1:], CONFIG_DIR))
+    sys.argv[1:] = without_hydra_config_copy(upsert_overrides(sys.argv[1:], config_dir_of(sys.argv[1:], CONFIG_DIR)))
     main()

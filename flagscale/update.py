@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,11 @@ IN_PLACE = ("experiment.runner.deploy.", "experiment.node_args.", "experiment.ta
 FIXED = ("experiment.runner.deploy.host", "experiment.runner.deploy.port")
 # What has no effect on a running deployment (used by other actions only).
 IGNORED = ("experiment.bench.", "experiment.auto_tuner")
+# Recorded and compared only as digests, shown only as "changed": every env var value (HF_TOKEN, ...), the API
+# key, and engine args named like a credential (api_key, hf_token, ...).
+SECRET_PATHS = ("experiment.envs.", "experiment.runner.deploy.api_key_digest")
+SECRET_NAME = re.compile(r"(^|_)(api_?key|token|secret|password|passwd|credentials?)($|_)", re.IGNORECASE)
+MASK = "***"
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,14 @@ class Change:
             return True
         return self.path.startswith(IN_PLACE) and not self.path.startswith(FIXED)
 
+    @property
+    def secret(self) -> bool:
+        return self.path.startswith(SECRET_PATHS) or bool(SECRET_NAME.search(self.path.rpartition(".")[2]))
+
     def describe(self) -> str:
+        if self.secret:
+            what = "added" if self.old is MISSING else "removed" if self.new is MISSING else "changed"
+            return f"{self.path}: {what} (value not shown)"
         if self.old is MISSING:
             return f"{self.path}: added ({_show(self.new)})"
         if self.new is MISSING:
@@ -61,10 +74,44 @@ def snapshot(config: ServeConfig, api_key: str | None, graph: GraphPlan | None =
     deploy.pop("api_key", None)
     if api_key:
         deploy["api_key_digest"] = hashlib.sha256(api_key.encode()).hexdigest()[:16]
-    nodes = {node.serve_id: node.model_dump(mode="json", exclude_none=True) for node in config.serve}
+    experiment["envs"] = _map_leaves(experiment.get("envs", {}), digest)
+    nodes = {
+        node.serve_id: mask_secrets(node.model_dump(mode="json", exclude_none=True), digest) for node in config.serve
+    }
     for custom in graph.nodes if graph is not None else []:
         nodes[custom.serve_id]["module_digest"] = custom.module_digest
     return {"experiment": experiment, "serve": nodes}
+
+
+def digest(value: Any) -> str:
+    return "sha256:" + hashlib.sha256(str(value).encode()).hexdigest()[:16]
+
+
+def mask_secrets(tree: Any, hide=lambda _value: MASK) -> Any:
+    """`tree` with the value of every key named like a credential (SECRET_NAME) replaced by hide(value)."""
+    if isinstance(tree, dict):
+        return {
+            k: _map_leaves(v, hide) if SECRET_NAME.search(str(k)) else mask_secrets(v, hide) for k, v in tree.items()
+        }
+    if isinstance(tree, list):
+        return [mask_secrets(v, hide) for v in tree]
+    return tree
+
+
+def masked_config(config: ServeConfig) -> dict[str, Any]:
+    """The resolved config as printed: env var values and credentials (api_key, engine args such as hf_token)
+    as ***."""
+    resolved = mask_secrets(config.model_dump(mode="json", exclude_none=True))
+    resolved["experiment"]["envs"] = _map_leaves(resolved["experiment"].get("envs", {}), lambda _value: MASK)
+    return resolved
+
+
+def _map_leaves(tree: Any, fn) -> Any:
+    if isinstance(tree, dict):
+        return {k: _map_leaves(v, fn) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_map_leaves(v, fn) for v in tree]
+    return fn(tree) if tree is not None else tree
 
 
 def diff(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:

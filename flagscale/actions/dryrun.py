@@ -9,6 +9,7 @@ from rich.table import Table
 from flagscale.config.engine_args import parsed
 from flagscale.config.schema import ServeConfig
 from flagscale.plan import Plan
+from flagscale.update import MASK, SECRET_NAME, masked_config
 
 # Engine args worth showing with their defaults even when the config does not set them.
 SHOWN_ENGINE_ARGS = (
@@ -37,10 +38,7 @@ def dryrun(
     """`running_config`: the config of a deployment running from this exp_dir; what `run` would change in it is
     shown last."""
     console.print("[bold]resolved config[/]")
-    resolved = config.model_dump(exclude_none=True)
-    if resolved["experiment"]["runner"]["deploy"].get("api_key"):  # never printed
-        resolved["experiment"]["runner"]["deploy"]["api_key"] = "***"
-    console.print(yaml.safe_dump(resolved, sort_keys=False).rstrip(), markup=False)
+    console.print(yaml.safe_dump(masked_config(config), sort_keys=False).rstrip(), markup=False)
     table = Table(title="plan", title_justify="left")
     for column in ("node", "replicas", "per replica", "devices", "engine args (after defaults)"):
         table.add_column(column)
@@ -58,7 +56,7 @@ def dryrun(
             replicas,
             resources,
             f"{engine.devices_per_replica} {engine.device}",
-            "\n".join(f"{k}={v}" for k, v in args.items()),
+            "\n".join(f"{k}={MASK if SECRET_NAME.search(k) and v is not None else v}" for k, v in args.items()),
         )
     for node in plan.graph.nodes if plan.graph else []:
         replicas = node.describe_replicas()

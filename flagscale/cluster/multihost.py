@@ -20,7 +20,7 @@ from pathlib import Path
 
 from flagscale.cluster import ssh
 from flagscale.cluster.hostfile import HostEntry
-from flagscale.cluster.ray_node import RayNode, auth_env, head_port, ray_temp_dir, start_node
+from flagscale.cluster.ray_node import RayNode, auth_env, head_port, prepare_ray_temp_dir, start_node
 from flagscale.cluster.runner import LocalRunner, SshRunner, parallel
 from flagscale.cluster.state import RunState
 from flagscale.errors import ClusterError
@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 
 def host_temp_dir(exp_dir: str, host: str) -> str:
-    """Per run and per host (test hosts share one filesystem); short, as Ray's socket paths must be."""
+    """Per run and per host (test hosts share one filesystem); short, as Ray's socket paths must be. Created
+    private on the host and checked there (runner.make_dir): one that someone else made first is refused."""
     return f"/tmp/fsr-{hashlib.sha256(f'{exp_dir}|{host}'.encode()).hexdigest()[:10]}"
 
 
@@ -141,7 +142,7 @@ class ClusterLauncher:
         there (the router needs the head marker, engines need CPUs or chips)."""
         head_ip = self.ip_of(self.cluster.hostfile.head.host)
         my_ip = local_ip_towards(head_ip)
-        temp_dir = ray_temp_dir(self.state.exp_dir)
+        temp_dir = prepare_ray_temp_dir(self.state.exp_dir)
         self.state.extra["driver_ip"] = my_ip
         node = RayNode(
             "driver", self.ray_port, temp_dir, head_ip=head_ip, node_ip=my_ip, num_cpus=0, num_gpus=0, this_machine=True

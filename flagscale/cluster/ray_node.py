@@ -46,11 +46,21 @@ def auth_env(token_path: str | None) -> dict[str, str]:
 
 
 def ray_temp_dir(exp_dir: str) -> str:
-    """Ray's unix sockets live under the temp dir, whose path must stay short (sun_path is 108 bytes)."""
+    """Ray's unix sockets live under the temp dir, whose path must stay short (sun_path is 108 bytes): exp_dir/ray,
+    else a directory of this user's own under /tmp (checked by prepare_ray_temp_dir)."""
     candidate = os.path.join(exp_dir, "ray")
     if len(candidate) <= 30:  # + "/session_<date>_<pid>/sockets/plasma_store" stays under 107
         return candidate
-    return f"/tmp/flagscale-ray-{hashlib.sha256(exp_dir.encode()).hexdigest()[:10]}"
+    return f"/tmp/flagscale-{os.getuid()}/{hashlib.sha256(exp_dir.encode()).hexdigest()[:10]}"
+
+
+def prepare_ray_temp_dir(exp_dir: str) -> str:
+    """ray_temp_dir, created private to this user; one under /tmp that someone else made first is refused."""
+    temp_dir = ray_temp_dir(exp_dir)
+    if not temp_dir.startswith(exp_dir + os.sep):
+        LocalRunner().make_dir(os.path.dirname(temp_dir))
+        LocalRunner().make_dir(temp_dir)
+    return temp_dir
 
 
 def ray_cli() -> list[str]:
@@ -204,7 +214,7 @@ def start_local_head(
     `port`: the GCS port (runner.ray_port); None: a free one (head_port)."""
     runner = LocalRunner()
     port = head_port(runner, port)
-    temp_dir = ray_temp_dir(state.exp_dir)
+    temp_dir = prepare_ray_temp_dir(state.exp_dir)
     state.ray_address = f"127.0.0.1:{port}"
     node = RayNode("head", port, temp_dir, num_cpus=num_cpus, num_gpus=num_gpus, this_machine=True)
     record = start_node(

@@ -25,6 +25,7 @@ from pathlib import Path
 from flagscale.cluster import ssh
 from flagscale.cluster.processes import read_process, session_members, stop_session
 from flagscale.cluster.ray_env import project_root
+from flagscale.cluster.tempdirs import UnsafeDirectory, ensure_private_dir
 from flagscale.errors import ClusterError
 
 # The minimal wrapper around a remote session's argv: print our session id and the leader's start time in clock
@@ -84,7 +85,9 @@ class CommandRunner(ABC):
         """Copy a small file, created with `mode` before any byte is written (for secrets)."""
 
     @abstractmethod
-    def make_dir(self, path: str, mode: int = 0o700) -> None: ...
+    def make_dir(self, path: str) -> None:
+        """Create a private directory (0700) or accept one only if this user owns it and no one else can write to
+        it (cluster/tempdirs.py); ClusterError naming it otherwise."""
 
     @abstractmethod
     def stop_session(self, session: int, leader_start_ticks: int | None) -> list[int]:
@@ -163,8 +166,11 @@ class LocalRunner(CommandRunner):
         with os.fdopen(fd, "wb") as f:
             f.write(Path(local).read_bytes())
 
-    def make_dir(self, path: str, mode: int = 0o700) -> None:
-        os.makedirs(path, mode=mode, exist_ok=True)
+    def make_dir(self, path: str) -> None:
+        try:
+            ensure_private_dir(path)
+        except UnsafeDirectory as exc:
+            raise ClusterError(str(exc), self.host) from None
 
     def stop_session(self, session: int, leader_start_ticks: int | None) -> list[int]:
         stop_session(session, leader_start_ticks)
@@ -227,8 +233,11 @@ class SshRunner(CommandRunner):
     def put_file(self, local: Path, remote: str, mode: int = 0o600) -> None:
         ssh.put_file(self.client, Path(local), remote, mode)
 
-    def make_dir(self, path: str, mode: int = 0o700) -> None:
-        ssh.make_dir(self.client, path, mode)
+    def make_dir(self, path: str) -> None:
+        argv = [sys.executable, "-m", "flagscale.cluster.tempdirs", path]
+        result = self.run(argv, {"PYTHONPATH": project_root()}, timeout_s=STOP_TIMEOUT_S)
+        if result.code != 0:
+            raise ClusterError(f"cannot use {path}: {(result.stderr or result.stdout).strip()}", self.host)
 
     def stop_session(self, session: int, leader_start_ticks: int | None) -> list[int]:
         argv = [sys.executable, "-m", "flagscale.cluster.processes", "stop", str(session)]

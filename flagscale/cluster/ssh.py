@@ -11,9 +11,11 @@ over the file.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
+import sys
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -154,19 +156,36 @@ class Result:
 
 
 class _SaveNewKeyPolicy(paramiko.MissingHostKeyPolicy):
-    """Accept a host seen for the first time and remember it in the known_hosts file (like `accept-new`)."""
+    """Accept a host seen for the first time and remember it in the known_hosts file (like `accept-new`): one line
+    appended in one write, so the user's other entries and a concurrent writer's lines are never rewritten."""
 
     def __init__(self, path: Path):
         self.path = path
 
     def missing_host_key(self, client, hostname, key):
         with _known_hosts_lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            keys = paramiko.HostKeys()
-            if self.path.exists():
-                keys.load(str(self.path))
-            keys.add(hostname, key.get_name(), key)
-            keys.save(str(self.path))
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            append_line(self.path, known_hosts_line(hostname, key))
+
+
+def known_hosts_line(hostname: str, key: paramiko.PKey) -> str:
+    return f"{hostname} {key.get_name()} {key.get_base64()}\n"
+
+
+def append_line(path: Path, line: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size and _last_byte(path) != b"\n":
+            line = "\n" + line
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
 
 
 def connect(host: str, settings: SshSettings) -> paramiko.SSHClient:
@@ -245,17 +264,36 @@ def _connect_one(target: Target, settings: SshSettings, sock=None, via: str | No
     return client
 
 
+# Over SSH an env var given as `env K=V argv` is in the remote argv, which every user of that host can read in `ps`.
+# Instead the env crosses as one JSON line on the channel's stdin: this launcher (the hosts of a run share one
+# Python install, as ray_node.ray_cli assumes) reads it, puts /dev/null on stdin, and execs argv with it.
+ENV_FROM_STDIN = (
+    "import json, os, sys; os.environ.update(json.loads(sys.stdin.readline())); "
+    "os.dup2(os.open(os.devnull, os.O_RDONLY), 0); os.execvp(sys.argv[1], sys.argv[1:])"
+)
+
+
 def remote_command(argv: list[str], env: dict[str, str] | None = None) -> str:
-    """The one string sent over SSH: `env K=V ... argv`, every word quoted."""
-    prefix = ["env", *(f"{k}={v}" for k, v in (env or {}).items())] if env else []
-    return shlex.join([*prefix, *argv])
+    """The one string sent over SSH, every word quoted; with `env`, argv behind ENV_FROM_STDIN (start() sends the
+    values on stdin), so no value is in it."""
+    if env:
+        argv = [sys.executable, "-c", ENV_FROM_STDIN, *argv]
+    return shlex.join(argv)
+
+
+def env_line(env: dict[str, str]) -> bytes:
+    """What start() writes on the channel's stdin for ENV_FROM_STDIN."""
+    return (json.dumps({str(k): str(v) for k, v in env.items()}) + "\n").encode()
 
 
 def start(
     client: paramiko.SSHClient, argv: list[str], env: dict[str, str] | None = None, timeout_s: float | None = None
 ):
     """Start argv on the host; (stdout, stderr) channel files to read as it runs (reads time out after timeout_s)."""
-    _, stdout, stderr = client.exec_command(remote_command(argv, env), timeout=timeout_s)
+    stdin, stdout, stderr = client.exec_command(remote_command(argv, env), timeout=timeout_s)
+    if env:
+        stdin.write(env_line(env))
+        stdin.flush()
     stdout.channel.shutdown_write()
     return stdout, stderr
 
@@ -278,9 +316,3 @@ def put_file(client: paramiko.SSHClient, local: Path, remote: str, mode: int = 0
         with sftp.open(remote, "wb") as f:
             f.chmod(mode)
             f.write(local.read_bytes())
-
-
-def make_dir(client: paramiko.SSHClient, path: str, mode: int = 0o700) -> None:
-    result = run(client, ["mkdir", "-p", "-m", oct(mode)[2:], path])
-    if result.code != 0:
-        raise ClusterError(f"cannot create {path}: {result.stderr.strip()}")

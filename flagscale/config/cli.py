@@ -2,6 +2,8 @@
 
 - Malformed YAML is caught first, so the user gets one line naming file, line and column instead of
   Hydra's traceback (the main config and the group files its defaults select).
+- Hydra does not write its `.hydra/` copy of the config and overrides under the exp_dir: an override such as
+  `experiment.runner.deploy.api_key=...` would land there in clear (`hydra.output_subdir=null`).
 - Plain `key=value` overrides become `++key=value` (set or add): a FlagScale config that lacks a key
   such as `output` or `experiment.bench` still accepts it. Typos are not lost: the typed schema
   rejects unknown keys with a did-you-mean. Config-group choices (`serve=7b`) stay as they are.
@@ -49,6 +51,13 @@ def upsert_overrides(argv: list[str], config_dir: Path) -> list[str]:
             arg = "++" + arg
         out.append(arg)
     return out
+
+
+def without_hydra_config_copy(argv: list[str]) -> list[str]:
+    """argv plus `hydra.output_subdir=null`, unless the command line sets it itself."""
+    if any(arg.lstrip("+").startswith("hydra.output_subdir=") for arg in argv):
+        return argv
+    return [*argv, "hydra.output_subdir=null"]
 
 
 def check_yaml_files(argv: list[str], default_dir: Path, default_name: str) -> None:

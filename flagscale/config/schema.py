@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, PrivateAttr, field_validator, model_validator
@@ -12,6 +13,9 @@ RoutingPolicy = Literal["cache_aware", "least_load", "session", "round_robin", "
 ACTIONS = ("run", "stop", "status", "logs", "dryrun", "bench", "test", "auto_tune")
 ENGINES = ("vllm", "sglang")
 SUPPORTED_ENGINES = ("vllm",)
+
+# A node id names files and Serve deployments: no path separators, no `..`, nothing a shell or URL treats specially.
+SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class Strict(BaseModel):
@@ -424,6 +428,16 @@ class NodeConfig(Strict):
         description="Engine node: serve it as a prefill pool and a decode pool (docs/disaggregation.md); "
         "deploy.prefill_decode_disaggregation gives every engine node one.",
     )
+
+    @field_validator("serve_id")
+    @classmethod
+    def _safe_serve_id(cls, serve_id: str) -> str:
+        if not SAFE_ID.fullmatch(serve_id):
+            raise ValueError(
+                f"serve_id {serve_id!r} is not a safe name: use letters, digits, '.', '_' and '-', starting with a "
+                "letter or digit (it names log files and Ray Serve deployments)"
+            )
+        return serve_id
 
     @model_validator(mode="after")
     def _kind(self) -> NodeConfig:

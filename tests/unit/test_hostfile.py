@@ -154,7 +154,8 @@ def test_this_machine_is_a_one_host_target():
 
 def test_remote_command_quotes_every_word():
     command = remote_command(["echo", "a b", "$(rm -rf /)"], {"X": "1; reboot"})
-    assert shlex.split(command) == ["env", "X=1; reboot", "echo", "a b", "$(rm -rf /)"]
+    words = shlex.split(command)
+    assert words[-3:] == ["echo", "a b", "$(rm -rf /)"] and "reboot" not in command  # env values go on stdin
 
 
 def test_ray_start_argv_for_head_and_worker(tmp_path):

@@ -1,0 +1,140 @@
+"""Secrets stay out of argv, printed configs, update diffs and the state file; /tmp directories are private and
+checked; known_hosts grows by one appended line; serve_id is a safe name (issue 19)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import paramiko
+import pytest
+
+from flagscale.cluster.ssh import _SaveNewKeyPolicy, env_line, remote_command
+from flagscale.cluster.tempdirs import UnsafeDirectory, ensure_private_dir
+from flagscale.config.cli import without_hydra_config_copy
+from flagscale.config.load import load_config
+from flagscale.errors import ConfigError
+from flagscale.update import diff, masked_config, snapshot
+
+SECRET = "hf_s3cr3t_value"
+
+
+def config(**experiment):
+    return load_config(
+        {
+            "experiment": {"exp_name": "t", "exp_dir": "/tmp/x", **experiment},
+            "serve": [
+                {"serve_id": "a", "engine_args": {"model": "m", "hf_token": SECRET, "max_num_batched_tokens": 64}}
+            ],
+        }
+    )
+
+
+def test_env_values_cross_ssh_on_stdin_not_in_the_remote_argv(tmp_path):
+    env = {"HF_TOKEN": SECRET, "WITH SPACE": "a b'\n\"c"}
+    command = remote_command(["sh", "-c", 'printf "%s|%s" "$HF_TOKEN" "$(cat)"'], env)
+    assert SECRET not in command and "a b" not in command
+    # The exact string sshd would hand to the remote shell, run here: the launcher gives argv the env, and argv's
+    # stdin is /dev/null (the `cat` ends at once).
+    out = subprocess.run(["sh", "-c", command], input=env_line(env), capture_output=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.decode() == f"{SECRET}|"
+    assert shlex.split(remote_command(["echo", "a b"])) == ["echo", "a b"]
+
+
+def test_update_diff_shows_a_changed_secret_without_its_value():
+    old = snapshot(config(envs={"HF_TOKEN": "old-value", "PLAIN": "1"}), "key-one")
+    new = snapshot(config(envs={"HF_TOKEN": SECRET, "PLAIN": "2"}), "key-two")
+    text = "\n".join(c.describe() for c in diff(old, new))
+    assert "experiment.envs.HF_TOKEN: changed (value not shown)" in text
+    assert "experiment.runner.deploy.api_key_digest: changed (value not shown)" in text
+    assert "experiment.envs.PLAIN: changed (value not shown)" in text
+    assert SECRET not in text and "old-value" not in text and "key-two" not in text
+
+
+def test_the_recorded_config_holds_digests_of_env_values_and_credential_args():
+    recorded = json.dumps(snapshot(config(envs={"HF_TOKEN": SECRET, "nodes_envs": {"h": {"T": SECRET}}}), "k"))
+    assert SECRET not in recorded
+    again = snapshot(config(envs={"HF_TOKEN": SECRET, "nodes_envs": {"h": {"T": SECRET}}}), "k")
+    assert diff(json.loads(recorded), again) == []
+    assert '"max_num_batched_tokens": 64' in recorded  # not a credential
+
+
+def test_dryrun_prints_env_names_and_masks_their_values():
+    shown = json.dumps(masked_config(config(envs={"HF_TOKEN": SECRET}, runner={"deploy": {"api_key": SECRET}})))
+    assert SECRET not in shown
+    assert '"HF_TOKEN": "***"' in shown and '"hf_token": "***"' in shown and '"api_key": "***"' in shown
+
+
+def test_hydra_is_told_not_to_copy_the_config_and_overrides_under_exp_dir():
+    assert without_hydra_config_copy(["a=1"]) == ["a=1", "hydra.output_subdir=null"]
+    assert without_hydra_config_copy(["hydra.output_subdir=x"]) == ["hydra.output_subdir=x"]
+
+
+@pytest.mark.parametrize("serve_id", ["../x", "a/b", "..", ".hidden", "a b", "-rf"])
+def test_an_unsafe_serve_id_is_refused_naming_the_key_and_value(serve_id):
+    with pytest.raises(ConfigError) as error:
+        load_config({"experiment": {"exp_name": "t", "exp_dir": "/tmp/x"}, "serve": [{"serve_id": serve_id}]})
+    assert "serve_id" in str(error.value) and repr(serve_id) in str(error.value)
+
+
+def test_a_private_dir_is_made_0700_and_an_existing_own_one_narrowed(tmp_path):
+    made = ensure_private_dir(str(tmp_path / "new" / "dir"))
+    assert os.stat(made).st_mode & 0o777 == 0o700
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o755)
+    ensure_private_dir(str(mine))
+    assert mine.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_dir_others_can_write_or_a_link_is_refused_naming_it(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(UnsafeDirectory, match=f"{shared} can be written by other users"):
+        ensure_private_dir(str(shared))
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "mine", target_is_directory=True)
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(UnsafeDirectory, match=f"{link} exists and is not a directory"):
+        ensure_private_dir(str(link))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory owned by someone else")
+def test_a_dir_owned_by_someone_else_is_refused(tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 54321, 54321)
+    with pytest.raises(UnsafeDirectory, match=f"{theirs} is owned by uid 54321"):
+        ensure_private_dir(str(theirs))
+
+
+def test_the_ray_temp_dir_of_a_long_exp_dir_is_under_a_per_user_base(tmp_path):
+    from flagscale.cluster.ray_node import ray_temp_dir
+
+    long_dir = "/very/long/experiment/directory/name"
+    temp = ray_temp_dir(long_dir)
+    assert temp.startswith(f"/tmp/flagscale-{os.getuid()}/") and len(temp) <= 40
+    assert ray_temp_dir("/e") == "/e/ray"
+
+
+def test_a_new_host_key_is_appended_as_one_line_leaving_the_rest_as_it_was(tmp_path):
+    known = tmp_path / "known_hosts"
+    old = paramiko.Ed25519Key.from_private_key_file(str(_new_key(tmp_path / "old")))
+    before = f"# kept comment\nold.example   ssh-ed25519 {old.get_base64()}"  # odd spacing, no final newline
+    known.write_text(before)
+    key = paramiko.Ed25519Key.from_private_key_file(str(_new_key(tmp_path / "new")))
+    _SaveNewKeyPolicy(known).missing_host_key(None, "[10.0.0.9]:2222", key)
+    assert known.read_text() == before + f"\n[10.0.0.9]:2222 ssh-ed25519 {key.get_base64()}\n"
+    keys = paramiko.HostKeys(str(known))
+    assert keys.lookup("[10.0.0.9]:2222")["ssh-ed25519"] == key
+
+
+def _new_key(folder: Path) -> Path:
+    folder.mkdir()
+    path = folder / "id"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+    return path
