@@ -28,7 +28,7 @@ from flagscale.cluster.placement import (
     reserve,
 )
 from flagscale.cluster.state import resolve_exp_dir
-from flagscale.config.engine_args import to_argv
+from flagscale.config.engine_args import SECRET_ARGS, secret_env, to_argv
 from flagscale.config.graph import CustomNodePlan, GraphPlan, build_graph_plan
 from flagscale.config.load import ConfigSources
 from flagscale.config.replicas import ReplicaSettings, replica_settings
@@ -62,6 +62,8 @@ class EnginePlan(ReplicaSettings):
     group: str = ""  # the node's serve_id (a pool's serve_id is <node>-<role>); set by _engine_plan
     pinned_host: str | None = None  # the hostfile host a pool is pinned to (disaggregation.<role>.host)
     gpu_memory_utilization: float | None = None  # GPU engines: what each replica promises vLLM of its GPU
+    # secret engine args (hf_token) as the env vars that carry them to the server, never in argv (SECRET_ARGS)
+    secret_env: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -309,6 +311,7 @@ def _engine_plan(
     args["model"] = _check_model(args.get("model"), where)
     names = args["served_model_name"] = served_names(node, args)
     argv = to_argv(args, where)
+    secrets = secret_env(args, where)
 
     def size(key: str) -> int:
         value = args.get(key, 1)
@@ -350,6 +353,7 @@ def _engine_plan(
         role=role,
         group=group or node.serve_id,
         gpu_memory_utilization=utilization if reservation.device == "gpu" else None,
+        secret_env=secrets,
         **vars(scaling),
     )
 
@@ -401,6 +405,11 @@ def _host_argv(
         if host not in known:
             raise ConfigError(
                 f"host {host!r} is not in {hostfile.path} (hosts: {', '.join(sorted(known))})", f"{where}.{host}"
+            )
+        secret = sorted(set(extra.engine_args) & set(SECRET_ARGS))
+        if secret:
+            raise ConfigError(
+                f"{', '.join(secret)} cannot differ per host; set it in the node's engine_args", host_where
             )
         sizing = sorted(set(extra.engine_args) & set(SIZING_ARGS))
         if sizing:

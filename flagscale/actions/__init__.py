@@ -71,7 +71,11 @@ def _act(config, sources, exp_dir: str, console: Console) -> int:
     if action == "status":
         from flagscale.actions.status import status
 
-        return status(exp_dir, console, config.output)
+        try:  # engines require the key on /metrics too; without it status still reports, minus the engines' load
+            api_key = config.experiment.runner.deploy.resolved_api_key()
+        except ValueError:
+            api_key = None
+        return status(exp_dir, console, config.output, api_key)
     if action == "logs":
         from flagscale.actions.logs import logs
 

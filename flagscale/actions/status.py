@@ -19,7 +19,7 @@ from flagscale.plan import ROUTER_DEPLOYMENT
 from flagscale.serve import registry
 
 
-def collect(state: RunState) -> dict[str, Any]:
+def collect(state: RunState, api_key: str | None = None) -> dict[str, Any]:
     from ray import serve
 
     connect(state)
@@ -63,7 +63,7 @@ def collect(state: RunState) -> dict[str, Any]:
             }
         )
     for replica in report["replicas"]:
-        replica["engine"] = engine_load(replica["url"])
+        replica["engine"] = engine_load(replica["url"], api_key=api_key)
     router = _router_stats(state)
     routed = router.pop("replicas", {})
     report["router"] = router or None  # totals: in-flight, requests moved to another replica, streams resumed
@@ -100,13 +100,13 @@ KV_TRANSFER_COUNTERS = {
 }
 
 
-def engine_load(url: str, timeout_s: float = 2.0) -> dict[str, float] | None:
+def engine_load(url: str, timeout_s: float = 2.0, api_key: str | None = None) -> dict[str, float] | None:
     """The engine's own view, from its /metrics: requests running and waiting, KV-cache usage (0..1), and for
     an engine that pulls KV caches (decode), its transfers and their failures."""
     from flagscale.serve.metrics import engine_metrics
 
     try:
-        sums = engine_metrics(url, timeout_s)
+        sums = engine_metrics(url, timeout_s, api_key)
     except (OSError, ValueError):
         return None
     load = {key: sums[name] for name, key in ENGINE_GAUGES.items() if name in sums}
@@ -195,7 +195,7 @@ def _router_stats(state: RunState) -> dict[str, Any]:
     return stats
 
 
-def status(exp_dir: str, console: Console, output: str = "table") -> int:
+def status(exp_dir: str, console: Console, output: str = "table", api_key: str | None = None) -> int:
     state = RunState.load(exp_dir)
     if state is None:
         _emit(
@@ -213,7 +213,7 @@ def status(exp_dir: str, console: Console, output: str = "table") -> int:
             f"the Ray cluster of this run ({state.ray_address}) is gone; `action=stop` cleans up the state",
         )
         return 1
-    report = collect(state)
+    report = collect(state, api_key)
     import ray
 
     ray.shutdown()

@@ -28,6 +28,11 @@ from flagscale.errors import ConfigError
 
 # Set per replica by the orchestrator, never by the user: the replica binds its own port on its own host.
 MANAGED_ARGS = ("host", "port")
+# Engine args whose value is a secret -> the env var that gives it to the server instead (argv is seen by `ps`, the
+# engine log's command line and dryrun; the env only by the user's own processes). HF_TOKEN: huggingface_hub reads
+# it whenever vLLM's hf_token is unset. The API key has its own place (deploy.api_key: the router needs it too).
+SECRET_ARGS = {"hf_token": "HF_TOKEN"}
+API_KEY_ARG = "api_key"
 
 
 # Where vLLM keeps what we import, newest location first; each was read in the released wheels.
@@ -135,8 +140,14 @@ def to_argv(engine_args: dict[str, Any], where: str) -> list[str]:
     table = arg_table()
     argv: list[str] = []
     for key, value in engine_args.items():
-        if key in MANAGED_ARGS:
+        if key in MANAGED_ARGS or key in SECRET_ARGS:
             continue
+        if key == API_KEY_ARG and value is not None:
+            raise ConfigError(
+                "the API key is not an engine arg here: set experiment.runner.deploy.api_key_env (or api_key); the "
+                "router then requires it of clients and gives it to every engine through its environment, not argv",
+                f"{where}.{key}",
+            )
         if key not in table:
             close = difflib.get_close_matches(key, list(table), n=1, cutoff=0.7)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
@@ -144,6 +155,19 @@ def to_argv(engine_args: dict[str, Any], where: str) -> list[str]:
         argv += _render(*table[key], key, value, where)
     _validate(argv, where)
     return argv
+
+
+def secret_env(engine_args: dict[str, Any], where: str) -> dict[str, str]:
+    """The SECRET_ARGS among engine_args, as the env vars that carry them to the server (`to_argv` leaves them out)."""
+    env = {}
+    for key, var in SECRET_ARGS.items():
+        value = engine_args.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"engine arg '{key}' must be the token itself (a non-empty string)", f"{where}.{key}")
+        env[var] = value
+    return env
 
 
 def _render(flag: str, kind: str, key: str, value: Any, where: str) -> list[str]:

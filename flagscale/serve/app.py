@@ -67,7 +67,12 @@ def engine_spec(plan: Plan, engine: EnginePlan) -> EngineSpec:
         log_dir=str(plan.log_dir),
         # each host's Ray node already has its own envs; vLLM reads its --api-key from VLLM_API_KEY (not argv,
         # which its log and ours print)
-        env={**({} if plan.cluster else plan.envs), **({"VLLM_API_KEY": plan.api_key} if plan.api_key else {})},
+        # secret engine args (hf_token) likewise travel in the env (config/engine_args.py: SECRET_ARGS)
+        env={
+            **({} if plan.cluster else plan.envs),
+            **engine.secret_env,
+            **({"VLLM_API_KEY": plan.api_key} if plan.api_key else {}),
+        },
         startup_timeout_s=plan.startup_timeout_s,
         pin_cpus=plan.pin_cpus,
         role=engine.role,
@@ -121,7 +126,7 @@ def build_graph_driver(plan: Plan) -> Application:
         clients = {
             param: (plan.endpoint, plan.graph.engine_models[serve_id]) for param, serve_id in node.engine_params.items()
         }
-        spec = NodeSpec(node.serve_id, node.module_path, node.class_name, clients, node.module_digest)
+        spec = NodeSpec(node.serve_id, node.module_path, node.class_name, clients, node.module_digest, plan.api_key)
         nodes[node.serve_id] = with_version(deployment, version_of(asdict(spec))).bind(spec)
     driver = serve.deployment(
         GraphDriver,

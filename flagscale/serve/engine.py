@@ -8,17 +8,20 @@ so the router streams bytes to it directly (see docs/design.md for why this is t
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from flagscale.cluster.tempdirs import UnsafeDirectory
 from flagscale.errors import error_excerpt
 from flagscale.net import free_port, health_ok
 from flagscale.serve import registry
 from flagscale.serve.autoscaling import ENGINE_REQUESTS
 from flagscale.serve.cpu_layout import pin_engine
+from flagscale.serve.engine_auth import KEY_ENV, MIDDLEWARE
 from flagscale.serve.metrics import engine_metrics
 from flagscale.serve.startup_lock import gpu_start_lock
 
@@ -68,6 +71,32 @@ def _engine_env(user_env: dict[str, str]) -> dict[str, str]:
     return {**env, **user_env}
 
 
+def spawn_engine(argv: list[str], log, env: dict[str, str]) -> subprocess.Popen:
+    """The engine_proc wrapper as the leader of a process group of its own, which its vLLM server and that
+    server's children (engine core, workers) join: `terminate_engine` can then kill all of them at once. A new
+    group, not a new session: `stop` finds the run's processes by their session (docs/design.md)."""
+    return subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, process_group=0
+    )
+
+
+def terminate_engine(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM to the wrapper, which forwards it to the server (one SIGTERM: a second one would make uvicorn skip
+    its graceful shutdown); then, after the wrapper's exit or `grace_s`, SIGKILL to whatever is left of its
+    process group. (The group's id stays taken while any member lives, so it cannot name another's group.)"""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the whole group is gone already
+        pass
+    proc.wait(5)
+
+
 class VLLMEngine:
     """One replica = one `python -m vllm.entrypoints.openai.api_server` process."""
 
@@ -86,7 +115,7 @@ class VLLMEngine:
         self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
         try:
             self._start(spec, host, self.gpu_ids)
-        except TimeoutError as exc:  # the GPU start-up lock
+        except (TimeoutError, UnsafeDirectory) as exc:  # the GPU start-up lock
             raise EngineStartError(f"vLLM server for '{spec.serve_id}' could not start: {exc}") from None
         self._after_start(spec)
 
@@ -114,14 +143,13 @@ class VLLMEngine:
                 host,
                 "--port",
                 str(port),
+                *(["--middleware", MIDDLEWARE] if env.get(KEY_ENV) else []),
             ]
             with open(self.log_path, "ab") as log:
                 side_channel = {k: v for k, v in env.items() if k.startswith("VLLM_NIXL_SIDE_CHANNEL")}
                 log.write(f"$ {' '.join(f'{k}={v}' for k, v in side_channel.items())} {' '.join(argv)}\n".encode())
                 log.flush()
-                self.proc = subprocess.Popen(
-                    argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-                )
+                self.proc = spawn_engine(argv, log, env)
             self._wait_healthy(spec.startup_timeout_s)
 
     def _after_start(self, spec: EngineSpec) -> None:
@@ -201,18 +229,14 @@ class VLLMEngine:
         (flagscale/serve/autoscaling.py)."""
         import asyncio
 
-        load = await asyncio.get_running_loop().run_in_executor(None, engine_metrics, self.url, 2.0)
+        load = await asyncio.get_running_loop().run_in_executor(
+            None, engine_metrics, self.url, 2.0, self.spec.env.get(KEY_ENV)
+        )
         running = load.get("vllm:num_requests_running", 0) + load.get("vllm:num_requests_waiting", 0)
         return {ENGINE_REQUESTS: running}
 
     def _terminate(self, grace_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        terminate_engine(self.proc, grace_s)
 
     def __del__(self):
         """Serve's graceful shutdown (stop, an update replacing this replica, a downscale): leave the registry,
@@ -231,7 +255,7 @@ class VLLMEngine:
         time.sleep(min(registry.ROUTER_REFRESH_S + 1.0, max(0.0, deadline - time.monotonic())))
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
-                load = engine_metrics(self.url, timeout_s=2)
+                load = engine_metrics(self.url, timeout_s=2, api_key=self.spec.env.get(KEY_ENV))
             except OSError:
                 return
             if load.get("vllm:num_requests_running", 0) + load.get("vllm:num_requests_waiting", 0) == 0:

@@ -34,6 +34,8 @@ def main() -> int:
             try:
                 return child.wait(10)
             except subprocess.TimeoutExpired:
+                if os.getpgid(0) == os.getpid():  # our own group (engine.spawn_engine): the server's children too
+                    os.killpg(0, signal.SIGKILL)
                 child.kill()
                 return child.wait()
         time.sleep(1.0)

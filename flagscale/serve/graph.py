@@ -13,7 +13,7 @@ import asyncio
 import inspect
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flagscale.config.graph import GRAPH_DRIVER_DEPLOYMENT, GraphPlan, load_class  # noqa: F401
@@ -30,19 +30,25 @@ class EngineClient:
 
     `await client.generate(prompt, max_tokens=32)` returns the generated text; `complete` and `chat` return
     the OpenAI response as a dict. A sync `forward` runs in a worker thread and can use `asyncio.run(...)`.
+    With deploy.api_key set, every call carries it, as the router requires of any client.
     """
 
-    def __init__(self, endpoint: str, model: str, timeout_s: float = 600):
+    def __init__(self, endpoint: str, model: str, timeout_s: float = 600, api_key: str | None = None):
         self.endpoint = endpoint
         self.model = model
         self.timeout_s = timeout_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.endpoint!r}, {self.model!r})"
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            async with session.post(self.endpoint + path, json={"model": self.model, **body}) as resp:
+            request = {"model": self.model, **body}
+            async with session.post(self.endpoint + path, json=request, headers=self._headers) as resp:
                 text = await resp.text()
                 if resp.status != 200:
                     raise EngineCallError(f"{self.model}{path}: HTTP {resp.status}: {text[:500]}")
@@ -65,6 +71,8 @@ class NodeSpec:
     class_name: str
     engine_clients: dict[str, tuple[str, str]]  # constructor parameter -> (router endpoint, model name)
     module_digest: str = ""  # part of the deployment's version: changed code replaces the replicas
+    # deploy.api_key: in the replica's init args, which Serve's status does not show (unlike ray_actor_options)
+    api_key: str | None = field(default=None, repr=False)
 
 
 class CustomNode:
@@ -78,7 +86,10 @@ class CustomNode:
         cls = load_class(spec.module_path, spec.class_name)
         if cls is None:
             raise RuntimeError(f"{spec.module_path} has no class {spec.class_name}")
-        clients = {param: EngineClient(endpoint, model) for param, (endpoint, model) in spec.engine_clients.items()}
+        clients = {
+            param: EngineClient(endpoint, model, api_key=spec.api_key)
+            for param, (endpoint, model) in spec.engine_clients.items()
+        }
         self.instance = cls(**clients)
         self.forward_is_async = inspect.iscoroutinefunction(self.instance.forward)
 

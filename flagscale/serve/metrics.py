@@ -19,14 +19,16 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)$")
 
 
-def engine_metrics(url: str, timeout_s: float = 10.0) -> dict[str, float]:
+def engine_metrics(url: str, timeout_s: float = 10.0, api_key: str | None = None) -> dict[str, float]:
     """One engine's own /metrics: each sample name (`vllm:num_requests_running`, `vllm:prefix_cache_hits_total`,
-    `..._count`) -> its value summed over every label set. Raises OSError when the engine does not answer."""
+    `..._count`) -> its value summed over every label set. Raises OSError when the engine does not answer.
+    `api_key`: the deployment's, which an engine requires on /metrics too (serve/engine_auth.py)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(url + "/metrics", timeout=timeout_s) as resp:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=headers), timeout=timeout_s) as resp:
         text = resp.read().decode()
     sums: dict[str, float] = {}
     for family in text_string_to_metric_families(text):

@@ -344,7 +344,8 @@ class Router:
                 "host": record.node_ip,
             }
             try:
-                async with self._session.get(record.url + "/metrics", timeout=timeout) as resp:
+                headers = self._upstream_headers({})  # engines require the key on /metrics too (serve/engine_auth.py)
+                async with self._session.get(record.url + "/metrics", timeout=timeout, headers=headers) as resp:
                     if resp.status == 200:
                         return labels, await resp.text()
             except (TimeoutError, aiohttp.ClientError):

@@ -11,6 +11,7 @@ module file is edited while it runs: `run` again redeploys it with the new code.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import urllib.error
 import urllib.request
@@ -23,13 +24,15 @@ from tests.conftest import REPO, run_cli, wait_for, write_config
 EXAMPLE_CONF = REPO / "examples" / "graph" / "conf"
 GRAPH_PORT = 18700
 PIPELINE_PORT = 18701
+# The pipeline runs with an API key: its custom node's calls to the engine node must carry it.
+PIPELINE_KEY_ENV, PIPELINE_KEY = "FS_E2E_GRAPH_KEY", "graph-e2e-key"
 
 
-def post(port: int, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+def post(port: int, path: str, body: dict, timeout: float = 120, key: str | None = None) -> tuple[int, dict]:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})},
         method="POST",
     )
     try:
@@ -171,7 +174,11 @@ def test_stop_diamond(diamond_up):
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, demo_model_path):
     exp_dir = tmp_path_factory.mktemp("pipeline") / "exp"
-    overrides = example_overrides(exp_dir, PIPELINE_PORT)
+    overrides = [
+        *example_overrides(exp_dir, PIPELINE_PORT),
+        f"+experiment.runner.deploy.api_key_env={PIPELINE_KEY_ENV}",
+    ]
+    os.environ[PIPELINE_KEY_ENV] = PIPELINE_KEY  # run_cli passes this process's environment on
     result = run_cli(EXAMPLE_CONF, *overrides, timeout=900, name="pipeline")
     yield {"run": result, "exp_dir": exp_dir, "overrides": overrides}
     if (exp_dir / "state.json").exists():
@@ -180,19 +187,30 @@ def pipeline(tmp_path_factory, demo_model_path):
 
 def test_pipeline_returns_generated_text_through_custom_nodes(pipeline):
     assert pipeline["run"].returncode == 0, pipeline["run"].output
-    status, body = post(PIPELINE_PORT, "/generate", {"prompt": "  what is a graph? ", "max_tokens": 8}, timeout=300)
-    assert status == 200, body
+    request = {"prompt": "  what is a graph? ", "max_tokens": 8}
+    status, body = post(PIPELINE_PORT, "/generate", request, timeout=300, key=PIPELINE_KEY)
+    assert status == 200, body  # the generate node called the engine node with the deployment's key
     assert body["prompt"] == "Question: what is a graph?\nAnswer:"
     assert isinstance(body["text"], str) and body["text"] and body["chars"] == len(body["text"])
+    assert post(PIPELINE_PORT, "/generate", request)[0] == 401
     # max_tokens is optional in the list-form request: its default (16) fills in.
-    status, body = post(PIPELINE_PORT, "/generate", {"prompt": "what is a node?"}, timeout=300)
+    status, body = post(PIPELINE_PORT, "/generate", {"prompt": "what is a node?"}, timeout=300, key=PIPELINE_KEY)
     assert status == 200, body
     assert body["prompt"] == "Question: what is a node?\nAnswer:" and body["text"]
-    status, body = post(PIPELINE_PORT, "/generate", {"max_tokens": 4}, timeout=300)
+    status, body = post(PIPELINE_PORT, "/generate", {"max_tokens": 4}, timeout=300, key=PIPELINE_KEY)
     assert status == 400 and "missing required request field(s) ['prompt']" in body["error"]["message"]
     # The engine node keeps its OpenAI route on the same port.
-    status, completion = post(PIPELINE_PORT, "/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 4})
+    completion_request = {"model": "demo", "prompt": "hi", "max_tokens": 4}
+    status, completion = post(PIPELINE_PORT, "/v1/completions", completion_request, key=PIPELINE_KEY)
     assert status == 200 and completion["usage"]["completion_tokens"] == 4
+    # The key reached the custom nodes in their init args: not in Serve's view of the app, nor in any log.
+    serve_view = run_cli(
+        EXAMPLE_CONF, *pipeline["overrides"], "action=status", "output=json", timeout=120, name="pipeline"
+    )
+    assert serve_view.returncode == 0 and PIPELINE_KEY not in serve_view.output, serve_view.output
+    serve_logs = pipeline["exp_dir"] / "serve_logs"
+    logs = [p for d in (serve_logs, (serve_logs / "ray").resolve()) for p in d.rglob("*") if p.is_file()]
+    assert logs and not [p for p in logs if PIPELINE_KEY in p.read_text(errors="replace")]
 
 
 def test_stop_pipeline(pipeline):
