@@ -10,12 +10,15 @@ port) is refused and changes nothing; the same config again changes nothing; dry
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 
 import openai
 import psutil
 
-from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
+from tests.conftest import REPO, demo_engine_args, run_cli, wait_for, write_config
 
 PORT = 19171
 
@@ -83,9 +86,24 @@ def test_changing_an_engine_arg_under_load_replaces_the_replica_without_a_failed
 
     exp = tmp_path / "exp"
     conf = write_config(tmp_path / "conf", [node(8)], exp, PORT)
-    started = run_cli(conf, timeout=900)
+    first = subprocess.Popen(
+        [sys.executable, str(REPO / "run.py"), "--config-path", str(conf), "--config-name", "serve"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
+    )
     try:
-        assert started.returncode == 0, started.output
+        # The window of issue 19: the first run has its Ray head but no running deployment yet.
+        wait_for(lambda: (exp / "state.json").exists() or first.poll() is not None, 300, "the first run to start Ray")
+        second = run_cli(conf, timeout=120)
+        still_starting = first.poll() is None and json.loads((exp / "state.json").read_text())["phase"] == "starting"
+        assert second.returncode != 0 and f"pid {first.pid} (action=run)" in second.stderr, second.output
+        assert "stale" not in second.output
+        started_output = first.communicate(timeout=900)[0]
+        assert first.returncode == 0, started_output
+        assert still_starting, "the second run was not tried while the first was starting"
         (before,) = wait_for(lambda: serving_replicas(conf), 120, "the replica to be listed")
         assert (
             "--max-num-seqs" in vllm_argv(before)
@@ -124,5 +142,7 @@ def test_changing_an_engine_arg_under_load_replaces_the_replica_without_a_failed
 
         wait_for(old_engine_gone, 60, "the replaced replica's engine process to exit")
     finally:
+        if first.poll() is None:
+            first.wait(900)
         stopped = run_cli(conf, "action=stop", timeout=300)
         assert stopped.returncode == 0, stopped.output
