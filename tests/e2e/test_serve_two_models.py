@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import struct
@@ -28,6 +29,7 @@ PORT = 18411
 MODELS = ("alpha", "beta")
 REPLICAS = {"alpha": 2, "beta": 1}
 KEY_ENV, API_KEY = "FS_E2E_API_KEY", "e2e-secret-key"  # deploy.api_key_env: the key stays out of the YAML
+ENV_SECRET = f"hf_{secrets.token_hex(12)}"  # experiment.envs.HF_TOKEN: a secret env value
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,11 @@ def deployment(tmp_path_factory):
     ]
     deploy = {"host": "127.0.0.1", "port": PORT, "startup_timeout_s": 600, "api_key_env": KEY_ENV}
     conf = write_config(
-        root / "conf", nodes, exp_dir, PORT, experiment={"runner": {"hostfile": None, "deploy": deploy}}
+        root / "conf",
+        nodes,
+        exp_dir,
+        PORT,
+        experiment={"runner": {"hostfile": None, "deploy": deploy}, "envs": {"HF_TOKEN": ENV_SECRET}},
     )
     os.environ[KEY_ENV] = API_KEY  # run_cli passes this process's environment on
     result = run_cli(conf, timeout=900)
@@ -290,6 +296,24 @@ def test_second_run_with_the_same_config_changes_nothing(deployment, client):
     assert result.returncode == 0 and "nothing to change" in result.output, result.output
     assert sorted(m.id for m in client.models.list().data) == sorted(MODELS)
     assert (deployment["exp_dir"] / "state.json").read_text() == state_before  # nothing started or redeployed
+
+
+def test_no_secret_in_any_file_under_exp_dir_nor_in_any_command_line(deployment, client):
+    """Neither the API key nor an env value is in a file under exp_dir (state file, Hydra's output, every log,
+    Ray's session logs through serve_logs/ray) or in any process's argv (issue 19)."""
+    shown = run_cli(deployment["conf"], "action=dryrun", timeout=300)  # prints the resolved config
+    assert shown.returncode == 0 and "HF_TOKEN: '***'" in shown.stdout, shown.output
+    found = [f"dryrun output: {s}" for s in (API_KEY, ENV_SECRET) if s in shown.output]
+    for root, _, files in os.walk(deployment["exp_dir"], followlinks=True):
+        for name in files:
+            path = os.path.join(root, name)
+            if os.path.isfile(path):  # not Ray's sockets
+                data = open(path, "rb").read()
+                found += [f"{path}: {s}" for s in (API_KEY, ENV_SECRET) if s.encode() in data]
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        argv = " ".join(proc.info["cmdline"] or [])
+        found += [f"pid {proc.info['pid']} argv: {s}" for s in (API_KEY, ENV_SECRET) if s in argv]
+    assert not found, found
 
 
 def test_stop_leaves_nothing(deployment, client):
