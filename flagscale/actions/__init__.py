@@ -67,7 +67,7 @@ def _act(config, sources, exp_dir: str, console: Console) -> int:
     if action == "stop":
         from flagscale.actions.stop import stop
 
-        return stop(exp_dir, console, config.experiment.runner.deploy.drain_timeout_s)
+        return stop(exp_dir, console, config.experiment.runner.deploy.drain_timeout_s, config.experiment.env_for)
     if action == "status":
         from flagscale.actions.status import status
 
@@ -116,7 +116,7 @@ def _act(config, sources, exp_dir: str, console: Console) -> int:
         from flagscale.cluster.state import RunState
 
         if running is None:
-            refuse_if_running(exp_dir, console)
+            refuse_if_running(exp_dir, console, config.experiment.env_for)
             with console.status("validating the config ..."):
                 plan = build_plan(config, sources)
             code = run(plan, console, snapshot=snapshot(config, api_key, plan.graph))
@@ -132,7 +132,7 @@ def _act(config, sources, exp_dir: str, console: Console) -> int:
         with console.status("validating the config ..."):
             plan = build_plan(config, sources, check_port=False)  # the port is the running router's
         return update(running, plan, snapshot(config, api_key, plan.graph), console, sources.main)
-    refuse_if_running(exp_dir, console)
+    refuse_if_running(exp_dir, console, config.experiment.env_for)
     with console.status("validating the config ..."):
         plan = build_plan(config, sources)
     return run(plan, console, foreground=config.foreground, snapshot=snapshot(config, api_key, plan.graph))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from flagscale.actions.teardown import teardown
+from flagscale.actions.teardown import EnvFor, no_envs, teardown
 from flagscale.cluster.launch import launch_cluster
 from flagscale.cluster.ray_compat import SERVE_WAITING_FOR_RESOURCES, deploy_app, free_resources_per_node
 from flagscale.cluster.ray_node import cluster_alive, connect, write_token
@@ -23,7 +23,7 @@ from flagscale.plan import Plan
 log = logging.getLogger(__name__)
 
 
-def refuse_if_running(exp_dir: str, console: Console) -> None:
+def refuse_if_running(exp_dir: str, console: Console, env_for: EnvFor = no_envs) -> None:
     """A second `run` on the same exp_dir must not start a second copy."""
     state = RunState.load(exp_dir)
     if state is None:
@@ -35,8 +35,13 @@ def refuse_if_running(exp_dir: str, console: Console) -> None:
             f"{exp_dir}/state.json",
         )
     console.print("[yellow]found a stale state file from an earlier run; cleaning up what is left of it[/]")
-    teardown(state, console)
+    teardown(state, console, env_for=env_for)
     RunState.remove(exp_dir)
+
+
+def plan_env_for(plan: Plan) -> EnvFor:
+    host_envs = plan.cluster.host_envs if plan.cluster else {}
+    return lambda host: host_envs.get(host, plan.envs) if host else plan.envs
 
 
 def run(plan: Plan, console: Console, foreground: bool = False, snapshot: dict | None = None) -> int:
@@ -53,15 +58,8 @@ def run(plan: Plan, console: Console, foreground: bool = False, snapshot: dict |
         started_at=time.time(),
         runner_pid=os.getpid(),
         # cmds.after_stop: recorded at start, so any later teardown (stop, Ctrl-C, failed start) runs it on each host.
-        extra={
-            "after_stop": {
-                "snippet": plan.after_stop,
-                "envs": plan.envs,
-                "host_envs": plan.cluster.host_envs if plan.cluster else {},
-            }
-        }
-        if plan.after_stop
-        else {},
+        # Without env values: stop gives them from its config (teardown.EnvFor).
+        extra={"after_stop": {"snippet": plan.after_stop}} if plan.after_stop else {},
     )
     t0 = time.monotonic()
     try:
@@ -75,7 +73,7 @@ def run(plan: Plan, console: Console, foreground: bool = False, snapshot: dict |
         if isinstance(exc, KeyboardInterrupt):
             console.print("[yellow]interrupted; stopping what was started[/]")
         log.exception("run failed")
-        teardown(state, console, drain_timeout_s=0)
+        teardown(state, console, drain_timeout_s=0, env_for=plan_env_for(plan))
         RunState.remove(plan.exp_dir)
         console.print("stopped everything this run started")
         if isinstance(exc, FlagScaleError):
@@ -292,7 +290,7 @@ def _stay_attached(state: RunState, plan: Plan, console: Console) -> int:
             console.print("[red]the Ray cluster went away[/]")
             break
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the teardown finish
-    problems = teardown(state, console, plan.drain_timeout_s)
+    problems = teardown(state, console, plan.drain_timeout_s, plan_env_for(plan))
     RunState.remove(plan.exp_dir)
     console.print("stopped" if not problems else "stopped with problems:\n  " + "\n  ".join(problems))
     return 0 if not problems else 1

@@ -7,13 +7,13 @@ import time
 from rich.console import Console
 from rich.markup import escape
 
-from flagscale.actions.teardown import teardown
+from flagscale.actions.teardown import EnvFor, no_envs, teardown
 from flagscale.cluster.ray_node import stop_nodes
 from flagscale.cluster.state import NewerStateFormat, RunState, StateFileError
 from flagscale.net import port_open
 
 
-def stop(exp_dir: str, console: Console, drain_timeout_s: float) -> int:
+def stop(exp_dir: str, console: Console, drain_timeout_s: float, env_for: EnvFor = no_envs) -> int:
     try:
         state = RunState.load(exp_dir)
     except StateFileError as exc:
@@ -21,7 +21,7 @@ def stop(exp_dir: str, console: Console, drain_timeout_s: float) -> int:
     if state is None:
         console.print(f"nothing is running for exp_dir {exp_dir}")
         return 0
-    problems = teardown(state, console, drain_timeout_s)
+    problems = teardown(state, console, drain_timeout_s, env_for)
     host, _, port = state.endpoint.rpartition(":")
     if port_open(host.removeprefix("http://"), int(port)):
         problems.append(f"port {port} still accepts connections")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -24,9 +25,16 @@ from flagscale.plan import ROUTER_DEPLOYMENT
 
 log = logging.getLogger(__name__)
 AFTER_STOP_TIMEOUT_S = 120.0
+# A host's env for cmds.after_stop, from the config at hand (None: this machine). The state file records no env
+# values (they may be secrets), so whoever tears down gives them: run from its plan, stop from the config.
+EnvFor = Callable[[str | None], dict[str, str]]
 
 
-def teardown(state: RunState, console: Console, drain_timeout_s: float = 30.0) -> list[str]:
+def no_envs(_host: str | None) -> dict[str, str]:
+    return {}
+
+
+def teardown(state: RunState, console: Console, drain_timeout_s: float = 30.0, env_for: EnvFor = no_envs) -> list[str]:
     """Returns the problems met; an empty list means everything the run started is gone.
 
     A failing `cmds.after_stop` (run last, see run_after_stop) is printed in yellow and is not among the problems:
@@ -53,7 +61,8 @@ def teardown(state: RunState, console: Console, drain_timeout_s: float = 30.0) -
     hosts = after_stop_hosts(state)
     if hosts:
         console.print(f"running cmds.after_stop on {len(hosts)} host(s) ...")
-        for line in run_after_stop(state):  # reported, not a problem: what the run started is gone either way
+        # reported, not a problem: what the run started is gone either way
+        for line in run_after_stop(state, env_for=env_for):
             console.print(f"[yellow]{escape(line)}[/]")
     return problems
 
@@ -70,7 +79,7 @@ def after_stop_hosts(state: RunState) -> list[HostRecord]:
     return [r for r in state.hosts if r.role != "driver"]
 
 
-def run_after_stop(state: RunState, timeout_s: float = AFTER_STOP_TIMEOUT_S) -> list[str]:
+def run_after_stop(state: RunState, timeout_s: float = AFTER_STOP_TIMEOUT_S, env_for: EnvFor = no_envs) -> list[str]:
     """Run the recorded `cmds.after_stop` snippet on each host that ran `before_start`, all in parallel:
     `bash -c <snippet>` with the run's envs (nodes_envs applied per host), bounded by `timeout_s`; locally as
     a subprocess, on remote hosts over SSH. Every host's output and exit code go to
@@ -83,7 +92,9 @@ def run_after_stop(state: RunState, timeout_s: float = AFTER_STOP_TIMEOUT_S) -> 
     if not records:
         return []
     spec = state.extra["after_stop"]
-    snippet, envs, host_envs = spec["snippet"], spec.get("envs") or {}, spec.get("host_envs") or {}
+    snippet = spec["snippet"]
+    # State files of earlier versions recorded the envs themselves.
+    envs, host_envs = spec.get("envs") or env_for(None), spec.get("host_envs") or {}
     log_path = Path(state.exp_dir) / "serve_logs" / "after_stop.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     settings = ssh.SshSettings(**state.extra.get("ssh", {}))
@@ -91,7 +102,7 @@ def run_after_stop(state: RunState, timeout_s: float = AFTER_STOP_TIMEOUT_S) -> 
 
     def one(record: HostRecord) -> str | None:
         with runner_for(record.host, record.remote, settings) as runner:
-            env = host_envs.get(record.host, envs) if record.remote else envs
+            env = (host_envs.get(record.host) or env_for(record.host)) if record.remote else envs
             code, output, failure = _after_stop_on(runner, snippet, env, timeout_s)
         with lock, open(log_path, "a") as out:
             out.write(

@@ -44,6 +44,15 @@ def test_snippet_that_succeeds_runs_with_the_runs_envs(tmp_path):
     assert "=== localhost" in log_text(state) and "exit code 0" in log_text(state) and "said it" in log_text(state)
 
 
+def test_envs_come_from_the_caller_not_the_state_file(tmp_path):
+    """The state file records no env values (they may be secrets): stop passes its config's (issue 19)."""
+    marker = tmp_path / "marker"
+    state = state_with(tmp_path, f'echo "$HF_TOKEN" > {marker}')
+    state.extra["after_stop"] = {"snippet": state.extra["after_stop"]["snippet"]}
+    assert td.run_after_stop(state, env_for=lambda host: {"HF_TOKEN": "from-config"}) == []
+    assert marker.read_text() == "from-config\n"
+
+
 def test_failing_snippet_is_one_line_naming_host_and_code(tmp_path):
     state = state_with(tmp_path, "echo cleaning up; exit 3")
     lines = td.run_after_stop(state)
