@@ -245,11 +245,40 @@ def test_api_key_is_required_at_the_endpoint_and_at_each_engine(deployment, clie
     assert API_KEY not in run_cli(deployment["conf"], "action=status", "output=json", timeout=120).output
 
 
+def test_every_engine_path_but_health_needs_the_key(deployment, client):
+    """vLLM's own key check guards only /v1, /v2, /inference and /cohere; the replica's middleware
+    (serve/engine_auth.py) guards the rest, such as /invocations, which runs completions."""
+
+    def all_engines_read() -> list[dict]:
+        replicas = status_json(deployment)["replicas"]
+        assert len(replicas) == 3 and all(r["engine"] for r in replicas), replicas
+        return replicas
+
+    replicas = wait_for(all_engines_read, 120, "status to read every engine's load (its /metrics, with the key)")
+    for replica in replicas:
+        model, base = replica["serve_id"], replica["url"]
+        requests = {
+            "/invocations": {"model": model, "prompt": "hi", "max_tokens": 2},
+            "/tokenize": {"model": model, "prompt": "hi"},
+            "/v1/completions": {"model": model, "prompt": "hi", "max_tokens": 2},
+            "/metrics": None,
+            "/v1/models": None,
+        }
+        for path, body in requests.items():
+            assert http_status(base + path, body=body) == 401, (base, path)
+            assert http_status(base + path, "wrong", body=body) == 401, (base, path)
+            assert http_status(base + path, API_KEY, body=body) == 200, (base, path)
+        assert http_status(f"{base}/health") == 200, base
+
+
 def test_metrics_show_every_engine_replica_and_the_router(deployment, client):
     from prometheus_client.parser import text_string_to_metric_families
 
     def every_replica() -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=30) as resp:
+        scrape = urllib.request.Request(
+            f"http://127.0.0.1:{PORT}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}
+        )
+        with urllib.request.urlopen(scrape, timeout=30) as resp:
             families = {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
         replicas = {(s.labels["serve_id"], s.labels["replica"]) for s in families["vllm:num_requests_running"].samples}
         assert sorted(serve_id for serve_id, _ in replicas) == ["alpha", "alpha", "beta"], replicas
