@@ -32,7 +32,7 @@ from flagscale.config.engine_args import SECRET_ARGS, secret_env, to_argv
 from flagscale.config.graph import CustomNodePlan, GraphPlan, build_graph_plan
 from flagscale.config.load import ConfigSources
 from flagscale.config.replicas import ReplicaSettings, replica_settings
-from flagscale.config.routing import DEFAULT_POLICY, RoutingSpec
+from flagscale.config.routing import DEFAULT_POLICY, Admission, RoutingSpec
 from flagscale.config.schema import Disaggregation, NodeConfig, PoolConfig, Resources, ServeConfig
 from flagscale.devices import local_gpus
 from flagscale.errors import ConfigError
@@ -85,6 +85,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     api_key: str | None = field(default=None, repr=False)  # deploy.api_key / api_key_env, resolved
     protect_metrics: bool = False
+    admission: Admission = field(default_factory=Admission)  # the router's body cap and queue bounds (deploy.*)
     graph: GraphPlan | None = None  # custom nodes and the graph's HTTP entry, when the config has any
     cluster: ClusterPlan | None = None  # hosts of the hostfile, when runner.hostfile is set
 
@@ -574,6 +575,7 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
         notes=notes,
         api_key=api_key,
         protect_metrics=deploy.protect_metrics,
+        admission=Admission.of(deploy),
         graph=graph,
         cluster=cluster,
     )

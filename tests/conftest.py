@@ -137,13 +137,13 @@ def bare_router(upstreams: list, policy: str):
     return router
 
 
-async def serve(app):
+async def serve(app, **runner_options):
     """An aiohttp app on a free loopback port (fake engines, the router): (runner, port)."""
     from aiohttp import web
 
     from flagscale.net import free_port
 
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, **runner_options)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -153,10 +153,10 @@ async def serve(app):
 @contextlib.asynccontextmanager
 async def router_listening(router):
     """A bare router (bare_router) serving its real HTTP surface (Router.web_app) on a free port: its URL."""
-    from flagscale.serve.router import upstream_session
+    from flagscale.serve.router import RUNNER_OPTIONS, upstream_session
 
     router._session = upstream_session()
-    runner, port = await serve(router.web_app())
+    runner, port = await serve(router.web_app(), **RUNNER_OPTIONS)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

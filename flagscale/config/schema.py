@@ -55,7 +55,25 @@ class DeployConfig(Strict):
     api_key_env: str | None = Field(
         None, min_length=1, description="Name of an env var holding api_key, so the key stays out of YAML."
     )
-    protect_metrics: bool = Field(False, description="With an API key: /metrics requires it as well.")
+    protect_metrics: bool = Field(
+        True,
+        description="With an API key: /metrics requires it as well (Prometheus sends it as a bearer token); "
+        "false leaves /metrics open to anyone who reaches the port.",
+    )
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body the router takes; a larger one is refused with 413 before it is read.",
+    )
+    max_queued_requests: int = Field(
+        1000,
+        ge=0,
+        description="Per model: requests that wait in the router while every replica has max_ongoing_requests in "
+        "flight; beyond this, 503 with Retry-After.",
+    )
+    queue_timeout_s: float = Field(
+        30, gt=0, description="How long a request waits in that queue before it gets 503 with Retry-After."
+    )
     cpu_affinity: Literal["auto", "off"] = Field(
         "auto",
         description="auto: when vLLM's CPU backend binds a worker to some cores, its engine core joins those "
@@ -285,7 +303,13 @@ class Resources(Strict):
     )
     upscale_delay_s: float | None = Field(None, ge=0, description="Autoscaling: load must last this long to add.")
     downscale_delay_s: float | None = Field(None, ge=0, description="Autoscaling: idle this long to remove.")
-    max_ongoing_requests: int | None = Field(None, ge=1, description="Requests one replica takes at once.")
+    max_ongoing_requests: int | None = Field(
+        None,
+        ge=1,
+        description="Requests one replica takes at once; the router holds further ones in its queue "
+        "(deploy.max_queued_requests). Default: 1000 for engine nodes (well above vLLM's max_num_seqs, which "
+        "queues inside the engine), Ray Serve's for custom nodes.",
+    )
     num_cpus: float | None = Field(
         None, ge=0, description="Logical CPUs per replica (default: CPU engines TP x PP x DP, others 1)."
     )
@@ -352,6 +376,12 @@ class RoutingOptions(Strict):
         100_000,
         ge=1,
         description="cache_aware: blocks the prefix table of a model holds, least recently used evicted first.",
+    )
+    max_prefix_chars: int = Field(
+        32_768,
+        ge=1,
+        description="cache_aware: only the first this many characters of a prompt are hashed into the prefix "
+        "table (a longer prompt is keyed by its beginning).",
     )
     max_sessions: int = Field(
         100_000, ge=1, description="session: sessions remembered, least recently used forgotten first."

@@ -9,6 +9,7 @@ from ray import serve
 from ray.serve import Application
 
 from flagscale.cluster.ray_compat import with_version
+from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS
 from flagscale.plan import ROUTER_DEPLOYMENT, EnginePlan, Plan
 from flagscale.serve.autoscaling import with_engine_load_policy
 from flagscale.serve.engine import EngineSpec, VLLMEngine
@@ -33,7 +34,7 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
             health_check_period_s=HEALTH_CHECK_PERIOD_S,
             health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
             graceful_shutdown_timeout_s=plan.drain_timeout_s,
-            **with_engine_load_policy(engine.serve_scaling(default_max_ongoing=1000)),
+            **with_engine_load_policy(engine.serve_scaling(default_max_ongoing=DEFAULT_MAX_ONGOING_REQUESTS)),
             **_placement_group(engine),
             **_one_at_a_time(engine.initial_replicas, spare=engine.serve_id not in no_spare),
         )
@@ -105,6 +106,11 @@ def router_spec(plan: Plan) -> RouterSpec:
         prefill_routing=prefill_routing,
         api_key=plan.api_key,
         protect_metrics=plan.protect_metrics,
+        # requests each replica is sent at once (the router queues the rest): per engine deployment
+        max_ongoing={e.serve_id: e.max_ongoing_requests or DEFAULT_MAX_ONGOING_REQUESTS for e in plan.engines},
+        max_body_bytes=plan.admission.max_body_bytes,
+        max_queued_requests=plan.admission.max_queued_requests,
+        queue_timeout_s=plan.admission.queue_timeout_s,
     )
 
 

@@ -68,6 +68,8 @@ def unresumable(path: str, body: dict[str, Any]) -> str | None:
         return "logprobs or echo"
     if body.get("stop"):
         return "stop strings"
+    if any(type(body.get(k)) not in (int, type(None)) for k in ("max_tokens", "max_completion_tokens", "min_tokens")):
+        return "a token limit that is not an integer"  # the engine refuses it; nothing to count from
     if path == CHAT:
         if any(body.get(k) for k in CHAT_UNRESUMABLE_KEYS):
             return "tools or structured output"
@@ -85,15 +87,15 @@ def unresumable(path: str, body: dict[str, Any]) -> str | None:
 try:  # the router parses every event of a resumable stream: orjson does it in about a fifth of the time
     import orjson
 
-    _loads = orjson.loads
+    loads = orjson.loads
 
-    def _dumps(obj: Any) -> bytes:
+    def dumps(obj: Any) -> bytes:
         return orjson.dumps(obj)
 
 except ImportError:  # pragma: no cover - orjson is in requirements/base.txt
-    _loads = json.loads
+    loads = json.loads
 
-    def _dumps(obj: Any) -> bytes:
+    def dumps(obj: Any) -> bytes:
         return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
@@ -132,7 +134,7 @@ class ClientStream:
         """The request as first sent (again, if the replica failed before the client got anything)."""
         self.generated, self.prompt_ids, self.id, self.trackable, self._pending = [], None, None, True, b""
         self.clean, self.text_since_clean = 0, ""
-        return _dumps({**self.body, "return_token_ids": True}) if self.resumable else original
+        return dumps({**self.body, "return_token_ids": True}) if self.resumable else original
 
     def can_resume(self) -> bool:
         return self.resumable and not self.finished and not self.done and self.trackable and self.prompt_ids is not None
@@ -163,7 +165,7 @@ class ClientStream:
         self.resumed += 1
         self.generated_before_segment = done
         self._pending = b""
-        return COMPLETIONS, _dumps(request)
+        return COMPLETIONS, dumps(request)
 
     def remaining_tokens(self) -> int | None:
         limit = (
@@ -200,7 +202,7 @@ class ClientStream:
             self.done = True
             return event
         try:
-            chunk = _loads(payload)
+            chunk = loads(payload)
         except ValueError:
             self.trackable = False
             return event
@@ -209,7 +211,7 @@ class ClientStream:
             return event
         if self.resumed:
             chunk = self._continued(chunk)
-            return None if chunk is None else b"data: " + _dumps(chunk)
+            return None if chunk is None else b"data: " + dumps(chunk)
         self._track(chunk)
         if self.client_wants_ids:
             return event
@@ -257,7 +259,7 @@ class ClientStream:
                 # sent only because token ids were asked for: vLLM skips it otherwise
                 if not choice.get("logprobs") and chunk.get("usage") is None:
                     return None
-        return b"data: " + _dumps(chunk)
+        return b"data: " + dumps(chunk)
 
     def _continued(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         """A chunk of a resumed completions stream, as a chunk of the client's original response."""
@@ -324,9 +326,9 @@ class ClientStream:
             choice["token_ids"] = [] if self.client_wants_ids else None
         chunk = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
         self.finished = True
-        return b"data: " + _dumps(chunk) + b"\n\n"
+        return b"data: " + dumps(chunk) + b"\n\n"
 
 
 def error_event(message: str, status: int = 502, kind: str = "BadGatewayError") -> bytes:
     """How a stream that cannot go on ends: an OpenAI-shaped error event, then `data: [DONE]` (as vLLM does)."""
-    return b"data: " + _dumps({"error": {"message": message, "type": kind, "code": status}}) + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + dumps({"error": {"message": message, "type": kind, "code": status}}) + b"\n\ndata: [DONE]\n\n"

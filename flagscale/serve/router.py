@@ -9,15 +9,25 @@ A request whose replica fails it moves to another replica (docs/routing.md), eac
 `max_migrations` times: a refused connection (nothing was sent; not counted), a dropped connection or a 5xx
 before the client got anything (sent again as it was), a completions or chat stream broken off part-way
 (resumed from the tokens the client has: flagscale/serve/resume.py). A 4xx is the client's problem: passed on.
+After an engine dies during a request (dropped connection, stream broken off) it is retried at most once more:
+it may be what killed the engine.
 Failures feed each replica's circuit breaker (routing.CircuitBreaker): BREAKER_FAILURES in a row, or one refused
 connection, open it; the replica is skipped for COOLDOWN_S, then one probe (the next request, or the router's
 own /health probe every refresh) closes it again or reopens it.
+
+Admission: each replica is sent at most its deployment's max_ongoing_requests at once; further requests wait in a
+bounded FIFO queue per model (length and time), beyond it 503 with Retry-After. Bodies over max_body_bytes get
+413; the body is parsed once (orjson), the fields the router reads are checked (400 naming the field), and
+client-supplied kv_transfer_params are dropped. A client that hangs up cancels its handler (aiohttp's
+handler_cancellation), which closes the upstream connection: vLLM aborts the request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hmac
+import itertools
 import json
 import logging
 import threading
@@ -26,10 +36,13 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS, Admission
 from flagscale.serve import registry
 from flagscale.serve.cpu_layout import RouterPinning
 from flagscale.serve.metrics import SCRAPE_TIMEOUT_S, RouterMetrics, merge_replica_metrics
 from flagscale.serve.resume import CHAT, COMPLETIONS, ClientStream, error_event
+from flagscale.serve.resume import dumps as _dumps
+from flagscale.serve.resume import loads as _loads
 from flagscale.serve.routing import (  # noqa: F401 - LOAD_SLACK, rank_replicas: re-exported
     COOLDOWN_S,
     LOAD_SLACK,
@@ -48,6 +61,14 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length",
 # VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so the router does not send a request on a connection being closed.
 UPSTREAM_KEEPALIVE_S = 4.0
 HEALTH_PROBE_TIMEOUT_S = 2.0
+# Deeper request bodies are refused: vLLM's server parses with Python's json, whose recursion gives out near 1000
+# levels (a 500 there would count against the replica), and no OpenAI request nests anywhere near this.
+MAX_JSON_DEPTH = 64
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client
+RETRIES_AFTER_ENGINE_DEATH = 1  # a request during which an engine died is sent to at most this many more replicas
+# The router's aiohttp server: a client that hangs up cancels its handler (and so the request upstream).
+RUNNER_OPTIONS = {"access_log": None, "handle_signals": False, "handler_cancellation": True}
+_DEFAULT_ADMISSION = Admission()
 
 
 @dataclass
@@ -63,11 +84,26 @@ class RouterSpec:
     # Disaggregated models: served model name -> how its prefill replica is picked (docs/disaggregation.md).
     prefill_routing: dict[str, RoutingSpec] = field(default_factory=dict)
     api_key: str | None = field(default=None, repr=False)  # deploy.api_key: required on every route but /health
-    protect_metrics: bool = False  # deploy.protect_metrics: /metrics needs the key too
+    protect_metrics: bool = True  # deploy.protect_metrics: /metrics needs the key too
+    max_ongoing: dict[str, int] = field(default_factory=dict)  # serve_id -> requests one replica is sent at once
+    max_body_bytes: int = _DEFAULT_ADMISSION.max_body_bytes
+    max_queued_requests: int = _DEFAULT_ADMISSION.max_queued_requests  # per model
+    queue_timeout_s: float = _DEFAULT_ADMISSION.queue_timeout_s
 
     # What a running router takes in place (Serve's user_config -> Router.reconfigure). Where it listens, and the
     # API key (Serve shows user_configs in its status), are fixed for the router replica's life.
-    RECONFIGURABLE = ("models", "refresh_s", "graph_route", "routing", "prefill_routing", "protect_metrics")
+    RECONFIGURABLE = (
+        "models",
+        "refresh_s",
+        "graph_route",
+        "routing",
+        "prefill_routing",
+        "protect_metrics",
+        "max_ongoing",
+        "max_body_bytes",
+        "max_queued_requests",
+        "queue_timeout_s",
+    )
 
     def user_config(self) -> dict[str, Any]:
         return {key: value for key, value in asdict(self).items() if key in self.RECONFIGURABLE}
@@ -111,11 +147,86 @@ def upstream_session():
     )
 
 
-def _error(status: int, message: str, kind: str):
+def _error(status: int, message: str, kind: str, headers: dict | None = None):
     from aiohttp import web
 
     body = {"error": {"message": message, "type": kind, "code": status}}
-    return web.json_response(body, status=status)
+    return web.json_response(body, status=status, headers=headers)
+
+
+class _BadRequest(Exception):
+    """The request cannot be routed as it is: the client gets `status` and this message."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+    def response(self):
+        kind = "RequestEntityTooLargeError" if self.status == 413 else "BadRequestError"
+        return _error(self.status, str(self), kind)
+
+
+def _nests_deeper(value: Any, levels: int) -> bool:
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, list):
+        return False
+    if levels == 0:
+        return True
+    return any(_nests_deeper(item, levels - 1) for item in value if isinstance(item, (dict, list)))
+
+
+def parse_body(body: bytes) -> Any:
+    """A request body as JSON, or _BadRequest naming what is wrong with it (not UTF-8, not JSON, an integer
+    beyond 64 bits, nested deeper than MAX_JSON_DEPTH)."""
+    try:
+        value = _loads(body)
+    except ValueError as exc:  # orjson's JSONDecodeError says what and where
+        raise _BadRequest(f"request body is not valid JSON: {exc}") from None
+    # only a body with that many brackets can nest that deep: most never pay for the walk
+    if body.count(b"{") + body.count(b"[") > MAX_JSON_DEPTH and _nests_deeper(value, MAX_JSON_DEPTH):
+        raise _BadRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+# The fields the router itself reads, and the JSON types it can read them as (null: absent).
+_ROUTED_FIELDS = (
+    ("model", str, "a string"),
+    ("stream", bool, "true or false"),
+    ("stream_options", dict, "an object"),
+    ("messages", list, "a list"),
+)
+
+
+def check_payload(payload: Any) -> None:
+    """_BadRequest unless the body is an object whose fields the router reads have a type it can read; the rest
+    of the request is the engine's to check."""
+    if not isinstance(payload, dict):
+        raise _BadRequest(f"request body must be a JSON object, not {type(payload).__name__}")
+    for key, kind, described in _ROUTED_FIELDS:
+        value = payload.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise _BadRequest(f"`{key}` must be {described}, not {_dumps(value)[:100].decode(errors='replace')}")
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request's body, or _BadRequest(413) as soon as it is over `limit` bytes (before reading it all when
+    Content-Length says so)."""
+    too_large = _BadRequest(f"request body is over the limit of {limit} bytes (deploy.max_body_bytes)", 413)
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class _Overloaded(Exception):
+    """Every replica of the model has max_ongoing_requests in flight and the queue is full, or the request waited
+    its queue_timeout_s."""
 
 
 class Router:
@@ -157,6 +268,8 @@ class Router:
     def _apply_spec(self, spec: RouterSpec) -> None:
         old = self.spec
         self.spec = spec
+        for upstream in self._table.by_replica.values():
+            upstream.max_ongoing = self._max_ongoing(upstream)
         for policies, old_routing, routing, models, pools in (
             (self._policies, old.routing, spec.routing, spec.models, self._table.by_model),
             (
@@ -190,6 +303,9 @@ class Router:
         self._moved = 0  # requests moved to another replica after theirs failed them
         self._resumed = 0  # of them, streams resumed mid-way
         self._draining = False
+        # Requests waiting for a replica with a free slot, per (pool, model): (ticket, future), oldest first.
+        self._waiting: dict[tuple[str, str], list[tuple[int, asyncio.Future]]] = {}
+        self._tickets = itertools.count()
 
     # ---- event loop thread -------------------------------------------------------------------
 
@@ -215,7 +331,7 @@ class Router:
         from aiohttp import web
 
         self._session = upstream_session()
-        runner = web.AppRunner(self.web_app(), access_log=None, handle_signals=False)
+        runner = web.AppRunner(self.web_app(), **RUNNER_OPTIONS)
         await runner.setup()
         site = web.TCPSite(runner, self.spec.host, self.spec.port, backlog=1024, reuse_address=True)
         await site.start()
@@ -227,7 +343,8 @@ class Router:
         key checked in front of all of it."""
         from aiohttp import web
 
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._require_key])
+        # (bodies are read by read_body, bounded by spec.max_body_bytes, which an update may change)
+        app = web.Application(middlewares=[self._require_key])
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
@@ -277,6 +394,7 @@ class Router:
                 upstream = _Upstream(record)
             else:
                 upstream.record = record
+            upstream.max_ongoing = self._max_ongoing(upstream)
             table.by_replica[record.replica_id] = upstream
             pools = table.prefill_by_model if record.role == "prefill" else table.by_model
             for model in record.models:
@@ -287,6 +405,66 @@ class Router:
         self._update_policies(self._prefill_policies, old_prefill, table.prefill_by_model)
         if self._pinning is not None:
             self._pinning.update(records)
+        for key in list(self._waiting):  # replicas may have joined, limits changed: every waiter looks again
+            self._wake(key, everyone=True)
+
+    def _max_ongoing(self, upstream: Upstream) -> int:
+        return self.spec.max_ongoing.get(upstream.record.serve_id, DEFAULT_MAX_ONGOING_REQUESTS)
+
+    # ---- admission: a bounded queue in front of replicas at their max_ongoing_requests ------------
+
+    @staticmethod
+    def _pool_key(upstream: Upstream, model: str) -> tuple[str, str]:
+        return ("prefill" if upstream.record.role == "prefill" else "serve", model)
+
+    async def _admitted(self, key: tuple[str, str], pick):
+        """pick()'s replica (or None: no replica left to try). While every replica it could take has
+        max_ongoing_requests in flight (pick() gives _FULL), the request waits its turn behind earlier ones,
+        bounded by max_queued_requests and queue_timeout_s (then _Overloaded)."""
+        waiters = self._waiting.get(key)
+        upstream = _FULL if waiters else pick()  # requests already waiting go first
+        if upstream is not _FULL:
+            return upstream
+        if waiters is None:
+            waiters = self._waiting[key] = []
+        if len(waiters) >= self.spec.max_queued_requests:
+            raise _Overloaded(f"{len(waiters)} requests are already waiting (deploy.max_queued_requests)")
+        loop = asyncio.get_running_loop()
+        ticket, deadline = next(self._tickets), loop.time() + self.spec.queue_timeout_s
+        while True:
+            entry = (ticket, loop.create_future())
+            bisect.insort(waiters, entry, key=lambda e: e[0])  # a request woken in vain keeps its place
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await entry[1]
+            except TimeoutError:
+                raise _Overloaded(
+                    f"no replica had a free slot within {self.spec.queue_timeout_s:g}s (deploy.queue_timeout_s)"
+                ) from None
+            finally:
+                if entry in waiters:
+                    waiters.remove(entry)
+                if not waiters and self._waiting.get(key) is waiters:
+                    del self._waiting[key]
+            upstream = pick()
+            if upstream is not _FULL:
+                return upstream
+            waiters = self._waiting.setdefault(key, waiters)
+
+    def _wake(self, key: tuple[str, str], everyone: bool = False) -> None:
+        """A slot may be free in this pool: the oldest waiter (or every one) looks again."""
+        waiters = self._waiting.get(key)
+        while waiters:
+            _, future = waiters.pop(0)
+            if not future.done():
+                future.set_result(None)
+                if not everyone:
+                    return
+
+    def _slot_freed(self, upstream: Upstream) -> None:
+        if self._waiting:
+            for model in upstream.record.models:
+                self._wake(self._pool_key(upstream, model))
 
     @staticmethod
     def _update_policies(
@@ -313,7 +491,8 @@ class Router:
             open_paths = ("/health",) if self.spec.protect_metrics else ("/health", "/metrics")
             if key and request.path not in open_paths:
                 given = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                # (aiohttp keeps header bytes that are not UTF-8 as surrogates)
+                if not hmac.compare_digest(given.encode(errors="surrogateescape"), f"Bearer {key}".encode()):
                     body = {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error"}}
                     body["error"]["code"] = "invalid_api_key"
                     return web.json_response(body, status=401)
@@ -394,15 +573,16 @@ class Router:
             return await self._run_graph(request)
         if self._draining:
             return _error(503, "server is shutting down", "ServiceUnavailableError")
-        body = await request.read()
-        model = None
-        payload: dict = {}
-        if body:
-            try:
-                payload = json.loads(body)
-                model = payload.get("model")
-            except (ValueError, AttributeError):
-                return _error(400, "request body is not a JSON object", "BadRequestError")
+        try:
+            body = await read_body(request, self.spec.max_body_bytes)
+            payload = parse_body(body) if body else {}
+            check_payload(payload)
+        except _BadRequest as exc:
+            return exc.response()
+        if "kv_transfer_params" in payload:  # where a decode engine pulls KV from is the router's to say
+            del payload["kv_transfer_params"]
+            body = _dumps(payload)
+        model = payload.get("model")
         if model is None and len(set(self.spec.models.values())) == 1:
             model = next(iter(self.spec.models))
         if model not in self.spec.models:
@@ -451,7 +631,10 @@ class Router:
                 return kv  # the prefill pool's answer (a 4xx) or why none could take the prompt
             exchange.with_kv(payload, kv)
         while True:
-            upstream = self._pick(exchange)
+            try:
+                upstream = await self._admitted(("serve", model), lambda: self._pick(exchange))
+            except _Overloaded as exc:
+                return await self._overloaded(exchange, str(exc))
             if upstream is None:
                 return await self._give_up(exchange)
             try:
@@ -461,6 +644,15 @@ class Router:
                 exchange.unreachable += 1
             except _Failed as exc:  # the replica failed the request: another one takes it over, bounded
                 exchange.failure = str(exc)
+                if exc.engine_died:
+                    exchange.engine_deaths += 1
+                    if exchange.engine_deaths > RETRIES_AFTER_ENGINE_DEATH:
+                        exchange.failure += (
+                            "; an engine already died during this request before, and the request may be what "
+                            "kills them: it is not sent to another replica"
+                        )
+                        log.warning("%s", exchange.failure)
+                        return await self._give_up(exchange)
                 if exchange.moves >= exchange.max_moves:
                     return await self._give_up(exchange)
                 exchange.moves += 1
@@ -473,6 +665,14 @@ class Router:
                     exchange.moves,
                     exchange.max_moves,
                 )
+
+    async def _overloaded(self, exchange: _Exchange, reason: str):
+        """503 with Retry-After (a stream already begun, waiting to go on elsewhere: a closing error event)."""
+        message = f"every replica of {exchange.model!r} is at its max_ongoing_requests and {reason}"
+        if exchange.response is not None:
+            exchange.failure = message
+            return await self._give_up(exchange)
+        return _error(503, message, "ServiceUnavailableError", headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def _pick(self, exchange: _Exchange) -> Upstream | None:
         return _first_untried(
@@ -496,7 +696,12 @@ class Router:
         tried: set[str] = set()
         failure = ""
         while True:
-            upstream = _first_untried(policy, pool, exchange.info, tried)
+            try:
+                upstream = await self._admitted(
+                    ("prefill", exchange.model), lambda: _first_untried(policy, pool, exchange.info, tried)
+                )
+            except _Overloaded as exc:
+                return await self._overloaded(exchange, f"(prefill) {exc}")
             if upstream is None:
                 reason = f"{failure}; " if failure else ""
                 message = f"{reason}no prefill replica of {exchange.model!r} could take the prompt"
@@ -522,6 +727,7 @@ class Router:
                 failure = f"{name} failed ({exc!r})"
             finally:
                 upstream.inflight -= 1
+                self._slot_freed(upstream)
                 if ok is None and upstream.breaker.probing:
                     upstream.breaker.probing = False
                 policy.after_request(upstream, exchange.info, bool(ok))
@@ -566,9 +772,9 @@ class Router:
         if self._draining:
             return _error(503, "server is shutting down", "ServiceUnavailableError")
         try:
-            payload = json.loads(await request.read() or b"{}")
-        except ValueError:
-            return _error(400, "request body is not JSON", "BadRequestError")
+            payload = parse_body(await read_body(request, self.spec.max_body_bytes) or b"{}")
+        except _BadRequest as exc:
+            return exc.response()
         with_trace = request.query.get("trace", "").lower() in ("1", "true", "yes")
         self._inflight += 1
         try:
@@ -616,7 +822,7 @@ class Router:
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 ok = False
                 breaker.failure(time.monotonic())
-                raise _Failed(f"{name} dropped the connection before answering ({exc})") from exc
+                raise _Failed(f"{name} dropped the connection before answering ({exc})", engine_died=True) from exc
             upstream.served += 1
             ok = upstream_resp.status < 500  # a 4xx is the client's problem: passed on, the replica is fine
             if ok:
@@ -631,7 +837,7 @@ class Router:
                     except aiohttp.ClientError as exc:
                         ok = False
                         breaker.failure(time.monotonic())
-                        raise _Failed(f"{name} broke off its answer ({exc!r})") from exc
+                        raise _Failed(f"{name} broke off its answer ({exc!r})", engine_died=True) from exc
                     reply = web.Response(status=upstream_resp.status, body=answer, headers=out_headers)
                     if not ok:
                         if exchange.response is None:
@@ -673,6 +879,7 @@ class Router:
                 return response
         finally:
             upstream.inflight -= 1
+            self._slot_freed(upstream)
             if ok is None and breaker.probing:  # cancelled before the replica answered: let another probe
                 breaker.probing = False
             exchange.policy.after_request(upstream, exchange.info, bool(ok))
@@ -687,15 +894,16 @@ class Router:
             await response.write_eof()
             return response
         if not stream.sent_events:  # the client has nothing of it yet: send it again as it was
-            raise _Failed(reason)
+            raise _Failed(reason, engine_died=True)
         if stream.can_resume():
             remaining = stream.remaining_tokens()
             if remaining is not None and remaining <= 0:  # it broke off after its last token
                 await exchange.write(stream.finish_events() + b"data: [DONE]\n\n")
                 await response.write_eof()
                 return response
-            self._resumed += 1
-            raise _Failed(reason + "; resuming it")
+            if exchange.engine_deaths < RETRIES_AFTER_ENGINE_DEATH:
+                self._resumed += 1
+            raise _Failed(reason + "; resuming it", engine_died=True)
         await exchange.write(error_event(f"{reason}; this request's stream cannot be resumed elsewhere"))
         await response.write_eof()
         return response
@@ -762,6 +970,7 @@ class _Exchange:
     headers: dict = field(default_factory=dict)
     tried: set[str] = field(default_factory=set)  # replica ids: each gets the request at most once
     moves: int = 0
+    engine_deaths: int = 0  # replicas whose connection broke off during this request (RETRIES_AFTER_ENGINE_DEATH)
     unreachable: int = 0
     failure: str = ""  # why the last replica that had it failed
     last_answer: Any = None  # the last 5xx answer, returned as is when no replica is left
@@ -794,18 +1003,26 @@ class _Exchange:
                 self.stream.body = {k: v for k, v in self.stream.body.items() if k != "kv_transfer_params"}
 
 
+_FULL = "every replica it may take is at max_ongoing_requests"
+
+
 def _first_untried(policy: Policy, upstreams: list[Upstream], info: RequestInfo, tried: set[str]) -> Upstream | None:
-    """The policy's first choice among the replicas not tried yet (each gets a request at most once), taking the
-    replica's half-open probe if its circuit is half open."""
+    """The policy's first choice among the replicas not tried yet (each gets a request at most once) that have a
+    free slot (fewer than max_ongoing_requests in flight), taking the replica's half-open probe if its circuit is
+    half open. None when no replica is left to try; _FULL when some are, but all of them are at their limit."""
     now = time.monotonic()
+    full = False
     for upstream in policy.select(upstreams, info, now):
         if upstream.replica_id in tried:
+            continue
+        if upstream.inflight >= upstream.max_ongoing:
+            full = True
             continue
         if not upstream.breaker.begin(now):  # another request took its half-open probe
             continue
         tried.add(upstream.replica_id)
         return upstream
-    return None
+    return _FULL if full else None
 
 
 class _Unreachable(Exception):
@@ -814,4 +1031,9 @@ class _Unreachable(Exception):
 
 class _Failed(Exception):
     """The replica had the request and failed it before the client got its answer, or mid-stream where the
-    stream can go on elsewhere: another replica may take it over."""
+    stream can go on elsewhere: another replica may take it over. `engine_died`: the connection broke off (the
+    engine's process is likely gone), as opposed to a 5xx answer."""
+
+    def __init__(self, reason: str, engine_died: bool = False):
+        super().__init__(reason)
+        self.engine_died = engine_died

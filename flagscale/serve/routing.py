@@ -22,7 +22,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from flagscale.config.routing import DEFAULT_POLICY, POLICIES, RoutingSpec  # noqa: F401 - re-exported
+from flagscale.config.routing import (  # noqa: F401 - re-exported
+    DEFAULT_MAX_ONGOING_REQUESTS,
+    DEFAULT_POLICY,
+    POLICIES,
+    RoutingSpec,
+)
 
 if TYPE_CHECKING:  # nothing here needs Ray
     from flagscale.serve import registry
@@ -105,6 +110,7 @@ class Upstream:
     sent: int = 0  # requests routed here, counted when picked (served only counts once headers are back)
     served: int = 0
     migrations: int = 0  # requests that failed here and moved to another replica
+    max_ongoing: int = DEFAULT_MAX_ONGOING_REQUESTS  # its deployment's max_ongoing_requests: more wait in the router
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
     @property
@@ -122,31 +128,36 @@ class RequestInfo:
     memo: dict[str, Any] = field(default_factory=dict)  # what a policy computed in select, for its hooks
 
 
-def prompt_text(body: dict[str, Any]) -> str:
-    """The text whose prefix decides cache reuse: completions' `prompt`; chat's conversation rendered as the
-    concatenated role + content of its messages (so each turn of a chat extends the previous turn's key)."""
+def prompt_text(body: dict[str, Any], max_chars: int = RoutingSpec.max_prefix_chars) -> str:
+    """The text whose prefix decides cache reuse, up to `max_chars` characters: completions' `prompt`; chat's
+    conversation rendered as the concatenated role + content of its messages (so each turn of a chat extends the
+    previous turn's key). Parts of a type the engine will refuse count as empty text."""
     messages = body.get("messages")
     if isinstance(messages, list):
-        parts = []
+        parts, size = [], 0
         for message in messages:
             if not isinstance(message, dict):
                 continue
             content = message.get("content")
             if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(f"<{message.get('role', '')}>{content if content is not None else ''}")
-        return "".join(parts)
+                content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+            elif not isinstance(content, str):
+                content = ""
+            role = message.get("role")
+            parts.append(f"<{role if isinstance(role, str) else ''}>{content}")
+            size += len(parts[-1])
+            if size >= max_chars:
+                break
+        return "".join(parts)[:max_chars]
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return prompt
+        return prompt[:max_chars]
     if isinstance(prompt, list) and prompt:
         first = prompt[0]
         if isinstance(first, str):
-            return first  # a batch of prompts: the first one decides
-        if isinstance(first, int):
-            return " ".join(map(str, prompt))  # token ids
-        if isinstance(first, list):
-            return " ".join(map(str, first))
+            return first[:max_chars]  # a batch of prompts: the first one decides
+        ids = prompt if isinstance(first, int) else first if isinstance(first, list) else ()
+        return " ".join(map(str, ids[:max_chars]))[:max_chars] if isinstance(ids, list) else ""  # token ids
     return ""
 
 
@@ -348,7 +359,7 @@ class CacheAware(Policy):
 
     def _prompt_keys(self, request: RequestInfo) -> list[bytes]:
         if "prefix_keys" not in request.memo:
-            text = prompt_text(request.body)
+            text = prompt_text(request.body, self.spec.max_prefix_chars)
             request.memo["prefix_keys"] = self.table.keys(text)
             request.memo["prompt_chars"] = len(text)
         return request.memo["prefix_keys"]

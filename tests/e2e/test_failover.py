@@ -6,17 +6,24 @@ request must complete, with exactly the text an unbroken run gives (the referenc
 same deployment), and the router must have resumed at least one stream mid-way (else the kill hit nothing
 and the test proves nothing). Then Serve replaces the dead replica, the router takes the new one in, and it
 serves; 4xx answers leave every circuit closed.
+
+On the same deployment, first: clients that hang up (non-streamed requests after they run, a stream after its
+first tokens) get their requests aborted in the engines (vLLM counts them as finished_reason="abort").
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import signal
 import time
+import urllib.request
 
 import openai
 import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from flagscale.serve.metrics import engine_metrics
 from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
@@ -54,7 +61,9 @@ def stream(client: openai.OpenAI, kind: str, prompt: str) -> str:
     return text
 
 
-def test_killing_a_replica_under_streaming_load_loses_no_request(tmp_path):
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("failover")
     node = {
         "serve_id": "demo",
         "engine": "vllm",
@@ -66,55 +75,104 @@ def test_killing_a_replica_under_streaming_load_loses_no_request(tmp_path):
     started = run_cli(conf, timeout=900)
     try:
         assert started.returncode == 0, started.output
-        before = wait_for(lambda: two_routed(conf), 120, "two routed replicas")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
-        work = [
-            ("chat" if i % 3 == 0 else "completion", f"request {i}: tell me about serving {i * 7}") for i in range(36)
-        ]
-        reference = {item: stream(client, *item) for item in work}  # unbroken runs, one at a time
-        assert all(reference.values())
-
-        victim = before[0]
-        server = psutil.Process(victim["engine_pid"]).children()[0]  # engine_proc's child: vLLM's API server
-        generated_before = engine_metrics(victim["url"])["vllm:generation_tokens_total"]
-
-        def streaming_on_victim() -> bool:  # a stream there has sent tokens and is not done
-            now = engine_metrics(victim["url"])
-            return now["vllm:num_requests_running"] >= 1 and now["vllm:generation_tokens_total"] - generated_before >= 4
-
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            futures = {pool.submit(stream, client, *item): item for item in work}
-            wait_for(streaming_on_victim, 120, "streams part-way on the victim replica", interval=0.05)
-            time.sleep(0.2)  # the router relays those tokens to their clients
-            server.send_signal(signal.SIGKILL)
-            results = {futures[f]: f.result() for f in concurrent.futures.as_completed(futures)}
-        lost = {item: (reference[item], got) for item, got in results.items() if got != reference[item]}
-        assert not lost, f"{len(lost)} of {len(work)} requests differ from an unbroken run: {list(lost.items())[:2]}"
-
-        router = wait_for(lambda: status_json(conf)["router"], 30, "the router's totals in status")
-        assert router["resumed"] >= 1, router  # the kill hit streams in flight, and they went on elsewhere
-        survivor = before[1]["replica_id"]
-        # Serve replaces the dead replica; the router takes the new one in and it serves.
-        replaced = wait_for(
-            lambda: two_routed(conf, without=victim["replica_id"]),
-            300,
-            "Serve to replace the killed replica and the router to route to the new one",
-        )
-        newcomer = next(r for r in replaced if r["replica_id"] != survivor)
-        for item in work[:4]:
-            assert stream(client, *item) == reference[item]
-        wait_for(
-            lambda: {r["replica_id"]: r for r in routed_replicas(conf)}[newcomer["replica_id"]]["requests_served"] > 0,
-            30,
-            "the new replica to serve",
-        )
-        for _ in range(4):  # the client's mistakes are passed on and blame no replica
-            try:
-                client.completions.create(model="demo", prompt="x", max_tokens=10_000)
-                raise AssertionError("a request over max_model_len should be refused")
-            except openai.BadRequestError:
-                pass
-        assert all(r["router"]["circuit"] == "closed" for r in routed_replicas(conf))
+        yield conf
     finally:
         stopped = run_cli(conf, "action=stop", timeout=300)
         assert stopped.returncode == 0, stopped.output
+
+
+def engine_sample(replicas: list[dict], name: str, **labels: str) -> float:
+    """A sample of the engines' own /metrics, summed over the replicas (those of its label sets with `labels`)."""
+    total = 0.0
+    for replica in replicas:
+        with urllib.request.urlopen(replica["url"] + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+    return total
+
+
+def aborted(replicas: list[dict]) -> float:
+    return engine_sample(replicas, "vllm:request_success_total", finished_reason="abort")
+
+
+def long_request(stream: bool) -> http.client.HTTPConnection:
+    body = {"model": "demo", "prompt": "tell me a story", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    connection = http.client.HTTPConnection("127.0.0.1", PORT, timeout=60)
+    payload = json.dumps({**body, "stream": stream})
+    connection.request("POST", "/v1/completions", body=payload, headers={"Content-Type": "application/json"})
+    return connection
+
+
+def test_clients_that_hang_up_get_their_requests_aborted_in_the_engines(deployment):
+    replicas = wait_for(lambda: two_routed(deployment), 120, "two routed replicas")
+    before = aborted(replicas)
+    n = 4
+    clients = [long_request(stream=False) for _ in range(n)]
+    wait_for(
+        lambda: engine_sample(replicas, "vllm:num_requests_running") >= n, 60, "the requests running", interval=0.05
+    )
+    time.sleep(1)
+    for client in clients:  # the clients leave while their (480-token) answers are being generated
+        client.close()
+    wait_for(lambda: aborted(replicas) - before >= n, 30, f"{n} non-streamed requests aborted in the engines")
+
+    streamed = long_request(stream=True)
+    response = streamed.getresponse()
+    assert response.status == 200 and response.fp.readline().startswith(b"data: ")  # its first tokens came
+    streamed.close()
+    wait_for(lambda: aborted(replicas) - before >= n + 1, 30, "the stream aborted in its engine")
+    wait_for(lambda: engine_sample(replicas, "vllm:num_requests_running") == 0, 30, "no request left running")
+
+
+def test_killing_a_replica_under_streaming_load_loses_no_request(deployment):
+    conf = deployment
+    before = wait_for(lambda: two_routed(conf), 120, "two routed replicas")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
+    work = [("chat" if i % 3 == 0 else "completion", f"request {i}: tell me about serving {i * 7}") for i in range(36)]
+    reference = {item: stream(client, *item) for item in work}  # unbroken runs, one at a time
+    assert all(reference.values())
+
+    victim = before[0]
+    server = psutil.Process(victim["engine_pid"]).children()[0]  # engine_proc's child: vLLM's API server
+    generated_before = engine_metrics(victim["url"])["vllm:generation_tokens_total"]
+
+    def streaming_on_victim() -> bool:  # a stream there has sent tokens and is not done
+        now = engine_metrics(victim["url"])
+        return now["vllm:num_requests_running"] >= 1 and now["vllm:generation_tokens_total"] - generated_before >= 4
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = {pool.submit(stream, client, *item): item for item in work}
+        wait_for(streaming_on_victim, 120, "streams part-way on the victim replica", interval=0.05)
+        time.sleep(0.2)  # the router relays those tokens to their clients
+        server.send_signal(signal.SIGKILL)
+        results = {futures[f]: f.result() for f in concurrent.futures.as_completed(futures)}
+    lost = {item: (reference[item], got) for item, got in results.items() if got != reference[item]}
+    assert not lost, f"{len(lost)} of {len(work)} requests differ from an unbroken run: {list(lost.items())[:2]}"
+
+    router = wait_for(lambda: status_json(conf)["router"], 30, "the router's totals in status")
+    assert router["resumed"] >= 1, router  # the kill hit streams in flight, and they went on elsewhere
+    survivor = before[1]["replica_id"]
+    # Serve replaces the dead replica; the router takes the new one in and it serves.
+    replaced = wait_for(
+        lambda: two_routed(conf, without=victim["replica_id"]),
+        300,
+        "Serve to replace the killed replica and the router to route to the new one",
+    )
+    newcomer = next(r for r in replaced if r["replica_id"] != survivor)
+    for item in work[:4]:
+        assert stream(client, *item) == reference[item]
+    wait_for(
+        lambda: {r["replica_id"]: r for r in routed_replicas(conf)}[newcomer["replica_id"]]["requests_served"] > 0,
+        30,
+        "the new replica to serve",
+    )
+    for _ in range(4):  # the client's mistakes are passed on and blame no replica
+        try:
+            client.completions.create(model="demo", prompt="x", max_tokens=10_000)
+            raise AssertionError("a request over max_model_len should be refused")
+        except openai.BadRequestError:
+            pass
+    assert all(r["router"]["circuit"] == "closed" for r in routed_replicas(conf))

@@ -68,14 +68,16 @@ class FakeEngine:
         return f"http://127.0.0.1:{port}"
 
 
-async def with_router(engines, api_key=None, protect_metrics=False, calls=()):
+async def with_router(engines, api_key=None, protect_metrics=None, calls=()):
     ups = []
     for sent, engine in enumerate(engines):
         up = upstream(engine.name, 0, sent=sent)
         up.record.url = await engine.start()
         ups.append(up)
     router = bare_router(ups, "least_load")
-    router.spec.api_key, router.spec.protect_metrics = api_key, protect_metrics
+    router.spec.api_key = api_key
+    if protect_metrics is not None:
+        router.spec.protect_metrics = protect_metrics
     results = []
     try:
         async with router_listening(router) as url, aiohttp.ClientSession() as client:
@@ -112,17 +114,18 @@ def test_api_key_is_required_everywhere_but_health_and_reaches_the_engines():
         ("POST", "/v1/completions", {"Authorization": "Bearer wrong"}),
         ("POST", "/v1/completions", good),
         ("GET", "/health", {}),
-        ("GET", "/metrics", {}),
+        ("GET", "/metrics", {}),  # protected by default: Prometheus sends the key as a bearer token
+        ("GET", "/metrics", good),
     ]
     results, _ = asyncio.run(with_router([engine], api_key="sesame", calls=calls))
     statuses = [status for status, _ in results]
-    assert statuses == [401, 401, 200, 200, 200]
+    assert statuses == [401, 401, 200, 200, 401, 200]
     assert '"code": "invalid_api_key"' in results[0][1] and "sesame" not in results[0][1]
     assert engine.authorization == ["Bearer sesame"]  # only the good one reached the engine, with the key
-    protected, _ = asyncio.run(
-        with_router([FakeEngine("b", 1)], api_key="sesame", protect_metrics=True, calls=[("GET", "/metrics", {})])
+    opted_out, _ = asyncio.run(
+        with_router([FakeEngine("b", 1)], api_key="sesame", protect_metrics=False, calls=[("GET", "/metrics", {})])
     )
-    assert protected[0][0] == 401
+    assert opted_out[0][0] == 200
 
 
 def config_with(deploy: dict, demo_model_path) -> dict:

@@ -1,0 +1,201 @@
+"""The router's HTTP surface against generated malformed requests (a seeded generator, so a failure replays): bodies
+of every JSON shape with the fields the router reads set to wrong types, broken JSON and bytes, and headers with
+bytes that are not UTF-8. The router itself never answers 5xx nor fails a handler, and a good request is still
+answered afterwards. The fake engines answer what they can parse (streams in vLLM's format, token ids included)
+and refuse the rest with 400, as vLLM does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+
+import aiohttp
+from aiohttp import web
+
+from tests.conftest import bare_router, router_listening, serve
+from tests.unit.test_router_hardening import post_head, raw_request
+from tests.unit.test_router_retry import upstream
+
+SEED = 19
+CASES = 400
+PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/completions?x=%ff", "/v1/embeddings")
+
+
+class TolerantEngine:
+    """vLLM-shaped answers to whatever parses; 400 for the rest. A stream is cut off part-way now and then, so
+    the router's resume path sees the same bodies."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.answers = 0
+
+    async def start(self) -> str:
+        async def handle(request: web.Request):
+            try:
+                body = await request.json()
+                stream = body.get("stream") is True
+                limit = int(body.get("max_tokens") or 4) % 6 + 1
+            except (ValueError, AttributeError, TypeError) as exc:
+                return web.json_response({"error": {"message": repr(exc)}}, status=400)
+            self.answers += 1
+            if not stream:
+                return web.json_response({"id": "x", "choices": [{"index": 0, "text": "ok"}]})
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            with_ids = body.get("return_token_ids") is True
+            for i in range(limit):
+                if self.answers % 7 == 0 and i == 2:
+                    request.transport.abort()  # this engine "dies" mid-stream
+                    return response
+                choice = {"index": 0, "text": f"t{i}", "finish_reason": "length" if i == limit - 1 else None}
+                if with_ids:
+                    choice |= {"token_ids": [i + 5], "prompt_token_ids": [1, 2] if i == 0 else None}
+                chunk = {"id": "c", "object": "text_completion", "created": 1, "model": "m", "choices": [choice]}
+                await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            return response
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        self.runner, port = await serve(app)
+        return f"http://127.0.0.1:{port}"
+
+
+def junk_value(rng: random.Random, depth: int = 0):
+    kinds = ["int", "bigint", "float", "str", "bool", "null", "list", "dict", "unicode"]
+    kind = rng.choice(kinds if depth < 3 else kinds[:6])
+    if kind == "int":
+        return rng.randint(-(2**63), 2**63 - 1)
+    if kind == "bigint":
+        return rng.choice([2**64, -(2**64) - 1, 10**30])
+    if kind == "float":
+        return rng.choice([0.5, -1e308, 1e-300])
+    if kind == "str":
+        return rng.choice(["", "m", "yes", "x" * rng.randint(0, 300), "\u0000", "[DONE]"])
+    if kind == "unicode":
+        return "".join(chr(rng.randint(0x80, 0x2FFFF)) for _ in range(rng.randint(1, 8)))
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "null":
+        return None
+    if kind == "list":
+        return [junk_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+    return {rng.choice(["text", "role", "content", "type", "a"]): junk_value(rng, depth + 1) for _ in range(3)}
+
+
+FIELDS = (
+    "model",
+    "stream",
+    "stream_options",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "user",
+    "n",
+    "logprobs",
+    "stop",
+    "kv_transfer_params",
+    "return_token_ids",
+)
+
+
+def junk_body(rng: random.Random) -> bytes:
+    """A request body: mostly a plausible request with some fields of the wrong type, else anything at all."""
+    roll = rng.random()
+    if roll < 0.6:
+        body = {"model": "m", "prompt": "hello", "stream": rng.random() < 0.5}
+        for key in rng.sample(FIELDS, rng.randint(1, 4)):
+            body[key] = junk_value(rng)
+        if rng.random() < 0.3:
+            content = [{"type": "text", "text": junk_value(rng)}, junk_value(rng)]
+            body["messages"] = [{"role": junk_value(rng), "content": content}, junk_value(rng)]
+        text = json.dumps(body)
+    elif roll < 0.75:
+        text = json.dumps(junk_value(rng))
+    elif roll < 0.85:
+        depth = rng.choice([63, 64, 65, 200, 1100])
+        text = '{"model": "m", "prompt": "x", "a": ' + "[" * depth + "]" * depth + "}"
+    else:
+        raw = bytes(rng.randint(0, 255) for _ in range(rng.randint(0, 60)))
+        return rng.choice([raw, b'{"model": "m", "prompt": "' + raw + b'"}', b'{"model": "m"'])
+    data = text.encode()
+    if rng.random() < 0.1:  # cut anywhere
+        data = data[: rng.randint(0, len(data))]
+    return data
+
+
+def junk_headers(rng: random.Random) -> list[bytes]:
+    headers = []
+    for name in rng.sample([b"Authorization", b"X-Session-Id", b"Accept", b"X-Request-Id", b"User-Agent"], 2):
+        value = rng.choice([b"\xff\xfe", b"Bearer \xc3\x28", b"text/event-stream", "\u00e9".encode("latin-1"), b""])
+        headers.append(name + b": " + value)
+    return headers
+
+
+async def answer_status(url: str, path: str, body: bytes, headers: list[bytes]) -> int:
+    reader, writer = await raw_request(url, post_head(path, body, b"Connection: close", *headers), body)
+    try:
+        status_line = await asyncio.wait_for(reader.readline(), 10)
+        await asyncio.wait_for(reader.read(), 10)  # the whole answer, streams included
+    finally:
+        writer.close()
+    return int(status_line.split()[1])
+
+
+class Errors(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_generated_malformed_requests_never_get_a_5xx_from_the_router():
+    rng = random.Random(SEED)
+    failed_handlers = Errors()
+    logging.getLogger("aiohttp.server").addHandler(failed_handlers)
+
+    async def main():
+        engines = [TolerantEngine("a"), TolerantEngine("b"), TolerantEngine("c")]
+        ups = []
+        for i, engine in enumerate(engines):
+            ups.append(upstream(engine.name, 0, sent=i))
+            ups[-1].record.url = await engine.start()
+        bad = []
+        try:
+            for policy in ("cache_aware", "session"):
+                router = bare_router(ups, policy)
+                router.spec.api_key = "sesame" if policy == "session" else None
+                async with router_listening(router) as url:
+                    for _ in range(CASES // 2):
+                        path, body, headers = rng.choice(PATHS), junk_body(rng), junk_headers(rng)
+                        if router.spec.api_key and rng.random() < 0.8:
+                            headers = [h for h in headers if not h.startswith(b"Authorization")]
+                            headers.append(b"Authorization: Bearer sesame")
+                        status = await answer_status(url, path, body, headers)
+                        if status >= 500:
+                            bad.append((status, path, body[:200], headers))
+                    async with aiohttp.ClientSession() as client:
+                        good = {"model": "m", "prompt": "hello", "max_tokens": 3}
+                        headers = {"Authorization": "Bearer sesame"} if router.spec.api_key else {}
+                        async with client.post(f"{url}/v1/completions", json=good, headers=headers) as r:
+                            assert r.status == 200 and (await r.json())["choices"][0]["text"] == "ok"
+                    assert router._inflight == 0 and all(u.inflight == 0 for u in ups)
+        finally:
+            for engine in engines:
+                await engine.runner.cleanup()
+        return bad
+
+    try:
+        bad = asyncio.run(main())
+    finally:
+        logging.getLogger("aiohttp.server").removeHandler(failed_handlers)
+    assert not bad, f"{len(bad)} requests got a 5xx, e.g. {bad[:3]}"
+    assert not failed_handlers.records, [
+        r.getMessage() + str(r.exc_info and r.exc_info[1]) for r in failed_handlers.records[:3]
+    ]
