@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from flagscale.config.load import hydra_sources, load_config
-from flagscale.errors import FlagScaleError, NotSupportedError
+from flagscale.errors import FlagScaleError
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +89,12 @@ def _act(config, sources, exp_dir: str, console: Console) -> int:
         return bench(config, exp_dir, console)
 
     if action == "auto_tune":
-        raise NotSupportedError(
-            "action=auto_tune (FlagScale's auto-tuner) is not supported yet; the auto_tuner block is read and "
-            "checked, nothing is started. Try the space's values by hand with action=bench",
-            f"{sources.main}: action",
-        )
+        from flagscale.actions.auto_tune import auto_tune
+
+        api_key = plan_key(config, sources)
+        if api_key:  # vLLM's benchmark sends OPENAI_API_KEY as the bearer token
+            os.environ["OPENAI_API_KEY"] = api_key
+        return auto_tune(config, sources, exp_dir, console)
 
     from flagscale.plan import build_plan
 
@@ -108,7 +109,12 @@ def _act(config, sources, exp_dir: str, console: Console) -> int:
 
         plan = build_plan(config, sources, check_port=False)
         running_config = running.extra.get("config") if running is not None else None
-        return dryrun(config, plan, console, running_config, snapshot(config, api_key, plan.graph))
+        code = dryrun(config, plan, console, running_config, snapshot(config, api_key, plan.graph))
+        if config.experiment.auto_tuner is not None:  # what action=auto_tune would run and skip
+            from flagscale.actions.auto_tune import auto_tune_dryrun
+
+            code = auto_tune_dryrun(config, sources, exp_dir, console) or code
+        return code
     from flagscale.actions.run import refuse_if_running, run
 
     if action == "test":

@@ -88,8 +88,10 @@ def ignored(config: ServeConfig) -> list[str]:
                 f"(the node's engine is {node.engine or 'a custom node'})"
             )
     notices += _managed_engine_args(config)
-    if config.experiment.auto_tuner is not None and config.action != "auto_tune":
-        notices.append(f"experiment.auto_tuner ignored: only action=auto_tune reads it (action is {config.action})")
+    if config.experiment.auto_tuner is not None and config.action not in ("auto_tune", "dryrun"):
+        notices.append(
+            f"experiment.auto_tuner ignored: only action=auto_tune (and dryrun) reads it (action is {config.action})"
+        )
     deploy = config.experiment.runner.deploy
     pd_set = [key for key in PD_KEYS if key in deploy.model_fields_set and key != "prefill_decode_disaggregation"]
     if pd_set and not deploy.prefill_decode_disaggregation:
@@ -171,7 +173,7 @@ def _get(data: Any, *keys: str) -> Any:
 # `launcher_key` in the schema are "ignored, with a notice" and need no entry; a key of this project that
 # FlagScale lacks has none either.
 FLAGSCALE_KEYS: dict[str, str] = {
-    "action": "used; `test` too; `auto_tune` refused (not supported yet)",
+    "action": "used; `test` too; `auto_tune` searches the auto_tuner space (docs/auto-tune.md)",
     "experiment.exp_name": "used",
     "experiment.exp_dir": "used",
     "experiment.task.type": "used",
@@ -197,7 +199,19 @@ FLAGSCALE_KEYS: dict[str, str] = {
     "experiment.cmds.before_start": "used",
     "experiment.cmds.after_stop": "used",
     "experiment.node_args": "used",
-    "experiment.auto_tuner": "checked; action=auto_tune refused (not supported yet); other actions ignore it (notice)",
+    "experiment.auto_tuner": "used by action=auto_tune (docs/auto-tune.md); dryrun lists its candidates; other "
+    "actions ignore it (notice)",
+    "experiment.auto_tuner.space": "used: both shapes (flat, and per engine with `engines`)",
+    "experiment.auto_tuner.engines": "used",
+    "experiment.auto_tuner.cards": "used: TP x PP x instance above it is skipped",
+    "experiment.auto_tuner.control": "used",
+    "experiment.auto_tuner.control.interval": "used: rest between trials",
+    "experiment.auto_tuner.control.run_best": "used",
+    "experiment.auto_tuner.control.max_time_per_task": "used",
+    "experiment.auto_tuner.control.max_time": "used",
+    "experiment.auto_tuner.performance": "used without an `slo`",
+    "experiment.auto_tuner.performance.metric": "used; FlagScale's names too",
+    "experiment.auto_tuner.performance.order": "used",
     "experiment.node_args.<host>.engine_args": "used",
     "serve[].serve_id": "used",
     "serve[].engine": "used (`vllm`; `sglang` refused before start)",

@@ -29,6 +29,8 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
     ("`experiment.bench`", schema.BenchConfig, "experiment.bench."),
     ("`experiment.node_args.<host>`", schema.NodeArgs, "experiment.node_args.<host>."),
     ("`experiment.auto_tuner`", schema.AutoTunerConfig, "experiment.auto_tuner."),
+    ("`experiment.auto_tuner.control`", schema.TunerControl, "experiment.auto_tuner.control."),
+    ("`experiment.auto_tuner.performance`", schema.TunerPerformance, "experiment.auto_tuner.performance."),
     ("`serve[]`: nodes", schema.NodeConfig, "serve[]."),
     ("`serve[].resources`", schema.Resources, "serve[].resources."),
     ("`serve[].profile`", schema.ProfileConfig, "serve[].profile."),

@@ -121,7 +121,9 @@ def test_multiple_instance_config_auto_tune_and_gpu_demand(configs, demo_model_p
         timeout=300,
     )
     assert as_is.returncode == 2, as_is.output
-    assert "action=auto_tune (FlagScale's auto-tuner) is not supported yet" in as_is.output
+    # its model path is a placeholder: no candidate of its auto_tuner space can be planned, nothing starts
+    assert "experiment.auto_tuner.space: no candidate can run, pruning skipped them all" in as_is.output
+    assert "model path '/models/Qwen2.5-7B-Instruct' does not exist" in as_is.output
     assert_no_schema_error(as_is)
     result = dryrun(configs, "qwen2_5-multiple-instance", "serve_multiple_instance", model_override(demo_model_path))
     assert_no_schema_error(result)

@@ -237,7 +237,7 @@ def test_auto_tuner_block_loads():
 def test_auto_tuner_block_under_another_action_gets_a_notice():
     cfg = v1_config(auto_tuner={"space": {"instance": [1, 2]}})
     (notice,) = [n for n in load_config(cfg, SOURCES).notices if "auto_tuner" in n]
-    assert notice == "experiment.auto_tuner ignored: only action=auto_tune reads it (action is run)"
+    assert notice == "experiment.auto_tuner ignored: only action=auto_tune (and dryrun) reads it (action is run)"
     cfg["action"] = "auto_tune"
     assert not [n for n in load_config(cfg, SOURCES).notices if "auto_tuner" in n]
 

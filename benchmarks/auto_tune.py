@@ -1,0 +1,131 @@
+"""Default config vs the config action=auto_tune picks: goodput under the same load and the same SLO.
+
+Both are measured by the same trial (flagscale/tune/trial.py: deploy, wait healthy, vLLM's serving benchmark through
+the router at rising concurrency, goodput = request throughput at the highest level whose p99 TTFT and TPOT meet the
+SLO): the default as a one-candidate search (the node as written, `instance: [1]`), the tuned one as a search over
+--space. Demo model (conf/serve/demo.yaml's engine args) on this machine's CPU; each search in its own exp_dir,
+stopped at its end (run_best false), also on error or Ctrl-C. Writes JSON to benchmarks/results/ and prints a
+markdown table.
+
+  .venv/bin/python benchmarks/auto_tune.py
+  .venv/bin/python benchmarks/auto_tune.py --space '{"instance": [1, 2], "max_num_seqs": [4, 16, 64]}' --prompts 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from flagscale.tune import history  # noqa: E402
+
+PORT = 8360  # clear of overhead.py (8150-8199), routing.py (8300-8349), the GPU bench (8600-8699) and the e2e tests
+DEFAULT_ARGS = {  # conf/serve/demo.yaml's, float32 as on this machine kind
+    "model": "${demo_model:}",
+    "served_model_name": "demo",
+    "max_model_len": 512,
+    "enforce_eager": True,
+    "gpu_memory_utilization": 0.1,
+    "dtype": "float32",
+}
+
+
+def write_conf(root: Path, name: str, space: dict, args: argparse.Namespace) -> Path:
+    conf = root / name
+    (conf / "serve").mkdir(parents=True)
+    main = {
+        "defaults": ["_self_", {"serve": "nodes"}],
+        "experiment": {
+            "exp_name": f"tune-{name}",
+            "exp_dir": str(root / f"exp-{name}"),
+            "task": {"type": "serve", "backend": "vllm"},
+            "runner": {"deploy": {"host": "127.0.0.1", "port": PORT}},
+            "bench": {"input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.prompts},
+            "auto_tuner": {
+                "space": space,
+                "control": {"interval": 5, "run_best": False, "max_time_per_task": 900},
+                "slo": {"ttft_ms": {"p99": args.ttft_p99}, "tpot_ms": {"p99": args.tpot_p99}},
+                "concurrency": args.levels,
+            },
+        },
+        "action": "auto_tune",
+        "hydra": {"run": {"dir": "${experiment.exp_dir}/hydra"}},
+    }
+    node = {"serve_id": "demo", "engine_args": DEFAULT_ARGS, "resources": {"num_replicas": 1}}
+    (conf / "serve.yaml").write_text(yaml.safe_dump(main, sort_keys=False))
+    (conf / "serve" / "nodes.yaml").write_text(yaml.safe_dump([node], sort_keys=False))
+    return conf
+
+
+def search(conf: Path) -> tuple[list[dict], float]:
+    t0 = time.monotonic()
+    argv = [sys.executable, str(REPO / "run.py"), "--config-path", str(conf), "--config-name", "serve"]
+    try:
+        proc = subprocess.run(argv, cwd=REPO, text=True, capture_output=True, timeout=7200)
+    finally:
+        subprocess.run([*argv, "action=stop"], cwd=REPO, capture_output=True, timeout=600)
+    print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n")
+    exp_dir = yaml.safe_load((conf / "serve.yaml").read_text())["experiment"]["exp_dir"]
+    return history.read(Path(exp_dir) / "auto_tuner" / history.FILE), time.monotonic() - t0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--space", default='{"instance": [1, 2], "max_num_seqs": [4, 16]}', help="JSON space")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=48, help="per concurrency level")
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--ttft-p99", type=float, default=1000.0, help="SLO, ms")
+    parser.add_argument("--tpot-p99", type=float, default=60.0, help="SLO, ms")
+    args = parser.parse_args()
+    space = json.loads(args.space)
+    with tempfile.TemporaryDirectory(prefix="tune-bench-") as tmp:
+        root = Path(tmp)
+        default_rows, default_s = search(write_conf(root, "default", {"instance": [1]}, args))
+        tuned_rows, tuned_s = search(write_conf(root, "tuned", space, args))
+    default = default_rows[0]
+    done = [r for r in tuned_rows if r.get("status") == "done" and r.get("goodput")]
+    best = max(done, key=lambda r: r["goodput_per_device"]) if done else None
+    result = {
+        "settings": vars(args),
+        "default": default,
+        "tuned_best": best,
+        "tuned_rows": tuned_rows,
+        "seconds": {"default": round(default_s), "tuned": round(tuned_s)},
+    }
+    out = REPO / "benchmarks" / "results" / f"auto_tune-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(
+        f"\nSLO p99 TTFT <= {args.ttft_p99:g} ms, p99 TPOT <= {args.tpot_p99:g} ms; {args.prompts} prompts of "
+        f"{args.input_len} -> {args.output_len} tokens per level {args.levels}\n"
+    )
+    print("| config | goodput req/s | per device | at concurrency | TTFT p99 ms | TPOT p99 ms | search s |")
+    print("|---|---|---|---|---|---|---|")
+    for label, row, seconds in (("default", default, default_s), ("tuned", best, tuned_s)):
+        if row is None:
+            print(f"| {label} | none met the SLO | | | | | {seconds:.0f} |")
+            continue
+        dims = " ".join(f"{k}={row[k]}" for k in space if k in row) if label == "tuned" else "instance=1"
+        print(
+            f"| {label} ({dims}) | {row.get('goodput')} | {row.get('goodput_per_device')} | {row.get('concurrency')} "
+            f"| {row.get('ttft_p99_ms')} | {row.get('tpot_p99_ms')} | {seconds:.0f} |"
+        )
+    if best is not None and default.get("goodput_per_device"):
+        print(f"\ntuned / default goodput per device: {best['goodput_per_device'] / default['goodput_per_device']:.2f}")
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
