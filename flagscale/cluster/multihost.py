@@ -29,9 +29,9 @@ log = logging.getLogger(__name__)
 
 
 def host_temp_dir(exp_dir: str, host: str) -> str:
-    """Per run and per host (test hosts share one filesystem); short, as Ray's socket paths must be. Created
-    private on the host and checked there (runner.make_dir): one that someone else made first is refused."""
-    return f"/tmp/fsr-{hashlib.sha256(f'{exp_dir}|{host}'.encode()).hexdigest()[:10]}"
+    """Per run and per host (test hosts share one filesystem); short, as Ray's socket paths must be. Ray's temp dir
+    inside a private parent, created and checked on the host (runner.make_dir, cluster/tempdirs.py)."""
+    return f"/tmp/fsr-{hashlib.sha256(f'{exp_dir}|{host}'.encode()).hexdigest()[:10]}/ray"
 
 
 def resolve_ip(host: str) -> str:

@@ -58,7 +58,6 @@ def prepare_ray_temp_dir(exp_dir: str) -> str:
     """ray_temp_dir, created private to this user; one under /tmp that someone else made first is refused."""
     temp_dir = ray_temp_dir(exp_dir)
     if not temp_dir.startswith(exp_dir + os.sep):
-        LocalRunner().make_dir(os.path.dirname(temp_dir))
         LocalRunner().make_dir(temp_dir)
     return temp_dir
 

@@ -86,8 +86,8 @@ class CommandRunner(ABC):
 
     @abstractmethod
     def make_dir(self, path: str) -> None:
-        """Create a private directory (0700) or accept one only if this user owns it and no one else can write to
-        it (cluster/tempdirs.py); ClusterError naming it otherwise."""
+        """Create a directory whose parent is private to this user (0700, checked: cluster/tempdirs.py);
+        ClusterError naming the culprit when the parent or it belongs to someone else."""
 
     @abstractmethod
     def stop_session(self, session: int, leader_start_ticks: int | None) -> list[int]:

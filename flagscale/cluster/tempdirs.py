@@ -1,8 +1,10 @@
 """Directories under /tmp that hold a run's Ray sockets, logs and auth token: private to the user, checked.
 
 Their names are short (Ray's socket paths must fit in 107 bytes) and derived from the exp_dir, so someone else
-could create one first: a directory that is not ours, is a link, or that others may write into is refused,
-naming it. Run on the host itself; over SSH as `python -m flagscale.cluster.tempdirs <path>` (plain stdlib).
+could create one first. A run's directory is therefore always the child of a private parent: the parent is created
+0700, and one that is not ours, is a link, or that others may write into is refused, naming it. The child is
+Ray's temp dir, which Ray opens to everyone (mode 777) each time it starts: inside the private parent no one else
+can reach it. Run on the host itself; over SSH as `python -m flagscale.cluster.tempdirs <path>` (plain stdlib).
 """
 
 from __future__ import annotations
@@ -17,23 +19,28 @@ class UnsafeDirectory(Exception):
 
 
 def ensure_private_dir(path: str) -> str:
-    """Create `path` (mode 0700, parents as needed) or accept it only if it is a directory owned by this user that
-    no one else can write to; its mode is then narrowed to 0700. UnsafeDirectory (naming it) otherwise."""
-    parent = os.path.dirname(path.rstrip("/"))
-    if parent and not os.path.isdir(parent):
-        os.makedirs(parent, mode=0o700, exist_ok=True)
+    """Make sure `path`'s parent is private (check_private_parent), then create `path` in it (0700) or accept it if it
+    is a directory of ours. UnsafeDirectory naming the culprit otherwise."""
+    path = path.rstrip("/")
+    parent = os.path.dirname(path)
+    check_private_parent(parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    _ours(path, os.lstat(path))
+    return path
+
+
+def check_private_parent(path: str) -> None:
+    """Create `path` (0700) or accept it only if it is a directory owned by this user that no one else can write
+    to; its mode is then narrowed to 0700."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
     info = os.lstat(path)
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise UnsafeDirectory(f"{path} exists and is not a directory (a link or a file); refusing to use it")
-    if info.st_uid != os.getuid():
-        raise UnsafeDirectory(
-            f"{path} is owned by uid {info.st_uid}, not by this user (uid {os.getuid()}); refusing to use it. "
-            "Remove it, or use another exp_dir"
-        )
+    _ours(path, info)
     if info.st_mode & 0o022:
         raise UnsafeDirectory(
             f"{path} can be written by other users (mode {stat.S_IMODE(info.st_mode):o}); refusing to use it. "
@@ -41,7 +48,16 @@ def ensure_private_dir(path: str) -> str:
         )
     if stat.S_IMODE(info.st_mode) != 0o700:
         os.chmod(path, 0o700)
-    return path
+
+
+def _ours(path: str, info: os.stat_result) -> None:
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise UnsafeDirectory(f"{path} exists and is not a directory (a link or a file); refusing to use it")
+    if info.st_uid != os.getuid():
+        raise UnsafeDirectory(
+            f"{path} is owned by uid {info.st_uid}, not by this user (uid {os.getuid()}); refusing to use it. "
+            "Remove it, or use another exp_dir"
+        )
 
 
 if __name__ == "__main__":

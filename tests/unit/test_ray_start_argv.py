@@ -23,7 +23,7 @@ from flagscale.cluster.state import RunState
 EXP_DIR = "/nonexistent/exp"  # short: the one-machine temp dir is EXP_DIR/ray
 TOKEN = "/nonexistent/exp/ray_auth_token"
 # multihost.host_temp_dir(EXP_DIR, host), recorded
-TEMP = {"node-a": "/tmp/fsr-3260ede3b9", "node-b": "/tmp/fsr-5364ea9ed0"}
+TEMP = {"node-a": "/tmp/fsr-3260ede3b9/ray", "node-b": "/tmp/fsr-5364ea9ed0/ray"}
 AUTH = {"RAY_AUTH_MODE": "token"}
 
 

@@ -81,26 +81,34 @@ def test_an_unsafe_serve_id_is_refused_naming_the_key_and_value(serve_id):
     assert "serve_id" in str(error.value) and repr(serve_id) in str(error.value)
 
 
-def test_a_private_dir_is_made_0700_and_an_existing_own_one_narrowed(tmp_path):
-    made = ensure_private_dir(str(tmp_path / "new" / "dir"))
-    assert os.stat(made).st_mode & 0o777 == 0o700
+def test_a_run_dir_is_made_in_a_private_parent_and_an_existing_own_parent_narrowed(tmp_path):
+    made = ensure_private_dir(str(tmp_path / "new" / "ray"))
+    assert os.stat(os.path.dirname(made)).st_mode & 0o777 == 0o700 and os.stat(made).st_mode & 0o777 == 0o700
     mine = tmp_path / "mine"
     mine.mkdir(mode=0o755)
-    ensure_private_dir(str(mine))
+    ensure_private_dir(str(mine / "ray"))
     assert mine.stat().st_mode & 0o777 == 0o700
 
 
-def test_a_dir_others_can_write_or_a_link_is_refused_naming_it(tmp_path):
+def test_ray_opening_its_own_dir_to_everyone_does_not_block_the_next_run(tmp_path):
+    ray_dir = ensure_private_dir(str(tmp_path / "base" / "ray"))
+    os.chmod(ray_dir, 0o777)  # what `ray start` does to its temp dir
+    assert ensure_private_dir(ray_dir) == ray_dir
+
+
+def test_a_parent_others_can_write_or_a_link_is_refused_naming_it(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
     with pytest.raises(UnsafeDirectory, match=f"{shared} can be written by other users"):
-        ensure_private_dir(str(shared))
+        ensure_private_dir(str(shared / "ray"))
+    (tmp_path / "elsewhere").mkdir()
     link = tmp_path / "link"
-    link.symlink_to(tmp_path / "mine", target_is_directory=True)
-    (tmp_path / "mine").mkdir()
+    link.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     with pytest.raises(UnsafeDirectory, match=f"{link} exists and is not a directory"):
-        ensure_private_dir(str(link))
+        ensure_private_dir(str(link / "ray"))
+    with pytest.raises(UnsafeDirectory, match=f"{link} exists and is not a directory"):
+        ensure_private_dir(str(link))  # the run's dir itself a link, in a private parent
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory owned by someone else")
@@ -108,6 +116,8 @@ def test_a_dir_owned_by_someone_else_is_refused(tmp_path):
     theirs = tmp_path / "theirs"
     theirs.mkdir(mode=0o700)
     os.chown(theirs, 54321, 54321)
+    with pytest.raises(UnsafeDirectory, match=f"{theirs} is owned by uid 54321"):
+        ensure_private_dir(str(theirs / "ray"))
     with pytest.raises(UnsafeDirectory, match=f"{theirs} is owned by uid 54321"):
         ensure_private_dir(str(theirs))
 
