@@ -25,7 +25,7 @@ from pathlib import Path
 from flagscale.cluster import ssh
 from flagscale.cluster.processes import read_process, session_members, stop_session
 from flagscale.cluster.ray_env import project_root
-from flagscale.cluster.tempdirs import UnsafeDirectory, ensure_private_dir
+from flagscale.cluster.tempdirs import UnsafeDirectory, ensure_dir_in_private_parent
 from flagscale.errors import ClusterError
 
 # The minimal wrapper around a remote session's argv: print our session id and the leader's start time in clock
@@ -168,7 +168,7 @@ class LocalRunner(CommandRunner):
 
     def make_dir(self, path: str) -> None:
         try:
-            ensure_private_dir(path)
+            ensure_dir_in_private_parent(path)
         except UnsafeDirectory as exc:
             raise ClusterError(str(exc), self.host) from None
 

@@ -19,22 +19,9 @@ class UnsafeDirectory(Exception):
 
 
 def ensure_private_dir(path: str) -> str:
-    """Make sure `path`'s parent is private (check_private_parent), then create `path` in it (0700) or accept it if it
-    is a directory of ours. UnsafeDirectory naming the culprit otherwise."""
+    """Create `path` (mode 0700) or accept it only if it is a directory owned by this user that no one else can
+    write to; its mode is then narrowed to 0700. UnsafeDirectory naming it otherwise."""
     path = path.rstrip("/")
-    parent = os.path.dirname(path)
-    check_private_parent(parent)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    _ours(path, os.lstat(path))
-    return path
-
-
-def check_private_parent(path: str) -> None:
-    """Create `path` (0700) or accept it only if it is a directory owned by this user that no one else can write
-    to; its mode is then narrowed to 0700."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -48,6 +35,20 @@ def check_private_parent(path: str) -> None:
         )
     if stat.S_IMODE(info.st_mode) != 0o700:
         os.chmod(path, 0o700)
+    return path
+
+
+def ensure_dir_in_private_parent(path: str) -> str:
+    """A run's Ray temp dir: its parent made private (ensure_private_dir), then `path` created in it (0700) or
+    accepted whatever its mode (Ray's own chmod) if it is a directory of ours."""
+    path = path.rstrip("/")
+    ensure_private_dir(os.path.dirname(path))
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    _ours(path, os.lstat(path))
+    return path
 
 
 def _ours(path: str, info: os.stat_result) -> None:
@@ -62,7 +63,7 @@ def _ours(path: str, info: os.stat_result) -> None:
 
 if __name__ == "__main__":
     try:
-        ensure_private_dir(sys.argv[1])
+        ensure_dir_in_private_parent(sys.argv[1])
     except (UnsafeDirectory, OSError) as exc:
         print(exc, file=sys.stderr)
         sys.exit(1)

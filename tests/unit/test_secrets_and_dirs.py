@@ -13,7 +13,7 @@ import paramiko
 import pytest
 
 from flagscale.cluster.ssh import _SaveNewKeyPolicy, env_line, remote_command
-from flagscale.cluster.tempdirs import UnsafeDirectory, ensure_private_dir
+from flagscale.cluster.tempdirs import UnsafeDirectory, ensure_dir_in_private_parent, ensure_private_dir
 from flagscale.config.cli import without_hydra_config_copy
 from flagscale.config.load import load_config
 from flagscale.errors import ConfigError
@@ -82,18 +82,18 @@ def test_an_unsafe_serve_id_is_refused_naming_the_key_and_value(serve_id):
 
 
 def test_a_run_dir_is_made_in_a_private_parent_and_an_existing_own_parent_narrowed(tmp_path):
-    made = ensure_private_dir(str(tmp_path / "new" / "ray"))
+    made = ensure_dir_in_private_parent(str(tmp_path / "new" / "ray"))
     assert os.stat(os.path.dirname(made)).st_mode & 0o777 == 0o700 and os.stat(made).st_mode & 0o777 == 0o700
     mine = tmp_path / "mine"
     mine.mkdir(mode=0o755)
-    ensure_private_dir(str(mine / "ray"))
+    ensure_dir_in_private_parent(str(mine / "ray"))
     assert mine.stat().st_mode & 0o777 == 0o700
 
 
 def test_ray_opening_its_own_dir_to_everyone_does_not_block_the_next_run(tmp_path):
-    ray_dir = ensure_private_dir(str(tmp_path / "base" / "ray"))
+    ray_dir = ensure_dir_in_private_parent(str(tmp_path / "base" / "ray"))
     os.chmod(ray_dir, 0o777)  # what `ray start` does to its temp dir
-    assert ensure_private_dir(ray_dir) == ray_dir
+    assert ensure_dir_in_private_parent(ray_dir) == ray_dir
 
 
 def test_a_parent_others_can_write_or_a_link_is_refused_naming_it(tmp_path):
@@ -101,14 +101,16 @@ def test_a_parent_others_can_write_or_a_link_is_refused_naming_it(tmp_path):
     shared.mkdir()
     shared.chmod(0o777)
     with pytest.raises(UnsafeDirectory, match=f"{shared} can be written by other users"):
-        ensure_private_dir(str(shared / "ray"))
+        ensure_dir_in_private_parent(str(shared / "ray"))
+    with pytest.raises(UnsafeDirectory, match=f"{shared} can be written by other users"):
+        ensure_private_dir(str(shared))
     (tmp_path / "elsewhere").mkdir()
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     with pytest.raises(UnsafeDirectory, match=f"{link} exists and is not a directory"):
-        ensure_private_dir(str(link / "ray"))
+        ensure_dir_in_private_parent(str(link / "ray"))
     with pytest.raises(UnsafeDirectory, match=f"{link} exists and is not a directory"):
-        ensure_private_dir(str(link))  # the run's dir itself a link, in a private parent
+        ensure_dir_in_private_parent(str(link))  # the run's dir itself a link, in a private parent
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory owned by someone else")
@@ -117,7 +119,7 @@ def test_a_dir_owned_by_someone_else_is_refused(tmp_path):
     theirs.mkdir(mode=0o700)
     os.chown(theirs, 54321, 54321)
     with pytest.raises(UnsafeDirectory, match=f"{theirs} is owned by uid 54321"):
-        ensure_private_dir(str(theirs / "ray"))
+        ensure_dir_in_private_parent(str(theirs / "ray"))
     with pytest.raises(UnsafeDirectory, match=f"{theirs} is owned by uid 54321"):
         ensure_private_dir(str(theirs))
 
