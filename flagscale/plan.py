@@ -88,6 +88,8 @@ class Plan:
     admission: Admission = field(default_factory=Admission)  # the router's body cap and queue bounds (deploy.*)
     graph: GraphPlan | None = None  # custom nodes and the graph's HTTP entry, when the config has any
     cluster: ClusterPlan | None = None  # hosts of the hostfile, when runner.hostfile is set
+    ray_cluster: Any = None  # an existing Ray cluster's ClusterFacts (runner.type: ray), read before planning
+    placement: Any = None  # ray_cluster only: where each replica would go (ray_cluster.Placement)
 
     @property
     def model_ids(self) -> list[str]:
@@ -96,6 +98,8 @@ class Plan:
     @property
     def endpoint(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        if self.ray_cluster is not None:  # the router runs on the cluster's head node
+            host = self.ray_cluster.head.ip
         return f"http://{host}:{self.port}"
 
     @property
@@ -450,14 +454,16 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
     seen_names: dict[str, str] = {}
     engines: list[EnginePlan] = []
     notes: list[str] = []
-    gpus = local_gpus()
     _refuse_unsupported(config, sources)
+    facts = _existing_ray_cluster(config, sources)
+    gpus = local_gpus() if facts is None else []
     hostfile = load_hostfile(config, sources)
-    target = (
-        Target.hosts_of(hostfile)
-        if hostfile
-        else Target.this_machine(len(gpus), os.cpu_count() or 1, min((g.memory_mib for g in gpus), default=None))
-    )
+    if facts is not None:
+        target = Target.ray_cluster(facts)
+    elif hostfile:
+        target = Target.hosts_of(hostfile)
+    else:
+        target = Target.this_machine(len(gpus), os.cpu_count() or 1, min((g.memory_mib for g in gpus), default=None))
     on_hosts: list[tuple[EnginePlan, NodeConfig]] = []
     for index, node in enumerate(config.serve):
         if node.serve_id in seen_ids:
@@ -500,11 +506,18 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
     if port is None:
         engine_ports = (engine_args_of(n, config).get("port") for n in config.serve if n.is_engine)
         port = next((p for p in engine_ports if isinstance(p, int)), DEFAULT_PORT)
+    router_host = deploy.host if facts is None else _router_host(deploy.host, facts, sources)
+    if check_port and facts is not None and endpoint_in_use(facts.head.ip, port):
+        raise ConfigError(
+            f"port {port} on the cluster's head node {facts.head.ip} is already in use (another deployment's "
+            "router?): pick another deploy.port",
+            f"{sources.main}: experiment.runner.deploy.port",
+        )
     if check_port and hostfile is not None and endpoint_in_use(deploy.host, port):
         raise ConfigError(
             f"port {port} on {deploy.host} is already in use", f"{sources.main}: experiment.runner.deploy.port"
         )
-    if check_port and hostfile is None and not port_is_free(deploy.host, port):
+    if check_port and hostfile is None and facts is None and not port_is_free(deploy.host, port):
         raise ConfigError(
             f"port {port} on {deploy.host} is already in use", f"{sources.main}: experiment.runner.deploy.port"
         )
@@ -523,7 +536,7 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
             ],
             serve_file,
         )
-    if graph is not None and hostfile is None and not gpus:
+    if graph is not None and hostfile is None and facts is None and not gpus:
         for node in graph.nodes:
             if node.ray_actor_options.get("num_gpus"):
                 raise ConfigError(
@@ -549,7 +562,10 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
         head_cpus = runner.num_cpus
     else:
         head_cpus = max(os.cpu_count() or 1, room)
-    if cluster is None and required > (os.cpu_count() or 1):
+    placement = None
+    if facts is not None:
+        placement = _place_on(facts, config.experiment.exp_name, replica_groups, sources)
+    elif cluster is None and required > (os.cpu_count() or 1):
         notes.append(f"replicas reserve {required} logical CPUs on a {os.cpu_count()}-core machine: oversubscribed")
 
     exp_dir = resolve_exp_dir(config.experiment.exp_dir)
@@ -560,7 +576,7 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
     return Plan(
         app_name=config.experiment.exp_name,
         exp_dir=exp_dir,
-        host=deploy.host,
+        host=router_host,
         port=port,
         engines=engines,
         head_num_cpus=head_cpus,
@@ -578,4 +594,54 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
         admission=Admission.of(deploy),
         graph=graph,
         cluster=cluster,
+        ray_cluster=facts,
+        placement=placement,
+    )
+
+
+def _existing_ray_cluster(config: ServeConfig, sources: ConfigSources):
+    """runner.type: ray: the cluster's facts, read by connecting (this process stays its driver); else None."""
+    from flagscale.cluster.launch import cluster_kind
+
+    runner = config.experiment.runner
+    if cluster_kind(runner, sources.main) != "ray":
+        return None
+    cmds = config.experiment.cmds
+    for key in ("before_start", "after_stop"):
+        if getattr(cmds, key):
+            raise ConfigError(
+                f"cmds.{key} runs on the hosts whose Ray nodes this runner starts and stops; with runner.type: ray "
+                "it starts none (set up the cluster's nodes in its own image or job script)",
+                f"{sources.main}: experiment.cmds.{key}",
+            )
+    from flagscale.cluster import ray_cluster
+
+    address = ray_cluster.resolve_address(runner.address, dict(os.environ), f"{sources.main}: experiment.runner")
+    return ray_cluster.gather_facts(address)
+
+
+def _router_host(host: str, facts, sources: ConfigSources) -> str:
+    """What the router binds on the cluster's head node: its IP (deploy.host left at loopback, or that IP), or
+    every interface (0.0.0.0 / ::)."""
+    if host in ("0.0.0.0", "::", facts.head.ip):
+        return host
+    if host in ("127.0.0.1", "localhost"):
+        return facts.head.ip
+    raise ConfigError(
+        f"deploy.host {host!r}: on a Ray cluster the router runs on the head node ({facts.head.ip}); set "
+        "deploy.host to that IP, or 0.0.0.0",
+        f"{sources.main}: experiment.runner.deploy.host",
+    )
+
+
+def _place_on(facts, app_name: str, groups: list, sources: ConfigSources):
+    """Where each replica would go on the cluster: a new deployment on what the nodes have free now, an update (the
+    application runs there already, holding its share) on their totals."""
+    from flagscale.cluster.ray_cluster import demand_of, place
+
+    return place(
+        [(g.serve_id, g.initial_replicas, demand_of(g.ray_actor_options)) for g in groups],
+        facts,
+        free=app_name not in facts.applications,
+        where=f"{sources.file_for(('serve',))}: serve",
     )

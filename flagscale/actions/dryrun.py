@@ -72,7 +72,9 @@ def dryrun(
         console.print("\n".join(describe(plan)), markup=False)
         console.print(f"graph picture: {draw(plan, Path(plan.exp_dir) / 'graph.png')}")
     console.print(f"endpoint: {plan.endpoint}/v1   models: {', '.join(dict.fromkeys(plan.model_ids))}")
-    if plan.cluster is None:
+    if plan.ray_cluster is not None:
+        _print_ray_cluster(plan, console)
+    elif plan.cluster is None:
         console.print(f"Ray head: local, {plan.head_num_cpus} logical CPUs   exp_dir: {plan.exp_dir}")
     else:
         _print_hosts(plan, console)
@@ -113,4 +115,20 @@ def _print_hosts(plan: Plan, console: Console) -> None:
     console.print(table)
     for chip, line in cluster.demand.items():
         console.print(f"fits {chip}: {line}", markup=False)
+    console.print(f"exp_dir: {plan.exp_dir}")
+
+
+def _print_ray_cluster(plan: Plan, console: Console) -> None:
+    from flagscale.cluster.ray_cluster import describe
+
+    facts = plan.ray_cluster
+    console.print(
+        f"Ray cluster at {facts.address} (runner.type: ray; nothing is started or stopped but the deployment):"
+    )
+    for line in describe(facts):
+        console.print(f"  node {line}", markup=False)
+    console.print(f"router: on the head node {facts.head.ip}")
+    console.print("replicas would go (first fit on what the nodes have free):")
+    for line in plan.placement.lines():
+        console.print(f"  {line}", markup=False)
     console.print(f"exp_dir: {plan.exp_dir}")

@@ -60,6 +60,7 @@ class LogSource:
     ssh_host: str | None = None  # the hostfile host to read it over SSH when it is not readable here
     role: str = ""
     unlisted: bool = False  # a running deployment's engine log that its registry does not list (starting, or gone)
+    node_id: str | None = None  # runner.type: ray: the Ray node it is on, read there through a Ray task
 
     @property
     def name(self) -> str:
@@ -101,13 +102,22 @@ def registry_sources(state: RunState, records) -> list[LogSource]:
     """The registry's replicas (ReplicaRecord), each with the hostfile host it runs on (multi-host: SSH reads)."""
     by_node = {h.node_id: h for h in state.hosts if h.node_id}
     by_ip = {h.node_ip: h for h in state.hosts if h.node_ip}
+    on_ray_cluster = state.extra.get("cluster") == "ray"
     sources = []
     for r in sorted(records, key=lambda r: (r.serve_id, r.replica_id)):
         host: HostRecord | None = by_node.get(r.node_id) or by_ip.get(r.node_ip)
         remote = host is not None and host.remote
         shown = f"{r.node_ip} ({host.host})" if remote and host.host != r.node_ip else r.node_ip
         sources.append(
-            LogSource(r.log_path, r.serve_id, r.replica_id, shown, host.host if remote else None, r.role or "")
+            LogSource(
+                r.log_path,
+                r.serve_id,
+                r.replica_id,
+                shown,
+                host.host if remote else None,
+                r.role or "",
+                node_id=r.node_id if on_ray_cluster else None,
+            )
         )
     return sources
 
@@ -184,9 +194,16 @@ class Readers:
     """One CommandRunner per host, opened on first use (an SSH connection kept for follow's polls)."""
 
     settings: ssh.SshSettings = field(default_factory=ssh.SshSettings)
+    ray_address: str | None = None  # runner.type: ray: logs on the cluster's nodes are read through Ray tasks
     _runners: dict[str, CommandRunner] = field(default_factory=dict)
 
     def runner(self, source: LogSource) -> CommandRunner:
+        if source.node_id and self.ray_address:
+            from flagscale.cluster.ray_cluster import NodeRunner
+
+            if source.node_id not in self._runners:
+                self._runners[source.node_id] = NodeRunner(source.node_id, self.ray_address, source.host)
+            return self._runners[source.node_id]
         remote = source.ssh_host is not None and not os.access(source.path, os.R_OK)
         key = source.ssh_host if remote else "localhost"
         if key not in self._runners:
@@ -255,6 +272,10 @@ def discover(exp_dir: str, state: RunState | None, note: Callable[[str], None]) 
     try:
         connect(state)
         live = registry_sources(state, registry.list_replicas(state.app_name, include_stale=True))
+        if state.extra.get("cluster") == "ray":
+            known = {s.replica_id for s in live}
+            extra = [s for s in ray_cluster_engine_logs(state, state.started_at) if s.replica_id not in known]
+            return sources + live + extra
     except Exception as exc:  # noqa: BLE001 - the log files are still worth showing
         note(f"cannot read the replica registry ({exc}); showing the engine logs under {log_dir}")
         return sources + [replace(s, unlisted=False) for s in engine_log_files(log_dir, since=state.started_at)]
@@ -263,6 +284,20 @@ def discover(exp_dir: str, state: RunState | None, note: Callable[[str], None]) 
     known = {s.replica_id for s in live}
     extra = [s for s in engine_log_files(log_dir, since=state.started_at) if s.replica_id not in known]
     return sources + live + extra
+
+
+def ray_cluster_engine_logs(state: RunState, since: float) -> list[LogSource]:
+    """runner.type: ray: the engine logs of this deployment on every node of the cluster (under each node's Ray
+    session log dir), modified at or after `since`, oldest first."""
+    from flagscale.cluster.ray_cluster import node_engine_logs
+
+    found = []
+    for node, path, mtime in node_engine_logs(state.app_name):
+        parsed = parse_engine_log_name(os.path.basename(path))
+        if parsed and mtime >= since:
+            source = LogSource(path, parsed[0], parsed[1], node.ip, unlisted=True, node_id=node.node_id)
+            found.append((mtime, source))
+    return [source for _, source in sorted(found, key=lambda item: item[0])]
 
 
 def logs(
@@ -284,7 +319,10 @@ def logs(
             return 1
         filtered = serve_id is not None or replica is not None
         chosen = select(sources, serve_id, replica) if filtered else sources
-        readers = Readers(ssh.SshSettings(**(state.extra.get("ssh", {}) if state else {})))
+        readers = Readers(
+            ssh.SshSettings(**(state.extra.get("ssh", {}) if state else {})),
+            ray_address=state.ray_address if state and state.extra.get("cluster") == "ray" else None,
+        )
         try:
             return _show(exp_dir, state, chosen, readers, printer, lines, follow, replica is None, serve_id)
         finally:
@@ -380,7 +418,12 @@ def _follow(
         next_check = time.monotonic() + ALIVE_EVERY_S
         if watch_new:
             known = {f.source.path for f in followers}
-            for source in engine_log_files(log_dir, since=state.started_at):
+            if state.extra.get("cluster") == "ray":
+                connect(state)
+                appeared = ray_cluster_engine_logs(state, state.started_at)
+            else:
+                appeared = engine_log_files(log_dir, since=state.started_at)
+            for source in appeared:
                 if source.path not in known and (serve_id is None or _serve_id_matches(source, serve_id)):
                     printer.note(f"new engine log: {source.name}")
                     followers.append(Follower(source, offset=0))

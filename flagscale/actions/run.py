@@ -53,7 +53,8 @@ def run(plan: Plan, console: Console, foreground: bool = False, snapshot: dict |
         exp_dir=plan.exp_dir,
         endpoint=plan.endpoint,
         ray_address="",
-        token_path=str(write_token(Path(plan.exp_dir) / "ray_auth_token")),
+        # an existing Ray cluster (runner.type: ray) has its own token, from the environment
+        token_path=None if plan.ray_cluster else str(write_token(Path(plan.exp_dir) / "ray_auth_token")),
         models=plan.model_ids,
         started_at=time.time(),
         runner_pid=os.getpid(),
@@ -62,6 +63,12 @@ def run(plan: Plan, console: Console, foreground: bool = False, snapshot: dict |
         extra={"after_stop": {"snippet": plan.after_stop}} if plan.after_stop else {},
     )
     t0 = time.monotonic()
+    if plan.ray_cluster is not None and plan.app_name in plan.ray_cluster.applications:
+        raise FlagScaleError(
+            f"the Ray cluster at {plan.ray_cluster.address} already runs a Serve application '{plan.app_name}' "
+            "(another exp_dir's deployment, or one started elsewhere): give this one another experiment.exp_name",
+            "experiment.exp_name",
+        )
     try:
         started = launch_cluster(state, plan, console)
         console.print(f"{started} ({time.monotonic() - t0:.1f}s)")

@@ -75,6 +75,8 @@ def collect(state: RunState, api_key: str | None = None) -> dict[str, Any]:
     report["http_health"] = health_problem(state.endpoint, timeout_s=3) or "ok"
     if any(h.remote for h in state.hosts):
         report["hosts"] = _hosts(state, report["replicas"])
+    elif state.extra.get("cluster") == "ray":
+        report["hosts"] = _ray_cluster_nodes(report["replicas"])
     report["healthy"] = (
         all(h["ray_node"] == "alive" for h in report.get("hosts", []))
         and report["status"] == "RUNNING"
@@ -135,6 +137,34 @@ def _hosts(state: RunState, replicas: list[dict]) -> list[dict]:
                 "ray_node": "alive" if node and node.get("Alive") else "dead",
                 "node_id": (record.node_id or "")[:12],
                 "session": record.session,
+                "replicas": [f"{r['serve_id']}/{r['replica_id']}" for r in on_it],
+            }
+        )
+    return rows
+
+
+def _ray_cluster_nodes(replicas: list[dict]) -> list[dict]:
+    """runner.type: ray: the cluster's nodes from Ray's node table (alive ones, and any that held a replica)."""
+    import ray
+
+    from flagscale.cluster.ray_cluster import HEAD_RESOURCE, fmt
+
+    rows = []
+    for node in ray.nodes():
+        on_it = [r for r in replicas if node["NodeID"].startswith(r["node_id"])]
+        if not node.get("Alive") and not on_it:
+            continue
+        resources = node.get("Resources", {})
+        chips = [k.removeprefix("accelerator_type:") for k in resources if k.startswith("accelerator_type:")]
+        rows.append(
+            {
+                "host": node["NodeManagerAddress"],
+                "role": "head + router" if HEAD_RESOURCE in resources else "worker",
+                "chip": ", ".join(chips) or None,
+                "slots": fmt({k: v for k, v in resources.items() if k in ("CPU", "GPU")}),
+                "ray_node": "alive" if node.get("Alive") else "dead",
+                "node_id": node["NodeID"][:12],
+                "session": None,
                 "replicas": [f"{r['serve_id']}/{r['replica_id']}" for r in on_it],
             }
         )

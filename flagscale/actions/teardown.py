@@ -53,7 +53,7 @@ def teardown(state: RunState, console: Console, drain_timeout_s: float = 30.0, e
 
     if ray.is_initialized():
         ray.shutdown()
-    if not multi_host:
+    if not multi_host and state.extra.get("cluster") != "ray":  # an existing Ray cluster has no node of this run's
         console.print("stopping the Ray node(s) this run started ...")
     elif state.hosts:
         console.print(f"stopping the Ray nodes this run started on {len(state.hosts)} host(s) ...")
@@ -159,6 +159,11 @@ def _stop_application(state: RunState, console: Console, drain_timeout_s: float)
     from ray import serve
 
     connect(state)
+    on_ray_cluster = state.extra.get("cluster") == "ray"
+    if on_ray_cluster:  # its engines, read before the application goes: checked gone after
+        from flagscale.serve.registry import list_replicas
+
+        engines = list_replicas(state.app_name, include_stale=True)
     apps = serve.status().applications
     if state.app_name in apps:
         try:
@@ -174,4 +179,18 @@ def _stop_application(state: RunState, console: Console, drain_timeout_s: float)
         deadline = time.monotonic() + drain_timeout_s + 60
         while state.app_name in serve.status().applications and time.monotonic() < deadline:
             time.sleep(0.5)
-    # No serve.shutdown(): the run started every Ray node of its cluster, and stopping them takes Serve down.
+    if on_ray_cluster:
+        _remove_from_ray_cluster(state, console, engines)
+    # No serve.shutdown(): the run started every Ray node of its cluster, and stopping them takes Serve down; an
+    # existing Ray cluster's Serve is shared with its other applications.
+
+
+def _remove_from_ray_cluster(state: RunState, console: Console, engines: list) -> None:
+    """An existing Ray cluster (runner.type: ray) keeps running: what is left of this deployment there, its engine
+    servers and its registry entries, is removed, nothing else."""
+    from flagscale.cluster.ray_cluster import remove_leftovers
+
+    console.print(f"checking that no engine of '{state.app_name}' is left on the cluster's nodes ...")
+    problems = remove_leftovers(state.app_name, engines)
+    if problems:
+        raise RuntimeError("; ".join(problems))

@@ -37,10 +37,20 @@ class Target:
     gpus: int = 0  # this machine only
     cpus: int = 1  # this machine only
     gpu_memory_mib: int | None = None  # this machine only: the smallest GPU's memory
+    ray: Any = None  # an existing Ray cluster's ClusterFacts (runner.type: ray); gpus/cpus: its largest node's
 
     @classmethod
     def this_machine(cls, gpus: int, cpus: int, gpu_memory_mib: int | None = None) -> Target:
         return cls("this machine", None, gpus, cpus, gpu_memory_mib)
+
+    @classmethod
+    def ray_cluster(cls, facts) -> Target:
+        return cls(
+            f"the largest node of the Ray cluster at {facts.address}",
+            gpus=int(facts.most("GPU")),
+            cpus=int(facts.most("CPU")),
+            ray=facts,
+        )
 
     @classmethod
     def hosts_of(cls, hostfile: Hostfile) -> Target:
@@ -75,7 +85,10 @@ def reserve(
     tp, pp, dp = parallel
     devices = tp * pp * dp
     if target.hostfile is None:
-        return _on_this_machine(res, devices, parallel, target, where, args_where)
+        reservation = _on_this_machine(res, devices, parallel, target, where, args_where)
+        if target.ray is not None and res.accelerator is not None:
+            return _on_accelerator(reservation, res, devices, target, where)
+        return reservation
     chip, hosts = _hosts_for(res.accelerator, target.hostfile, where)
     on_gpu = hosts[0].is_gpu
     device_key = "GPU" if on_gpu else str(chip)
@@ -105,18 +118,40 @@ def _on_this_machine(
     res: Resources, devices: int, parallel: tuple[int, int, int], target: Target, where: str, args_where: str
 ) -> Reservation:
     if res.num_gpus and res.num_gpus > 0 and target.gpus == 0:
-        raise ConfigError(f"num_gpus={res.num_gpus:g} per replica, but this machine has no GPU", where)
+        raise ConfigError(f"num_gpus={res.num_gpus:g} per replica, but {target.description} has no GPU", where)
     on_gpu = (res.num_gpus or 0) > 0 or (res.num_gpus is None and target.gpus > 0)
     offered, kind = (target.gpus, "GPU") if on_gpu else (target.cpus, "CPU")
     if devices > offered:
         tp, pp, dp = parallel
         raise ConfigError(
             f"TP x PP x DP = {tp} x {pp} x {dp} = {devices} {kind} devices per replica, "
-            f"but this machine offers {offered}",
+            f"but {target.description} offers {offered}",
             args_where,
         )
     options = actor_options(res, default_cpus=1 if on_gpu else devices, default_gpus=devices if on_gpu else 0)
     return Reservation("gpu" if on_gpu else "cpu", None, options, auto_replicas(devices, [offered]))
+
+
+def _on_accelerator(reservation: Reservation, res: Resources, devices: int, target: Target, where: str) -> Reservation:
+    """An existing Ray cluster: resources.accelerator names Ray's `accelerator_type:<X>` (then GPUs as usual, on
+    such a node) or a custom resource counted in devices (instead of CPUs as the device)."""
+    from flagscale.cluster.ray_cluster import accelerator_resource
+
+    accelerator = str(res.accelerator)
+    name, counts_devices = accelerator_resource(accelerator, target.ray, where)
+    options = dict(reservation.ray_actor_options)
+    # actor_options marks every accelerator as Ray's accelerator_type:<X>; here it is whichever the cluster has
+    options["resources"] = {
+        k: v for k, v in options.get("resources", {}).items() if not k.startswith("accelerator_type:")
+    }
+    if counts_devices:
+        options["num_cpus"] = res.num_cpus if res.num_cpus is not None else 1
+        options["resources"] = {**options.get("resources", {}), name: float(devices)}
+        device = accelerator
+    else:
+        options["resources"] = {**options.get("resources", {}), name: 0.001}
+        device = reservation.device
+    return Reservation(device, accelerator, options, reservation.auto_replicas)
 
 
 # vLLM's default gpu_memory_utilization, and the most that replicas sharing one GPU may ask for together (the rest
@@ -208,8 +243,8 @@ def check_weights_fit(
 
 def check_gpu_demand(demand: list[tuple[str, int, float]], target: Target, where: str) -> None:
     """This machine: the GPUs every engine's replicas reserve together (Serve would leave the rest pending)."""
-    if target.hostfile is not None or target.gpus == 0:
-        return
+    if target.hostfile is not None or target.ray is not None or target.gpus == 0:
+        return  # a Ray cluster's GPUs are counted per node by its placement (ray_cluster.place)
     total = sum(replicas * gpus for _, replicas, gpus in demand if gpus)
     if total > target.gpus + 1e-9:
         terms = " + ".join(f"{serve_id}: {replicas} x {gpus:g}" for serve_id, replicas, gpus in demand if gpus)

@@ -23,6 +23,10 @@ this file. What each wraps, and why the public API does not do:
 - reload_ray_config: `ray._raylet.Config.initialize("")`, which re-reads RAY_* env settings (RAY_AUTH_MODE)
   that Ray read at import, as Ray itself does after setting them.
 - node_ip_init_kwargs: `ray.init(_node_ip_address=...)`, which attaches a driver to the Ray node of that IP.
+- check_gcs_auth: `ray._raylet.GcsClient(address=)`, which asks the GCS for the cluster id once: a refused token
+  raises AuthenticationError at once, where `ray.init` retries it for ~20 s.
+- node_logs_dir: `ray._private.worker.global_worker.node.get_logs_dir_path()`, the session log dir of the node a
+  worker runs on (Ray's log API lists the files under it).
 - RAY_CLI_MODULE: `ray.scripts.scripts`, the module behind the `ray` console script (its `main`).
 - SERVE_WAITING_FOR_RESOURCES: Serve's deployment message for replicas that cannot be scheduled yet
   ("Deployment '<name>' in application '<app>' has N replicas that have taken more than <SLOW_STARTUP_WARNING_S>s
@@ -111,3 +115,17 @@ def reload_ray_config() -> None:
 def node_ip_init_kwargs(node_ip: str | None) -> dict[str, Any]:
     """`ray.init` keyword arguments that attach the driver to the Ray node at node_ip (none: Ray's choice)."""
     return {"_node_ip_address": node_ip} if node_ip else {}
+
+
+def check_gcs_auth(address: str) -> None:
+    """Ask the GCS at `address` for its cluster id: raises AuthenticationError when it refuses this process's token."""
+    from ray._raylet import GcsClient
+
+    GcsClient(address=address)
+
+
+def node_logs_dir() -> str:
+    """The Ray session log dir of the node this worker runs on."""
+    import ray
+
+    return ray._private.worker.global_worker.node.get_logs_dir_path()

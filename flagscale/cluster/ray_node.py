@@ -241,6 +241,11 @@ def connect(state: RunState) -> None:
 
     if ray.is_initialized():
         return
+    if state.extra.get("cluster") == "ray":  # an existing cluster: its address, the token from the environment
+        from flagscale.cluster.ray_cluster import connect as connect_existing
+
+        connect_existing(state.ray_address)
+        return
     env = auth_env(state.token_path)
     if env and os.environ.get("RAY_AUTH_TOKEN_PATH") != env["RAY_AUTH_TOKEN_PATH"]:
         os.environ.update(env)

@@ -180,6 +180,7 @@ FLAGSCALE_KEYS: dict[str, str] = {
     "experiment.task.backend": "mapped: the engine of nodes without `engine`/`module`",
     "experiment.task.entrypoint": "must be null",
     "experiment.runner.hostfile": "used",
+    "experiment.runner.type": "`ssh` used; `cloud` refused (use `ray` with a KubeRay cluster)",
     "experiment.runner.ssh_port": "used",
     "experiment.runner.cli_args": "mapped: engine args of every engine node",
     "experiment.runner.deploy": "used; also read from `experiment.deploy` (notice)",

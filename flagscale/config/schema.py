@@ -184,7 +184,18 @@ class RunnerConfig(Strict):
         description="FlagScale key: engine args given to every engine node (a node's own engine_args win).",
     )
     # FlagScale keys that configure its own launcher; nothing here depends on them.
-    type: str | None = launcher_key(None, "FlagScale's runner kind (ssh/cloud); hosts come from `hostfile` here")
+    type: Literal["ssh", "ray", "cloud"] | None = Field(
+        None,
+        description="Where the cluster comes from: null or `ssh`: this runner starts Ray (this machine, or the "
+        "hostfile's hosts over SSH); `ray`: an existing Ray cluster at `address`, nothing started or stopped but the "
+        "deployment; `cloud` (FlagScale's Kubernetes runner) is refused: use `ray` with a KubeRay cluster.",
+    )
+    address: str | None = Field(
+        None,
+        description="`type: ray`: the cluster's address (`host:port` of its GCS, as `ray start --address` takes it; "
+        "default: RAY_ADDRESS). Token auth as Ray reads it: RAY_AUTH_MODE=token with RAY_AUTH_TOKEN or "
+        "RAY_AUTH_TOKEN_PATH.",
+    )
     nnodes: int | None = launcher_key(None, "the hosts are the hostfile's lines", ge=1)
     nproc_per_node: int | None = launcher_key(
         None, "devices per host come from the hostfile's slots, devices per replica from TP x PP x DP", ge=1

@@ -12,7 +12,7 @@ from flagscale.cluster.ray_compat import with_version
 from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS
 from flagscale.plan import ROUTER_DEPLOYMENT, EnginePlan, Plan
 from flagscale.serve.autoscaling import with_engine_load_policy
-from flagscale.serve.engine import EngineSpec, VLLMEngine
+from flagscale.serve.engine import NODE_LOG_DIR, EngineSpec, VLLMEngine
 from flagscale.serve.registry import version_of
 from flagscale.serve.router import Router, RouterSpec
 
@@ -64,8 +64,9 @@ def engine_spec(plan: Plan, engine: EnginePlan) -> EngineSpec:
         argv=engine.argv,
         host_argv=engine.host_argv,
         # Multi-host: the router on the head reaches engines at their node IP ("node-ip" = not loopback).
-        bind_host="node-ip" if plan.cluster else "127.0.0.1",
-        log_dir=str(plan.log_dir),
+        bind_host="node-ip" if plan.cluster or plan.ray_cluster else "127.0.0.1",
+        # On an existing Ray cluster the exp_dir is not on its nodes: under each node's Ray session log dir.
+        log_dir=NODE_LOG_DIR if plan.ray_cluster else str(plan.log_dir),
         # each host's Ray node already has its own envs; vLLM reads its --api-key from VLLM_API_KEY (not argv,
         # which its log and ours print)
         # secret engine args (hf_token) likewise travel in the env (config/engine_args.py: SECRET_ARGS)
@@ -152,7 +153,9 @@ def _placement_group(engine) -> dict:
 
 
 def _on_head(plan: Plan) -> dict:
-    """Multi-host: pin the router to the head host, where deploy.host is."""
-    from flagscale.cluster.hostfile import HEAD_RESOURCE
+    """Multi-host: pin the router to the head host, where deploy.host is; an existing Ray cluster: to its head node."""
+    from flagscale.cluster import hostfile, ray_cluster
 
-    return {"resources": {HEAD_RESOURCE: 0.001}} if plan.cluster else {}
+    if plan.ray_cluster:
+        return {"resources": {ray_cluster.HEAD_RESOURCE: 0.001}}
+    return {"resources": {hostfile.HEAD_RESOURCE: 0.001}} if plan.cluster else {}

@@ -48,6 +48,7 @@ class EngineSpec:
         return registry.version_of(spec)
 
 
+NODE_LOG_DIR = "ray-node-logs"  # EngineSpec.log_dir: under the replica's node's Ray session logs (runner.type: ray)
 HEALTH_PROBE_TIMEOUT_S = 10.0  # one /health probe (Serve's own bound on check_health is 30 s: app.py)
 HEALTH_GRACE_S = 60.0  # a server that answers no /health probe for this long is taken for hung
 DRAIN_MARGIN_S = 12.0  # of deploy.drain_timeout_s, kept for the server's own exit (SIGTERM, then SIGKILL after 10 s)
@@ -110,8 +111,13 @@ class VLLMEngine:
         host = spec.bind_host
         if host != "127.0.0.1":  # "node-ip": known only here, on the node Serve placed this replica on
             host = ray.util.get_node_ip_address()
-        Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
-        self.log_path = Path(spec.log_dir) / f"engine-{spec.serve_id}-{self.replica_id}.log"
+        log_dir = Path(spec.log_dir)
+        if spec.log_dir == NODE_LOG_DIR:
+            from flagscale.cluster.ray_cluster import engine_log_dir
+
+            log_dir = Path(engine_log_dir(spec.app))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"engine-{spec.serve_id}-{self.replica_id}.log"
         self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
         try:
             self._start(spec, host, self.gpu_ids)

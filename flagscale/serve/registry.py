@@ -63,6 +63,12 @@ def withdraw(app: str, replica_id: str) -> None:
     kv_del(_prefix(app) + replica_id.encode(), namespace=KV_NAMESPACE)
 
 
+def withdraw_all(app: str) -> None:
+    """Remove every record of `app` (its stop, after the application is gone)."""
+    for key in kv_list(_prefix(app), namespace=KV_NAMESPACE):
+        kv_del(key, namespace=KV_NAMESPACE)
+
+
 def list_replicas(app: str, include_stale: bool = False) -> list[ReplicaRecord]:
     records = []
     for key in kv_list(_prefix(app), namespace=KV_NAMESPACE):

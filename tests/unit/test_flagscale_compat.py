@@ -142,11 +142,11 @@ def test_launcher_keys_are_accepted_and_listed_in_one_notice():
         "runner.device_type",
         "runner.master_addr",
         "runner.master_port",
-        "runner.type",
         "runner.deploy.use_fs_serve",
         "runner.deploy.enable_composition",
     ):
         assert f"experiment.{key} (" in launcher, key
+    assert "runner.type" not in launcher  # used: ssh (or unset) starts the cluster over SSH, ray uses a running one
     assert any("FLAGCX_PATH, USE_FLAGCX" in n for n in config.notices)
     assert not load_config(v1_config(), SOURCES).notices  # nothing set, nothing said
     assert set(ignored_key_reasons()) >= {"experiment.runner.nnodes", "experiment.runner.deploy.use_fs_serve"}
