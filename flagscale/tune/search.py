@@ -257,7 +257,7 @@ def _trial(search: Search, candidate: Candidate, worker: BenchWorker, console: C
         console.print()
         raise
     except Exception as exc:  # noqa: BLE001 - a failed trial is recorded and the search goes on
-        log_console.print_exception() if not isinstance(exc, ConfigError) else log_console.print(str(exc))
+        log_console.print(f"trial failed: {exc}")
         reason = failure_reason(exc)
         candidate.row.update(status="failed", reason=reason)
         console.print(f" [red]failed[/]: {escape(reason)}", soft_wrap=True)

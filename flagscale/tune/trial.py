@@ -139,15 +139,23 @@ def load_levels(
 
 def deploy(candidate, sources, exp_dir: str, log_console: Console, startup_timeout_s: float) -> str:
     """The candidate serving from exp_dir: how it got there ("run", "update", "restart")."""
-    return in_worker(_deploy, log_console, candidate, sources, exp_dir, startup_timeout_s)
+    bound = startup_timeout_s + WORKER_MARGIN_S
+    return in_worker(_deploy, log_console, bound, "the deployment", candidate, sources, exp_dir, startup_timeout_s)
 
 
 def stop_deployment(exp_dir: str, drain_timeout_s: float, log_console: Console) -> None:
-    in_worker(_stop, log_console, exp_dir, drain_timeout_s)
+    in_worker(
+        _stop, log_console, drain_timeout_s + WORKER_MARGIN_S, "stopping the deployment", exp_dir, drain_timeout_s
+    )
 
 
-def in_worker(target, log_console: Console, *args):
-    """target(*args, console) in a fresh process whose output goes to log_console's file.
+# Beyond its own bounds (startup_timeout_s, drain_timeout_s), what a deployment step may take: starting or stopping
+# the Ray nodes, imports.
+WORKER_MARGIN_S = 300
+
+
+def in_worker(target, log_console: Console, timeout_s: float, what: str, *args):
+    """target(*args, console) in a fresh process whose output goes to log_console's file; waits at most timeout_s.
 
     Each deployment step gets its own process: Ray keeps per-process state (the connection, the auth token it read)
     that would tie this one to the first cluster it joined, and a trial starts, updates and stops several."""
@@ -158,13 +166,18 @@ def in_worker(target, log_console: Console, *args):
     worker.start()
     send.close()
     try:
+        if not receive.poll(timeout_s):
+            os.kill(worker.pid, signal.SIGINT)  # a run in progress stops what it started
+            worker.join(WORKER_CLEANUP_S)
+            if worker.is_alive():
+                worker.kill()
+            raise TrialTimeout(f"{what} did not finish within {timeout_s:.0f}s; see {log_console.file.name}")
         kind, value = receive.recv()
     except EOFError:
         worker.join(30)
         raise DeployError(f"the deployment worker exited with code {worker.exitcode} before it answered") from None
     except KeyboardInterrupt:
-        # A Ctrl-C in a terminal reaches the worker too; a signal sent to this process alone is passed on, and the
-        # worker's own clean-up (a run stops what it started) is waited for.
+        # Passed on to the worker (its own process group), whose clean-up (a run stops what it started) is waited for.
         if worker.is_alive():
             os.kill(worker.pid, signal.SIGINT)
         worker.join(WORKER_CLEANUP_S)
@@ -186,6 +199,7 @@ WORKER_CLEANUP_S = 300
 def _worker_main(send, target, args, log_path: str) -> None:
     import traceback
 
+    os.setpgrp()  # out of the terminal's process group: a Ctrl-C reaches it once, passed on by the search
     with open(log_path, "a") as log_file:
         console = Console(file=log_file, width=160, highlight=False, soft_wrap=True)
         try:
@@ -207,6 +221,10 @@ def _stop(exp_dir: str, drain_timeout_s: float, log_console: Console) -> None:
         stop(exp_dir, log_console, drain_timeout_s)
 
 
+# flagscale/actions/run.py's words for replicas that Serve could not place within schedule_timeout_s.
+UNSCHEDULABLE = "replicas cannot be scheduled"
+
+
 def _deploy(candidate, sources, exp_dir: str, startup_timeout_s: float, log_console: Console) -> str:
     from flagscale.actions import plan_key, running_state
     from flagscale.actions.run import refuse_if_running, run, update
@@ -225,14 +243,16 @@ def _deploy(candidate, sources, exp_dir: str, startup_timeout_s: float, log_cons
         if recorded is not None and all(change.in_place for change in diff(recorded, snap)):
             try:
                 code = update(running, plan, snap, log_console, sources.main)
-            except FlagScaleError:
-                # update records the new config as soon as it starts applying it: recorded means the candidate
-                # itself failed; not recorded means update refused before changing anything (e.g. no room for a
-                # spare replica), and a fresh start can still apply it.
+            except FlagScaleError as exc:
+                # update records the new config as soon as it starts applying it: not recorded means it refused
+                # before changing anything (e.g. no room for a spare replica). Recorded, the candidate itself
+                # failed, unless its new replicas only waited for room that the old ones hold (run's message for
+                # replicas Serve cannot place). Either way a fresh start can still apply it.
                 state = RunState.load(exp_dir)
-                if state is not None and state.extra.get("config") == snap:
+                applied = state is not None and state.extra.get("config") == snap
+                if applied and UNSCHEDULABLE not in str(exc):
                     raise
-                log_console.print("the update cannot be applied in place; stopping and starting afresh")
+                log_console.print(f"not applicable in place ({exc}); stopping and starting afresh")
             else:
                 if code != 0:
                     raise DeployError(f"the in-place update ended with exit code {code}")
