@@ -640,7 +640,15 @@ def _place_on(facts, app_name: str, groups: list, sources: ConfigSources):
     from flagscale.cluster.ray_cluster import demand_of, place
 
     return place(
-        [(g.serve_id, g.initial_replicas, demand_of(g.ray_actor_options)) for g in groups],
+        [
+            (
+                g.serve_id,
+                g.initial_replicas,
+                demand_of(g.ray_actor_options),
+                g.ray_actor_options.get("label_selector", {}),
+            )
+            for g in groups
+        ],
         facts,
         free=app_name not in facts.applications,
         where=f"{sources.file_for(('serve',))}: serve",

@@ -133,24 +133,27 @@ def _on_this_machine(
 
 
 def _on_accelerator(reservation: Reservation, res: Resources, devices: int, target: Target, where: str) -> Reservation:
-    """An existing Ray cluster: resources.accelerator names Ray's `accelerator_type:<X>` (then GPUs as usual, on
-    such a node) or a custom resource counted in devices (instead of CPUs as the device)."""
-    from flagscale.cluster.ray_cluster import accelerator_resource
+    """An existing Ray cluster: resources.accelerator names what its nodes have (ray_cluster.accelerator_requirement):
+    Ray's `accelerator_type:<X>` (then GPUs as usual, on such a node), a custom resource counted in devices (instead
+    of CPUs as the device), or a node label."""
+    from flagscale.cluster.ray_cluster import accelerator_requirement
 
     accelerator = str(res.accelerator)
-    name, counts_devices = accelerator_resource(accelerator, target.ray, where)
+    how, name = accelerator_requirement(accelerator, target.ray, where)
     options = dict(reservation.ray_actor_options)
     # actor_options marks every accelerator as Ray's accelerator_type:<X>; here it is whichever the cluster has
-    options["resources"] = {
-        k: v for k, v in options.get("resources", {}).items() if not k.startswith("accelerator_type:")
-    }
-    if counts_devices:
+    resources = {k: v for k, v in options.pop("resources", {}).items() if not k.startswith("accelerator_type:")}
+    device = reservation.device
+    if how == "devices":
         options["num_cpus"] = res.num_cpus if res.num_cpus is not None else 1
-        options["resources"] = {**options.get("resources", {}), name: float(devices)}
+        resources[name] = float(devices)
         device = accelerator
+    elif how == "resource":
+        resources[name] = 0.001
     else:
-        options["resources"] = {**options.get("resources", {}), name: 0.001}
-        device = reservation.device
+        options["label_selector"] = {name: accelerator}
+    if resources:
+        options["resources"] = resources
     return Reservation(device, accelerator, options, reservation.auto_replicas)
 
 

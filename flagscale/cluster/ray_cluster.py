@@ -208,20 +208,25 @@ def demand_of(options: dict) -> dict[str, float]:
     return {k: float(v) for k, v in need.items() if v}
 
 
-def place(groups: list[tuple[str, int, dict[str, float]]], facts: ClusterFacts, free: bool, where: str) -> Placement:
-    """groups: (serve_id, replicas, what one replica reserves). Refuses, with the arithmetic, what does not fit:
-    a replica no node could hold, or more replicas than the nodes hold together (free now, or in total)."""
+Group = tuple[str, int, dict[str, float], dict[str, str]]  # serve_id, replicas, one replica's resources, node labels
+
+
+def place(groups: list[Group], facts: ClusterFacts, free: bool, where: str) -> Placement:
+    """groups: (serve_id, replicas, what one replica reserves, the labels its node must have). Refuses, with the
+    arithmetic, what does not fit: a replica no node could hold, or more replicas than the nodes hold together (free
+    now, or in total)."""
     left = {n.node_id: dict(n.offers(free)) for n in facts.nodes}
     kind = "free" if free else "in total"
     placed: list[tuple[str, int, NodeFacts]] = []
     order = sorted(groups, key=lambda g: -sum(v for k, v in g[2].items() if k in ("CPU", "GPU")))
-    for serve_id, count, need in order:
+    for serve_id, count, need, labels in order:
+        candidates = [n for n in facts.nodes if all(n.labels.get(k) == v for k, v in labels.items())]
         for index in range(count):
-            node = next((n for n in facts.nodes if all(left[n.node_id].get(k, 0) >= v for k, v in need.items())), None)
+            node = next((n for n in candidates if all(left[n.node_id].get(k, 0) >= v for k, v in need.items())), None)
             if node is None:
-                offers = "; ".join(
-                    f"{n.ip}{' (head)' if n.is_head else ''}: {fmt(n.offers(free))}" for n in facts.nodes
-                )
+                offers = "; ".join(f"{n.ip}{' (head)' if n.is_head else ''}: {fmt(n.offers(free))}" for n in candidates)
+                if labels:
+                    offers = f"(nodes labelled {fmt_labels(labels)}) {offers or 'none'}"
                 fitted = sum(1 for s, _, _ in placed if s == serve_id)
                 others = sorted({s for s, _, _ in placed if s != serve_id})
                 raise ConfigError(
@@ -236,20 +241,31 @@ def place(groups: list[tuple[str, int, dict[str, float]]], facts: ClusterFacts, 
     return Placement(placed)
 
 
-def accelerator_resource(accelerator: str, facts: ClusterFacts, where: str) -> tuple[str, bool]:
-    """resources.accelerator on a Ray cluster names what its nodes already have: Ray's `accelerator_type:<X>`
-    resource (GPU nodes), or a custom resource <X> counted in devices. Returns (resource, counts devices)."""
+def fmt_labels(labels: dict[str, str]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def accelerator_requirement(accelerator: str, facts: ClusterFacts, where: str) -> tuple[str, str]:
+    """resources.accelerator on a Ray cluster names what its nodes already have, looked for in this order:
+    ("resource", "accelerator_type:<X>"): Ray's resource of GPU nodes of that type;
+    ("devices", "<X>"): a custom resource <X>, counted in devices (TP x PP x DP per replica);
+    ("label", key): a node label whose value is <X> (e.g. ray.io/accelerator-type=<X>), a label selector."""
     typed = f"accelerator_type:{accelerator}"
     names = facts.resource_names()
     if typed in names:
-        return typed, False
+        return "resource", typed
     if accelerator in names:
-        return accelerator, True
+        return "devices", accelerator
+    keys = sorted({k for n in facts.nodes for k, v in n.labels.items() if v == accelerator})
+    if keys:
+        return "label", keys[0]
     types = [n.removeprefix("accelerator_type:") for n in names if n.startswith("accelerator_type:")]
     custom = [n for n in names if not n.startswith("accelerator_type:")]
+    labels = sorted({f"{k}={v}" for n in facts.nodes for k, v in n.labels.items() if not k.startswith("ray.io/node")})
     raise ConfigError(
         f"resources.accelerator={accelerator!r}, but no node of the Ray cluster at {facts.address} has it (accelerator "
-        f"types: {', '.join(types) or 'none'}; custom resources: {', '.join(custom) or 'none'})",
+        f"types: {', '.join(types) or 'none'}; custom resources: {', '.join(custom) or 'none'}; labels: "
+        f"{', '.join(labels) or 'none'})",
         where,
     )
 
@@ -258,7 +274,7 @@ def describe(facts: ClusterFacts) -> list[str]:
     """One line per node, for dryrun."""
     lines = []
     for n in facts.nodes:
-        labels = ", ".join(f"{k}={v}" for k, v in sorted(n.labels.items()) if not k.startswith("ray.io/node"))
+        labels = fmt_labels({k: v for k, v in n.labels.items() if not k.startswith("ray.io/node")})
         lines.append(
             f"{n.ip}{' (head)' if n.is_head else ''} {n.node_id[:12]}: total {fmt(n.offers())}; free "
             f"{fmt(n.offers(free=True))}" + (f"; labels {labels}" if labels else "")

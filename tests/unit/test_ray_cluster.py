@@ -13,7 +13,7 @@ from flagscale.cluster.launch import cluster_kind
 from flagscale.cluster.ray_cluster import (
     ClusterFacts,
     NodeFacts,
-    accelerator_resource,
+    accelerator_requirement,
     check_answers,
     place,
     resolve_address,
@@ -110,9 +110,9 @@ FACTS = ClusterFacts(
 
 
 def test_replicas_go_to_the_first_node_with_room_biggest_first():
-    placement = place([("small", 2, {"CPU": 1.0}), ("big", 1, {"CPU": 6.0})], FACTS, free=True, where=WHERE)
+    placement = place([("small", 2, {"CPU": 1.0}, {}), ("big", 1, {"CPU": 6.0}, {})], FACTS, free=True, where=WHERE)
     assert placement.lines() == ["10.0.0.2: big#0", "10.0.0.1: small#0, small#1"]
-    assert place([("small", 3, {"CPU": 1.0})], FACTS, free=True, where=WHERE).lines() == [
+    assert place([("small", 3, {"CPU": 1.0}, {})], FACTS, free=True, where=WHERE).lines() == [
         "10.0.0.1: small#0, small#1",
         "10.0.0.2: small#2",
     ]
@@ -120,7 +120,7 @@ def test_replicas_go_to_the_first_node_with_room_biggest_first():
 
 def test_what_does_not_fit_is_refused_with_the_arithmetic():
     with pytest.raises(ConfigError) as info:
-        place([("big", 1, {"CPU": 6.0}), ("m", 3, {"CPU": 1.0, "GPU": 1.0})], FACTS, free=True, where=WHERE)
+        place([("big", 1, {"CPU": 6.0}, {}), ("m", 3, {"CPU": 1.0, "GPU": 1.0}, {})], FACTS, free=True, where=WHERE)
     message = str(info.value)
     assert "serve 'm': 3 replica(s) x (CPU:1, GPU:1) = CPU:3, GPU:3" in message
     assert "10.0.0.1 (head): CPU:2; 10.0.0.2: CPU:8, GPU:2" in message
@@ -129,16 +129,39 @@ def test_what_does_not_fit_is_refused_with_the_arithmetic():
 
 
 def test_totals_are_used_when_the_deployment_already_holds_its_share():
-    assert place([("m", 1, {"CPU": 4.0})], FACTS, free=False, where=WHERE).lines() == ["10.0.0.1: m#0"]
+    assert place([("m", 1, {"CPU": 4.0}, {})], FACTS, free=False, where=WHERE).lines() == ["10.0.0.1: m#0"]
 
 
 def test_accelerators_are_what_the_cluster_already_has():
-    assert accelerator_resource("H100", FACTS, WHERE) == ("accelerator_type:H100", False)
+    assert accelerator_requirement("H100", FACTS, WHERE) == ("resource", "accelerator_type:H100")
     chips = ClusterFacts("a:1", [node("10.0.0.3", 4, chipA=8.0)])
-    assert accelerator_resource("chipA", chips, WHERE) == ("chipA", True)
+    assert accelerator_requirement("chipA", chips, WHERE) == ("devices", "chipA")
+    assert accelerator_requirement("L4", LABELLED, WHERE) == ("label", "ray.io/accelerator-type")
     with pytest.raises(ConfigError) as info:
-        accelerator_resource("A100", FACTS, WHERE)
-    assert "accelerator types: H100; custom resources: none" in str(info.value)
+        accelerator_requirement("A100", FACTS, WHERE)
+    assert "accelerator types: H100; custom resources: none; labels: none" in str(info.value)
+
+
+LABELLED = ClusterFacts(
+    "10.0.0.1:6379",
+    [
+        node("10.0.0.1", 8, head=True),
+        NodeFacts("id-l4", "10.0.0.7", False, {"CPU": 2.0}, {"CPU": 2.0}, {"ray.io/accelerator-type": "L4"}),
+    ],
+)
+
+
+def test_a_labelled_chip_is_a_label_selector_and_placement_keeps_to_those_nodes():
+    from flagscale.cluster.placement import Target, reserve
+    from flagscale.config.schema import Resources
+
+    reservation = reserve(Resources(accelerator="L4"), (1, 1, 1), Target.ray_cluster(LABELLED), "PACK", WHERE, WHERE)
+    assert reservation.ray_actor_options == {"num_cpus": 1, "label_selector": {"ray.io/accelerator-type": "L4"}}
+    labels = {"ray.io/accelerator-type": "L4"}
+    assert place([("m", 2, {"CPU": 1.0}, labels)], LABELLED, free=True, where=WHERE).lines() == ["10.0.0.7: m#0, m#1"]
+    with pytest.raises(ConfigError) as info:  # the head has 8 CPUs free, but not the label
+        place([("m", 3, {"CPU": 1.0}, labels)], LABELLED, free=True, where=WHERE)
+    assert "(nodes labelled ray.io/accelerator-type=L4) 10.0.0.7: CPU:2; 2 of the 3 fit" in str(info.value)
 
 
 def test_a_replica_on_a_custom_chip_reserves_that_resource_only():
