@@ -140,7 +140,18 @@ def load_levels(
 def deploy(candidate, sources, exp_dir: str, log_console: Console, startup_timeout_s: float) -> str:
     """The candidate serving from exp_dir: how it got there ("run", "update", "restart")."""
     bound = startup_timeout_s + WORKER_MARGIN_S
-    return in_worker(_deploy, log_console, bound, "the deployment", candidate, sources, exp_dir, startup_timeout_s)
+    how = in_worker(_deploy, log_console, bound, "the deployment", candidate, sources, exp_dir, startup_timeout_s)
+    if how != NOT_IN_PLACE:
+        return how
+    stop_deployment(exp_dir, candidate.experiment.runner.deploy.drain_timeout_s, log_console)
+    in_worker(_deploy, log_console, bound, "the deployment", candidate, sources, exp_dir, startup_timeout_s)
+    return "restart"
+
+
+# What _deploy answers for a candidate the running deployment cannot take in place: it is stopped and the candidate
+# started afresh, each step in a process of its own (a stop and a run in one process would leave the run unable to
+# join its new cluster).
+NOT_IN_PLACE = "not in place"
 
 
 def stop_deployment(exp_dir: str, drain_timeout_s: float, log_console: Console) -> None:
@@ -228,14 +239,12 @@ UNSCHEDULABLE = "replicas cannot be scheduled"
 def _deploy(candidate, sources, exp_dir: str, startup_timeout_s: float, log_console: Console) -> str:
     from flagscale.actions import plan_key, running_state
     from flagscale.actions.run import refuse_if_running, run, update
-    from flagscale.actions.stop import stop
     from flagscale.plan import build_plan
     from flagscale.update import diff, snapshot
 
     candidate.experiment.runner.deploy.startup_timeout_s = max(1.0, startup_timeout_s)
     api_key = plan_key(candidate, sources)
     running = running_state(exp_dir)
-    how = "run"
     if running is not None:
         recorded = running.extra.get("config")
         plan = build_plan(candidate, sources, check_port=False)
@@ -253,12 +262,11 @@ def _deploy(candidate, sources, exp_dir: str, startup_timeout_s: float, log_cons
                 if applied and UNSCHEDULABLE not in str(exc):
                     raise
                 log_console.print(f"not applicable in place ({exc}); stopping and starting afresh")
-            else:
-                if code != 0:
-                    raise DeployError(f"the in-place update ended with exit code {code}")
-                return "update"
-        stop(exp_dir, log_console, candidate.experiment.runner.deploy.drain_timeout_s)
-        how = "restart"
+                return NOT_IN_PLACE
+            if code != 0:
+                raise DeployError(f"the in-place update ended with exit code {code}")
+            return "update"
+        return NOT_IN_PLACE
     refuse_if_running(exp_dir, log_console)
     plan = build_plan(candidate, sources)
     code = run(plan, log_console, snapshot=snapshot(candidate, api_key, plan.graph))
@@ -266,7 +274,7 @@ def _deploy(candidate, sources, exp_dir: str, startup_timeout_s: float, log_cons
         raise KeyboardInterrupt
     if code != 0:
         raise DeployError(f"run ended with exit code {code}")
-    return how
+    return "run"
 
 
 def failure_reason(exc: BaseException, lines: int = 3) -> str:
