@@ -3,18 +3,22 @@
 Both are measured by the same trial (flagscale/tune/trial.py: deploy, wait healthy, vLLM's serving benchmark through
 the router at rising concurrency, goodput = request throughput at the highest level whose p99 TTFT and TPOT meet the
 SLO): the default as a one-candidate search (the node as written, `instance: [1]`), the tuned one as a search over
---space. Demo model (conf/serve/demo.yaml's engine args) on this machine's CPU; each search in its own exp_dir,
+--space. Demo model (conf/serve/demo.yaml's engine args) on this machine's CPU, or with --gpu a random-weight Llama of
+benchmarks/gpu/model.py (--size) on the GPU, each replica taking half of it (num_gpus 0.5, gpu_memory_utilization
+0.4: the node as written runs one such replica, `instance: 2` two sharing the GPU). Each search in its own exp_dir,
 stopped at its end (run_best false), also on error or Ctrl-C. Writes JSON to benchmarks/results/ and prints a
 markdown table.
 
   .venv/bin/python benchmarks/auto_tune.py
   .venv/bin/python benchmarks/auto_tune.py --space '{"instance": [1, 2], "max_num_seqs": [4, 16, 64]}' --prompts 64
+  python3 benchmarks/auto_tune.py --gpu --size 1b --space '{"instance": [1, 2], "max_num_batched_tokens": [2048, 16384]}'
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -37,6 +41,23 @@ DEFAULT_ARGS = {  # conf/serve/demo.yaml's, float32 as on this machine kind
     "gpu_memory_utilization": 0.1,
     "dtype": "float32",
 }
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def node_of(args: argparse.Namespace) -> dict:
+    """The engine node as written: the baseline, and what the space varies."""
+    if not args.gpu:
+        return {"serve_id": "demo", "engine_args": DEFAULT_ARGS, "resources": {"num_replicas": 1}}
+    from benchmarks.gpu.model import ensure_model
+
+    engine_args = {
+        "model": str(ensure_model(args.size)),
+        "served_model_name": "demo",
+        "max_model_len": 2048,
+        "enforce_eager": True,  # a start per trial: no CUDA-graph capture each time
+        "gpu_memory_utilization": 0.4,
+    }
+    return {"serve_id": "demo", "engine_args": engine_args, "resources": {"num_replicas": 1, "num_gpus": 0.5}}
 
 
 def write_conf(root: Path, name: str, space: dict, args: argparse.Namespace) -> Path:
@@ -60,7 +81,9 @@ def write_conf(root: Path, name: str, space: dict, args: argparse.Namespace) -> 
         "action": "auto_tune",
         "hydra": {"run": {"dir": "${experiment.exp_dir}/hydra"}},
     }
-    node = {"serve_id": "demo", "engine_args": DEFAULT_ARGS, "resources": {"num_replicas": 1}}
+    if args.gpu:
+        main["experiment"]["envs"] = dict(GPU_ENV)
+    node = node_of(args)
     (conf / "serve.yaml").write_text(yaml.safe_dump(main, sort_keys=False))
     (conf / "serve" / "nodes.yaml").write_text(yaml.safe_dump([node], sort_keys=False))
     return conf
@@ -87,7 +110,13 @@ def main() -> int:
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--ttft-p99", type=float, default=1000.0, help="SLO, ms")
     parser.add_argument("--tpot-p99", type=float, default=60.0, help="SLO, ms")
+    parser.add_argument("--gpu", action="store_true", help="a random-weight Llama on the GPU instead of the demo model")
+    parser.add_argument("--size", default="1b", help="--gpu: benchmarks/gpu/model.py's size")
     args = parser.parse_args()
+    if args.gpu:
+        for key, value in GPU_ENV.items():
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     space = json.loads(args.space)
     with tempfile.TemporaryDirectory(prefix="tune-bench-") as tmp:
         root = Path(tmp)
@@ -116,7 +145,7 @@ def main() -> int:
         if row is None:
             print(f"| {label} | none met the SLO | | | | | {seconds:.0f} |")
             continue
-        dims = " ".join(f"{k}={row[k]}" for k in space if k in row) if label == "tuned" else "instance=1"
+        dims = " ".join(f"{k}={row[k]}" for k in space if k in row) if label == "tuned" else "as written"
         print(
             f"| {label} ({dims}) | {row.get('goodput')} | {row.get('goodput_per_device')} | {row.get('concurrency')} "
             f"| {row.get('ttft_p99_ms')} | {row.get('tpot_p99_ms')} | {seconds:.0f} |"

@@ -103,6 +103,16 @@ def prepare(config: ServeConfig, sources: ConfigSources, exp_dir: str) -> Search
     return Search(config, sources, exp_dir, space, model, settings, levels, candidates, list(earlier.values()))
 
 
+def devices_of(engine) -> float:
+    """The devices a candidate's replicas take: TP x PP x DP each, or, for replicas sharing a GPU (num_gpus < 1),
+    their share of it, so that two half-GPU replicas count as one device."""
+    per_replica = engine.devices_per_replica
+    gpus = engine.ray_actor_options.get("num_gpus") or 0
+    if engine.device == "gpu" and 0 < gpus < per_replica:
+        per_replica = gpus
+    return per_replica * engine.initial_replicas
+
+
 def _pruned(config: ServeConfig, sources: ConfigSources, space: Space, cards: int | None) -> dict[str, Any]:
     """{} for a candidate that may run, else its skipped row: why it cannot fit."""
     from flagscale.plan import build_plan, engine_args_of
@@ -112,7 +122,7 @@ def _pruned(config: ServeConfig, sources: ConfigSources, space: Space, cards: in
     except ConfigError as exc:
         return {"status": "skipped", "reason": str(exc)}
     engine = next(e for e in plan.engines if e.serve_id == space.serve_id)
-    devices = engine.devices_per_replica * engine.initial_replicas
+    devices = devices_of(engine)
     args = {**engine_args_of(config.serve[space.node_index], config), "model": engine.model}
     utilization = float(args.get("gpu_memory_utilization") or prune.VLLM_DEFAULT_GPU_MEMORY_UTILIZATION)
     problem = prune.devices_problem(devices, cards) or prune.replica_memory_problem(

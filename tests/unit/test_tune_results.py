@@ -137,3 +137,21 @@ def test_trial_key_changes_with_what_a_trial_measures():
     assert key != history.trial_key({"instance": 2}, "m", workload, SLO)
     assert key != history.trial_key({"instance": 1}, "m", {**workload, "levels": [1, 2, 4]}, SLO)
     assert key != history.trial_key({"instance": 1}, "m", workload, None)
+
+
+def test_replicas_sharing_a_gpu_count_their_share_of_it():
+    from types import SimpleNamespace
+
+    from flagscale.tune.search import devices_of
+
+    def engine(device, per_replica, replicas, gpus):
+        return SimpleNamespace(
+            device=device,
+            devices_per_replica=per_replica,
+            initial_replicas=replicas,
+            ray_actor_options={"num_gpus": gpus},
+        )
+
+    assert devices_of(engine("gpu", 1, 2, 0.5)) == 1.0  # two half-GPU replicas: one GPU
+    assert devices_of(engine("gpu", 2, 2, 2)) == 4  # TP 2 x 2 replicas
+    assert devices_of(engine("cpu", 1, 2, 0)) == 2
