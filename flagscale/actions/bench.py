@@ -89,7 +89,7 @@ def vllm_bench_argv(
 
 def run_vllm_bench(argv: list[str]) -> dict[str, Any]:
     """vLLM's serving benchmark, called in this process with a Namespace from its own parser."""
-    from flagscale.config.engine_args import BENCH_MODULES, flexible_argument_parser, vllm_attr
+    from flagscale.engines.vllm_args import BENCH_MODULES, flexible_argument_parser, vllm_attr
 
     add_cli_args, main = vllm_attr(BENCH_MODULES, "add_cli_args"), vllm_attr(BENCH_MODULES, "main")
     parser = flexible_argument_parser()()

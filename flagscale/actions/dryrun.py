@@ -6,8 +6,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from flagscale.config.engine_args import parsed
 from flagscale.config.schema import ServeConfig
+from flagscale.engines.vllm_args import parsed
 from flagscale.plan import Plan
 from flagscale.update import MASK, SECRET_NAME, masked_config
 

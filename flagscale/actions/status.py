@@ -12,8 +12,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from flagscale import engines
 from flagscale.cluster.ray_node import cluster_alive, connect
 from flagscale.cluster.state import RunState
+from flagscale.engines.base import EngineKind
 from flagscale.net import health_problem
 from flagscale.plan import ROUTER_DEPLOYMENT
 from flagscale.serve import registry
@@ -49,6 +51,7 @@ def collect(state: RunState, api_key: str | None = None) -> dict[str, Any]:
             {
                 "serve_id": record.serve_id,
                 "replica_id": record.replica_id,
+                "engine_kind": record.engine,
                 "role": record.role or "colocated",
                 "host": record.node_ip,
                 "node_id": record.node_id[:12],
@@ -63,7 +66,7 @@ def collect(state: RunState, api_key: str | None = None) -> dict[str, Any]:
             }
         )
     for replica in report["replicas"]:
-        replica["engine"] = engine_load(replica["url"], api_key=api_key)
+        replica["engine"] = engine_load(engines.get(replica["engine_kind"]), replica["url"], api_key=api_key)
     router = _router_stats(state)
     routed = router.pop("replicas", {})
     report["router"] = router or None  # totals: in-flight, requests moved to another replica, streams resumed
@@ -86,35 +89,17 @@ def collect(state: RunState, api_key: str | None = None) -> dict[str, Any]:
     return report
 
 
-ENGINE_GAUGES = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv_cache_usage",
-}
-# A decode engine's KV pulls over NIXL since it started. A failed pull is handled by the pool's
-# kv_load_failure_policy (recompute: the decode engine computes that prompt itself), so failures here mean
-# prompts computed twice, not failed requests; expired: prefill blocks freed before decode pulled them.
-KV_TRANSFER_COUNTERS = {
-    "vllm:nixl_xfer_time_seconds_count": "kv_transfers",
-    "vllm:nixl_num_failed_transfers_total": "kv_transfer_failures",
-    "vllm:nixl_num_failed_notifications_total": "kv_notification_failures",
-    "vllm:nixl_num_kv_expired_reqs_total": "kv_expired",
-}
-
-
-def engine_load(url: str, timeout_s: float = 2.0, api_key: str | None = None) -> dict[str, float] | None:
-    """The engine's own view, from its /metrics: requests running and waiting, KV-cache usage (0..1), and for
-    an engine that pulls KV caches (decode), its transfers and their failures."""
+def engine_load(
+    kind: EngineKind, url: str, timeout_s: float = 2.0, api_key: str | None = None
+) -> dict[str, float] | None:
+    """The engine's own view, from its /metrics as its kind reads them: requests running and waiting, KV-cache
+    usage (0..1), and for an engine that pulls KV caches (decode), its transfers and their failures."""
     from flagscale.serve.metrics import engine_metrics
 
     try:
-        sums = engine_metrics(url, timeout_s, api_key)
+        return kind.status_load(engine_metrics(url, timeout_s, api_key))
     except (OSError, ValueError):
         return None
-    load = {key: sums[name] for name, key in ENGINE_GAUGES.items() if name in sums}
-    if "vllm:nixl_xfer_time_seconds_count" in sums:  # engines with NixlConnector: prefill ones pull nothing
-        load.update({key: sums.get(name, 0.0) for name, key in KV_TRANSFER_COUNTERS.items()})
-    return load
 
 
 def _hosts(state: RunState, replicas: list[dict]) -> list[dict]:

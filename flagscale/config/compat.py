@@ -14,8 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from flagscale.config.engine_args import MANAGED_ARGS
 from flagscale.config.schema import DeployConfig, ServeConfig
+from flagscale.engines import DEFAULT_ENGINE, ENGINES
+from flagscale.engines.vllm_args import MANAGED_ARGS
 from flagscale.errors import ConfigError
 
 # Env vars of FlagScale's own communication library; passed on like any env var, but nothing here reads them.
@@ -64,7 +65,7 @@ def normalize(data: dict[str, Any], main_file: str, serve_file: str) -> list[str
                     "is a custom node (module + name), or names its engine (`engine: vllm`)",
                     f"{serve_file}: serve[{index}]({node.get('serve_id', '?')})",
                 )
-            node["engine"] = backend if backend in ("vllm", "sglang") else "vllm"
+            node["engine"] = backend if backend in ENGINES else DEFAULT_ENGINE
     return notices
 
 
@@ -215,7 +216,7 @@ FLAGSCALE_KEYS: dict[str, str] = {
     "experiment.auto_tuner.performance.order": "used",
     "experiment.node_args.<host>.engine_args": "used",
     "serve[].serve_id": "used",
-    "serve[].engine": "used (`vllm`; `sglang` refused before start)",
+    "serve[].engine": "used (`vllm`, `llama_cpp`; `sglang` refused before start)",
     "serve[].engine_args": "used; kebab-case keys too; host/port set per replica here (notice)",
     "serve[].engine_args_specific": "used for the node's engine; others ignored (notice)",
     "serve[].resources": "used",

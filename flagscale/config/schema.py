@@ -7,12 +7,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, PrivateAttr, field_validator, model_validator
 
+from flagscale import engines
+
 # How the router picks an engine node's replica per request (flagscale/serve/routing.py, docs/routing.md).
 RoutingPolicy = Literal["cache_aware", "least_load", "session", "round_robin", "random"]
 
 ACTIONS = ("run", "stop", "status", "logs", "dryrun", "bench", "test", "auto_tune")
-ENGINES = ("vllm", "sglang")
-SUPPORTED_ENGINES = ("vllm",)
+ENGINES = tuple(engines.ENGINES)  # every engine a node may name (flagscale/engines/)
 
 # A node id names files and Serve deployments: no path separators, no `..`, nothing a shell or URL treats specially.
 SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -209,7 +210,7 @@ class RunnerConfig(Strict):
 
 class TaskConfig(Strict):
     type: Literal["serve"] = Field("serve", description="Only `serve`.")
-    backend: Literal["vllm", "sglang", "native"] | None = Field(
+    backend: Literal["vllm", "llama_cpp", "sglang", "native"] | None = Field(
         None,
         description="Default engine of every node without `engine` or `module`; `native`: a graph of custom nodes.",
     )
@@ -514,8 +515,12 @@ class NodeConfig(Strict):
     node (`module` + `name`)."""
 
     serve_id: str = Field(min_length=1, description="Unique node name; the Serve deployment; default model name.")
-    engine: str | None = Field(None, description="vllm (sglang is recognised, not served); default task.backend.")
-    engine_args: dict[str, Any] = Field(default_factory=dict, description="Any `vllm serve` argument.")
+    engine: str | None = Field(
+        None, description="vllm or llama_cpp (sglang is recognised, refused: docs/engines.md); default task.backend."
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="The engine's own args (docs/engines.md), and FlagScale's common ones."
+    )
     engine_args_specific: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Per engine: args merged over engine_args for that engine only."
     )
@@ -557,7 +562,7 @@ class NodeConfig(Strict):
         if self.module is not None and self.disaggregation is not None:
             raise ValueError("`disaggregation` is for engine nodes; a custom node has no prefill or decode")
         if self.engine is not None and self.engine not in ENGINES:
-            raise ValueError(f"unknown engine {self.engine!r}; supported: {', '.join(SUPPORTED_ENGINES)}")
+            raise ValueError(f"unknown engine {self.engine!r}; known: {', '.join(ENGINES)}")
         if self.module is not None and self.routing is not None:
             raise ValueError("`routing` is for engine nodes; a custom node is called by the graph, not routed")
         if self.module is not None and not self.name:

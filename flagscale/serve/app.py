@@ -12,7 +12,7 @@ from flagscale.cluster.ray_compat import with_version
 from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS
 from flagscale.plan import ROUTER_DEPLOYMENT, EnginePlan, Plan
 from flagscale.serve.autoscaling import with_engine_load_policy
-from flagscale.serve.engine import NODE_LOG_DIR, EngineSpec, VLLMEngine
+from flagscale.serve.engine import NODE_LOG_DIR, EngineReplica, EngineSpec
 from flagscale.serve.registry import version_of
 from flagscale.serve.router import Router, RouterSpec
 
@@ -28,7 +28,7 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
     engines = []
     for engine in plan.engines:
         deployment = serve.deployment(
-            VLLMEngine,
+            EngineReplica,
             name=engine.serve_id,
             ray_actor_options=engine.ray_actor_options,
             health_check_period_s=HEALTH_CHECK_PERIOD_S,
@@ -67,14 +67,11 @@ def engine_spec(plan: Plan, engine: EnginePlan) -> EngineSpec:
         bind_host="node-ip" if plan.cluster or plan.ray_cluster else "127.0.0.1",
         # On an existing Ray cluster the exp_dir is not on its nodes: under each node's Ray session log dir.
         log_dir=NODE_LOG_DIR if plan.ray_cluster else str(plan.log_dir),
-        # each host's Ray node already has its own envs; vLLM reads its --api-key from VLLM_API_KEY (not argv,
-        # which its log and ours print)
-        # secret engine args (hf_token) likewise travel in the env (config/engine_args.py: SECRET_ARGS)
-        env={
-            **({} if plan.cluster else plan.envs),
-            **engine.secret_env,
-            **({"VLLM_API_KEY": plan.api_key} if plan.api_key else {}),
-        },
+        # each host's Ray node already has its own envs; secret engine args (hf_token) travel in the env, as does
+        # the API key (the engine kind's launch puts it where its server reads it): never in argv
+        env={**({} if plan.cluster else plan.envs), **engine.secret_env},
+        api_key=plan.api_key,
+        engine=engine.engine,
         startup_timeout_s=plan.startup_timeout_s,
         pin_cpus=plan.pin_cpus,
         role=engine.role,

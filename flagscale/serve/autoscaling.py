@@ -1,18 +1,18 @@
-"""Autoscaling engine replicas on the load their vLLM servers report.
+"""Autoscaling engine replicas on the load their engine servers report.
 
 Serve's default policy counts the requests that reach a replica through Serve. Requests reach an engine replica
-through the router, straight to its vLLM server, so Serve would see none and never scale an engine up. Each
-engine replica therefore reports its server's requests (running + waiting, from vLLM's /metrics) through Serve's
-custom autoscaling metrics (VLLMEngine.record_autoscaling_stats), and `engine_load_policy` turns their sum into a
-replica count with the node's target_ongoing_requests. Serve applies the node's min/max_replicas, upscale and
-downscale delays on top, as for its own policy.
+through the router, straight to its engine server, so Serve would see none and never scale an engine up. Each
+engine replica therefore reports its server's requests (running + waiting, from the engine's /metrics as its
+engine kind reads them) through Serve's custom autoscaling metrics (EngineReplica.record_autoscaling_stats), and
+`engine_load_policy` turns their sum into a replica count with the node's target_ongoing_requests. Serve applies
+the node's min/max_replicas, upscale and downscale delays on top, as for its own policy.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-ENGINE_REQUESTS = "engine_requests"  # running + waiting requests in one replica's vLLM server
+ENGINE_REQUESTS = "engine_requests"  # running + waiting requests in one replica's engine server
 POLICY_FUNCTION = "flagscale.serve.autoscaling:engine_load_policy"
 
 

@@ -1,6 +1,7 @@
-"""The vLLM engine node: a Ray Serve replica that owns one vLLM OpenAI server process.
+"""An engine node's replica: a Ray Serve replica that owns one engine server process (vLLM's OpenAI server,
+llama.cpp's llama-server, ...: whatever its engine kind launches, flagscale/engines/).
 
-Ray Serve places, counts, health-checks and restarts the replica; the replica starts vLLM's own
+Ray Serve places, counts, health-checks and restarts the replica; the replica starts the engine's own
 OpenAI server with the argv the plan validated, waits until it is healthy, and publishes its URL
 so the router streams bytes to it directly (see docs/design.md for why this is the data path).
 """
@@ -15,13 +16,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from flagscale import engines
 from flagscale.cluster.tempdirs import UnsafeDirectory
 from flagscale.errors import error_excerpt
 from flagscale.net import free_port, health_ok
 from flagscale.serve import registry
 from flagscale.serve.autoscaling import ENGINE_REQUESTS
 from flagscale.serve.cpu_layout import pin_engine
-from flagscale.serve.engine_auth import KEY_ENV, MIDDLEWARE
 from flagscale.serve.metrics import engine_metrics
 from flagscale.serve.startup_lock import gpu_start_lock
 
@@ -40,6 +41,12 @@ class EngineSpec:
     host_argv: dict[str, list[str]] = field(default_factory=dict)  # node IP -> argv there (experiment.node_args)
     role: str | None = None  # "prefill" / "decode": a pool of a disaggregated node (KV side channel needed)
     drain_timeout_s: float = 30.0  # Serve's graceful shutdown bound for this replica (deploy.drain_timeout_s)
+    engine: str = engines.DEFAULT_ENGINE
+    api_key: str | None = field(default=None, repr=False)  # engines require it on every path but health
+
+    @property
+    def kind(self) -> engines.EngineKind:
+        return engines.get(self.engine)
 
     @property
     def version(self) -> str:
@@ -98,14 +105,15 @@ def terminate_engine(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     proc.wait(5)
 
 
-class VLLMEngine:
-    """One replica = one `python -m vllm.entrypoints.openai.api_server` process."""
+class EngineReplica:
+    """One replica = one engine server process (and the processes it starts)."""
 
     def __init__(self, spec: EngineSpec):
         import ray
         from ray import serve
 
         self.spec = spec
+        self._server = f"{spec.kind.display} server"
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         host = spec.bind_host
@@ -122,7 +130,7 @@ class VLLMEngine:
         try:
             self._start(spec, host, self.gpu_ids)
         except (TimeoutError, UnsafeDirectory) as exc:  # the GPU start-up lock
-            raise EngineStartError(f"vLLM server for '{spec.serve_id}' could not start: {exc}") from None
+            raise EngineStartError(f"{self._server} for '{spec.serve_id}' could not start: {exc}") from None
         self._after_start(spec)
 
     def _start(self, spec: EngineSpec, host: str, gpu_ids: list[str]) -> None:
@@ -131,29 +139,14 @@ class VLLMEngine:
         with gpu_start_lock(gpu_ids, spec.startup_timeout_s, self._note):  # engines sharing a GPU start in turn
             port = free_port(host)
             self.url = f"http://{host}:{port}"
-            env = _engine_env(spec.env)
-            if host != "127.0.0.1":  # vLLM's own guess routes to 8.8.8.8, which a host without a default route lacks
-                env.setdefault("VLLM_HOST_IP", host)
-            if spec.role:  # the KV connector's handshake listener: a port of this replica's own, on its address
-                env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port(host)))
+            engine_argv = spec.host_argv.get(ray.util.get_node_ip_address(), spec.argv)
+            launch = spec.kind.launch(engine_argv, host, port, spec.api_key, spec.role)
+            env = {**_engine_env({**launch.env_defaults, **spec.env}), **launch.env, **launch.secret_env}
             # engine_proc keeps the server from outliving this replica if the replica is killed outright.
-            argv = [
-                sys.executable,
-                "-m",
-                "flagscale.serve.engine_proc",
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                *spec.host_argv.get(ray.util.get_node_ip_address(), spec.argv),
-                "--host",
-                host,
-                "--port",
-                str(port),
-                *(["--middleware", MIDDLEWARE] if env.get(KEY_ENV) else []),
-            ]
+            argv = [sys.executable, "-m", "flagscale.serve.engine_proc", *launch.argv]
             with open(self.log_path, "ab") as log:
-                side_channel = {k: v for k, v in env.items() if k.startswith("VLLM_NIXL_SIDE_CHANNEL")}
-                log.write(f"$ {' '.join(f'{k}={v}' for k, v in side_channel.items())} {' '.join(argv)}\n".encode())
+                shown = " ".join(f"{k}={v}" for k, v in launch.env.items())
+                log.write(f"$ {shown} {' '.join(argv)}\n".encode())
                 log.flush()
                 self.proc = spawn_engine(argv, log, env)
             self._wait_healthy(spec.startup_timeout_s)
@@ -161,7 +154,7 @@ class VLLMEngine:
     def _after_start(self, spec: EngineSpec) -> None:
         import ray
 
-        layout = pin_engine(self.proc.pid) if spec.pin_cpus else None
+        layout = pin_engine(self.proc.pid) if spec.pin_cpus and spec.kind.capabilities.cpu_worker_binding else None
         if layout:
             with open(self.log_path, "a") as log:
                 log.write(
@@ -184,6 +177,7 @@ class VLLMEngine:
             gpus=self.gpu_ids,
             role=spec.role or "",
             version=spec.version,
+            engine=spec.engine,
         )
         registry.publish(self.record)
         self._last_healthy = time.monotonic()
@@ -198,15 +192,15 @@ class VLLMEngine:
             code = self.proc.poll()
             if code is not None:
                 raise EngineStartError(
-                    f"vLLM server for '{self.spec.serve_id}' exited with code {code} during start-up; "
+                    f"{self._server} for '{self.spec.serve_id}' exited with code {code} during start-up; "
                     f"log {self.log_path}:\n{_cause_from_log(self.log_path)}"
                 )
-            if health_ok(self.url, timeout_s=2):
+            if health_ok(self.url, timeout_s=2, path=self.spec.kind.health_path):
                 return
             time.sleep(0.5)
         self._terminate()
         raise EngineStartError(
-            f"vLLM server for '{self.spec.serve_id}' was not healthy within {timeout_s:.0f}s; "
+            f"{self._server} for '{self.spec.serve_id}' was not healthy within {timeout_s:.0f}s; "
             f"log {self.log_path}:\n{_cause_from_log(self.log_path)}"
         )
 
@@ -214,32 +208,31 @@ class VLLMEngine:
         """Called by Ray Serve periodically; raising marks the replica unhealthy and Serve replaces it.
 
         A server that exited is unhealthy at once. One that does not answer /health is unhealthy only after
-        HEALTH_GRACE_S without an answer: a vLLM API server saturated by streams (seen on an H100 at 1,024
+        HEALTH_GRACE_S without an answer: a server saturated by streams (vLLM's, seen on an H100 at 1,024
         streams) answers /health late, and replacing it then fails every request it holds."""
         code = self.proc.poll()
         if code is not None:
-            raise RuntimeError(f"vLLM server exited with code {code}; log {self.log_path}")
+            raise RuntimeError(f"{self._server} exited with code {code}; log {self.log_path}")
         now = time.monotonic()
-        if health_ok(self.url, timeout_s=HEALTH_PROBE_TIMEOUT_S):
+        if health_ok(self.url, timeout_s=HEALTH_PROBE_TIMEOUT_S, path=self.spec.kind.health_path):
             self._last_healthy = now
         elif now - self._last_healthy > HEALTH_GRACE_S:
             raise RuntimeError(
-                f"vLLM server at {self.url} has not answered /health for {now - self._last_healthy:.0f}s"
+                f"{self._server} at {self.url} has not answered /health for {now - self._last_healthy:.0f}s"
             )
         else:
             self._note(f"/health did not answer within {HEALTH_PROBE_TIMEOUT_S:g}s (busy?); not replaced yet")
         registry.publish(self.record)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Called by Serve when the node autoscales: this replica's load as its vLLM server counts it
+        """Called by Serve when the node autoscales: this replica's load as its engine counts it
         (flagscale/serve/autoscaling.py)."""
         import asyncio
 
-        load = await asyncio.get_running_loop().run_in_executor(
-            None, engine_metrics, self.url, 2.0, self.spec.env.get(KEY_ENV)
+        metrics = await asyncio.get_running_loop().run_in_executor(
+            None, engine_metrics, self.url, 2.0, self.spec.api_key
         )
-        running = load.get("vllm:num_requests_running", 0) + load.get("vllm:num_requests_waiting", 0)
-        return {ENGINE_REQUESTS: running}
+        return {ENGINE_REQUESTS: self.spec.kind.load(metrics)}
 
     def _terminate(self, grace_s: float = 10.0) -> None:
         terminate_engine(self.proc, grace_s)
@@ -261,10 +254,10 @@ class VLLMEngine:
         time.sleep(min(registry.ROUTER_REFRESH_S + 1.0, max(0.0, deadline - time.monotonic())))
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
-                load = engine_metrics(self.url, timeout_s=2, api_key=self.spec.env.get(KEY_ENV))
+                metrics = engine_metrics(self.url, timeout_s=2, api_key=self.spec.api_key)
             except OSError:
                 return
-            if load.get("vllm:num_requests_running", 0) + load.get("vllm:num_requests_waiting", 0) == 0:
+            if self.spec.kind.load(metrics) == 0:
                 return
             time.sleep(0.5)
         self._note("drain: requests still running at the drain deadline; stopping the server anyway")

@@ -37,6 +37,7 @@ class ReplicaRecord:
     gpus: list[str] = field(default_factory=list)  # the GPUs Ray gave the replica (its CUDA_VISIBLE_DEVICES)
     role: str = ""  # "prefill" / "decode" in a disaggregated node; "" colocated
     version: str = ""  # version_of(the replica's spec): which update of its deployment it runs
+    engine: str = "vllm"  # the engine kind (flagscale/engines/)
 
     @property
     def stale(self) -> bool:

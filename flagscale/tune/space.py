@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from flagscale.config.engine_args import MANAGED_ARGS, arg_table, to_argv
 from flagscale.config.schema import ENGINES, NodeConfig, ServeConfig
+from flagscale.engines.vllm_args import MANAGED_ARGS, arg_table, to_argv
 from flagscale.errors import ConfigError
 
 INSTANCE = "instance"

