@@ -135,7 +135,7 @@ class PlainVLLM:
     """`python -m vllm.entrypoints.openai.api_server` in a session of its own, so it and its children stop together."""
 
     def __init__(self, model_dir: Path, port: int, work_dir: Path, engine_args: dict[str, Any] | None = None):
-        from flagscale.config.engine_args import to_argv
+        from flagscale.engines.vllm_args import to_argv
 
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = work_dir / "plain-vllm.log"
