@@ -109,6 +109,9 @@ def router_spec(plan: Plan) -> RouterSpec:
         max_body_bytes=plan.admission.max_body_bytes,
         max_queued_requests=plan.admission.max_queued_requests,
         queue_timeout_s=plan.admission.queue_timeout_s,
+        no_resume=sorted(
+            {name for e in plan.engines if not e.kind.capabilities.resume_from_tokens for name in e.model_names}
+        ),
     )
 
 

@@ -38,6 +38,9 @@ class ReplicaRecord:
     role: str = ""  # "prefill" / "decode" in a disaggregated node; "" colocated
     version: str = ""  # version_of(the replica's spec): which update of its deployment it runs
     engine: str = "vllm"  # the engine kind (flagscale/engines/)
+    # the replica's engine processes by rank: {"rank": int, "pid": int, "host": ip, "cpus": [...], "gpus": [...]};
+    # [] for a one-process engine
+    ranks: list[dict] = field(default_factory=list)
 
     @property
     def stale(self) -> bool:

@@ -104,8 +104,8 @@ class ClientStream:
     stream that breaks off can end with a clean error event, or go on from another replica when it is
     `resumable` (then the router tracks what the client has been sent so far)."""
 
-    def __init__(self, path: str, body: dict[str, Any]):
-        self.resumable = unresumable(path, body) is None
+    def __init__(self, path: str, body: dict[str, Any], engine_resumes: bool = True):
+        self.resumable = engine_resumes and unresumable(path, body) is None
         self.chat = path == CHAT
         self.body = body
         self.client_wants_ids = bool(body.get("return_token_ids"))

@@ -89,6 +89,9 @@ class RouterSpec:
     max_body_bytes: int = _DEFAULT_ADMISSION.max_body_bytes
     max_queued_requests: int = _DEFAULT_ADMISSION.max_queued_requests  # per model
     queue_timeout_s: float = _DEFAULT_ADMISSION.queue_timeout_s
+    # served model names whose engine gives no token ids (capabilities.resume_from_tokens): a stream of theirs moves
+    # to another replica only before its first byte
+    no_resume: list[str] = field(default_factory=list)
 
     # What a running router takes in place (Serve's user_config -> Router.reconfigure). Where it listens, and the
     # API key (Serve shows user_configs in its status), are fixed for the router replica's life.
@@ -103,6 +106,7 @@ class RouterSpec:
         "max_body_bytes",
         "max_queued_requests",
         "queue_timeout_s",
+        "no_resume",
     )
 
     def user_config(self) -> dict[str, Any]:
@@ -592,7 +596,7 @@ class Router:
         info = RequestInfo(model, payload, {k.lower(): v for k, v in request.headers.items()})
         stream = None
         if request.method == "POST" and request.path in (COMPLETIONS, CHAT) and payload.get("stream") is True:
-            stream = ClientStream(request.path, payload)
+            stream = ClientStream(request.path, payload, engine_resumes=model not in self.spec.no_resume)
         routing = self.spec.routing.get(model, RoutingSpec())
         exchange = _Exchange(request, model, policy, info, body, stream, routing.max_migrations)
         exchange.headers = self._upstream_headers(
