@@ -35,6 +35,21 @@ class ServerLaunch:
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)  # over everything, never shown
 
 
+@dataclass(frozen=True)
+class HostShare:
+    """One host's share of a replica whose engine has several ranks (TP x PP x DP > 1): which ranks it runs and
+    what it was given for them (flagscale/serve/ranks.py decides; the engine kind turns it into a launch)."""
+
+    host: str  # the host's IP
+    node_rank: int  # 0: the host of the API server (and rank 0); > 0: headless ranks
+    nnodes: int  # hosts the replica spans
+    ranks: tuple[int, ...]  # the global ranks this host runs
+    rank_cpus: tuple[tuple[int, ...], ...] = ()  # CPU engines: each rank's cores, in `ranks` order
+    gpus: tuple[str, ...] = ()  # GPU engines: the devices Ray granted on this host
+    master: tuple[str, int] | None = None  # nnodes > 1: node rank 0's address and port for the rendezvous
+    interface: str | None = None  # nnodes > 1: the network interface that carries `host`
+
+
 class EngineKind(ABC):
     """One engine: its args, its server, its health and load. Subclasses set the class attributes."""
 
@@ -107,6 +122,16 @@ class EngineKind(ABC):
         """The command that serves `argv` on host:port. With `api_key`, every path but the health path must
         require it; it goes to the server in ServerLaunch.env, never in argv. `role`: "prefill" / "decode" in a
         disaggregated node (only engines with kv_transfer)."""
+
+    def bind_ranks(self, launch: ServerLaunch, share: HostShare) -> ServerLaunch:
+        """The server's `launch` made to run the ranks of `share` (node rank 0) on what they were given. Only
+        called for engines whose capabilities.parallel allows more than one rank."""
+        return launch
+
+    def headless_launch(self, argv: list[str], share: HostShare) -> ServerLaunch:
+        """The process that runs `share`'s ranks on a host other than the server's (node rank > 0). Only called
+        for engines with capabilities.multi_host."""
+        raise NotImplementedError(f"{self.display} has no ranks on other hosts")
 
     def load(self, metrics: dict[str, float]) -> float:
         """Requests the replica holds now (running + queued), from its /metrics samples summed by name."""
