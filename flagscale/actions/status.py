@@ -9,7 +9,9 @@ import json
 import time
 from typing import Any
 
+from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from flagscale import engines
@@ -62,6 +64,7 @@ def collect(state: RunState, api_key: str | None = None) -> dict[str, Any]:
                 "state": "STALE" if record.stale else "READY",
                 "worker_cpus": record.worker_cpus,  # cores the CPU layout gave the engine's workers; [] = not pinned
                 "gpus": record.gpus,  # GPU ids Ray gave the replica; [] = none
+                "ranks": record.ranks,  # an engine of several processes: each rank's pid, host, cores / GPUs
                 "log": record.log_path,
             }
         )
@@ -184,19 +187,6 @@ def _scaling(app_name: str) -> dict[str, dict[str, Any]]:
     return scaling
 
 
-def _engine_cells(load: dict[str, float] | None) -> tuple[str, str, str]:
-    if not load:
-        return "-", "-", "-"
-    running, waiting = load.get("running"), load.get("waiting")
-    usage = load.get("kv_cache_usage")
-    pulled = load.get("kv_transfers")
-    return (
-        f"{running:g}/{waiting:g}" if running is not None and waiting is not None else "-",
-        f"{usage:.0%}" if usage is not None else "-",
-        f"{pulled:g} ({load['kv_transfer_failures']:g} failed)" if pulled is not None else "-",
-    )
-
-
 def _router_stats(state: RunState) -> dict[str, Any]:
     """The router's totals, and under "replicas" its entry per replica: requests served since it started,
     in-flight, circuit, routing table, requests that failed there and moved on."""
@@ -235,7 +225,7 @@ def status(exp_dir: str, console: Console, output: str = "table", api_key: str |
     if output == "json":
         print(json.dumps(report, indent=2))
     else:
-        _render(console, report)
+        _render(console, report, wide=output == "wide")
     return 0 if report["healthy"] else 1
 
 
@@ -246,16 +236,17 @@ def _emit(console: Console, output: str, data: dict, line: str) -> None:
         console.print(line)
 
 
-def _render(console: Console, report: dict[str, Any]) -> None:
+def _render(console: Console, report: dict[str, Any], wide: bool = False) -> None:
+    """The default table holds what an operator scans first and fits 80 columns; `wide` adds the rest (pids, URLs,
+    heartbeat, the router's view of each replica, KV transfers, each rank)."""
     colour = "green" if report["healthy"] else "red"
     console.print(
-        f"application [bold]{report['app']}[/]: [{colour}]{report['status']}[/]  endpoint {report['endpoint']}/v1"
-        f"  (/health: {report['http_health']})"
+        f"[bold]{report['app']}[/]: [{colour}]{report['status']}[/]  {report['endpoint']}/v1  "
+        f"/health: {report['http_health']}"
     )
     console.print(f"models: {', '.join(report['models'])}")
-    deployments = Table(title="deployments", title_justify="left")
-    for column in ("deployment", "status", "replicas", "message"):
-        deployments.add_column(column)
+    deployments = _table("deployments", ["deployment", "status", "replicas"])
+    problems = []
     for name, dep in report["deployments"].items():
         replicas = " ".join(f"{k.lower()}={v}" for k, v in dep["replicas"].items())
         autoscaling = (dep.get("scaling") or {}).get("autoscaling")
@@ -264,41 +255,16 @@ def _render(console: Console, report: dict[str, Any]) -> None:
                 f" (autoscale {autoscaling['min_replicas']}..{autoscaling['max_replicas']}, "
                 f"target {dep['scaling']['target_replicas']})"
             )
-        deployments.add_row(name, dep["status"], replicas, (dep["message"] or "")[:120])
+        deployments.add_row(name, dep["status"], replicas)
+        if dep["status"] != "HEALTHY" and dep["message"]:  # Serve's why, below the table: it can be long
+            problems.append(f"{name}: {dep['message']}")
     console.print(deployments)
-    replicas = Table(title="engine replicas", title_justify="left")
-    columns = ("serve_id", "replica", "state", "host", "pid", "engine pid", "url", "heartbeat", "served")
-    for column in (
-        *columns,
-        "in-flight",
-        "circuit",
-        "moved off",
-        "routing table",
-        "running/waiting",
-        "KV cache",
-        "KV pulled",
-    ):
-        replicas.add_column(column)
-    for r in report["replicas"]:
-        routing = r.get("router") or {}
-        table_size = next((f"{routing[k]} {k}" for k in ("prefix_blocks", "sessions") if k in routing), "-")
-        replicas.add_row(
-            r["serve_id"] if r["role"] == "colocated" else f"{r['serve_id']} ({r['role']})",
-            r["replica_id"],
-            r["state"],
-            r["host"] + (f" GPU {','.join(r['gpus'])}" if r.get("gpus") else ""),
-            str(r["pid"]),
-            str(r["engine_pid"]),
-            r["url"],
-            f"{r['heartbeat_age_s']}s ago",
-            str(r.get("requests_served", "-")),
-            str(routing.get("inflight", "-")),
-            routing.get("circuit", "-"),
-            str(routing.get("migrations", "-")),
-            table_size,
-            *_engine_cells(r.get("engine")),
-        )
-    console.print(replicas)
+    for line in problems:
+        console.print(f"[red]{escape(line)}[/]")
+    console.print(_replica_table(report["replicas"], wide))
+    ranks = [(r, rank) for r in report["replicas"] for rank in r.get("ranks") or ()]
+    if wide and ranks:
+        console.print(_rank_table(ranks))
     if report.get("router"):
         router = report["router"]
         console.print(
@@ -306,9 +272,7 @@ def _render(console: Console, report: dict[str, Any]) -> None:
             f"after theirs failed, {router['resumed']} of them streams resumed mid-way"
         )
     if "hosts" in report:
-        hosts = Table(title="hosts", title_justify="left")
-        for column in ("host", "role", "chip", "slots", "ray node", "replicas"):
-            hosts.add_column(column)
+        hosts = _table("hosts", ["host", "role", "chip", "slots", "ray node", "replicas"])
         for h in report["hosts"]:
             colour = "green" if h["ray_node"] == "alive" else "red"
             hosts.add_row(
@@ -320,3 +284,110 @@ def _render(console: Console, report: dict[str, Any]) -> None:
                 ", ".join(h["replicas"]) or "-",
             )
         console.print(hosts)
+    if not wide:
+        console.print("[dim](output=wide: every column; output=json: for machines)[/]")
+
+
+def _table(title: str, columns: list[str]) -> Table:
+    """kubectl-like: a header rule, two spaces between columns, long cells folded (never cut)."""
+    table = Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        show_edge=False,
+        collapse_padding=True,
+    )
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    return table
+
+
+def _node(replica: dict) -> str:
+    return replica["serve_id"] if replica["role"] == "colocated" else f"{replica['serve_id']} ({replica['role']})"
+
+
+def _cores(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    spans: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if spans and cpu == spans[-1][1] + 1:
+            spans[-1][1] = cpu
+        else:
+            spans.append([cpu, cpu])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _devices(replica: dict) -> str:
+    """What the replica computes on: its GPUs, else its bound cores (one set per rank, `|` between ranks)."""
+    ranks = replica.get("ranks") or []
+    if ranks and any(rank.get("gpus") for rank in ranks):
+        return "gpu " + "|".join(",".join(map(str, rank.get("gpus") or [])) for rank in ranks)
+    if ranks and any(rank.get("cpus") for rank in ranks):
+        return "cpu " + "|".join(_cores(rank.get("cpus") or []) for rank in ranks)
+    if replica.get("gpus"):
+        return "gpu " + ",".join(replica["gpus"])
+    if replica.get("worker_cpus"):
+        return "cpu " + _cores(replica["worker_cpus"])
+    return "cpu"
+
+
+def _hosts_of(replica: dict) -> str:
+    hosts = list(dict.fromkeys(rank["host"] for rank in replica.get("ranks") or () if rank.get("host")))
+    if len(hosts) <= 1:
+        return replica["host"]
+    return f"{replica['host']} +{len(hosts) - 1}"
+
+
+def _load(engine: dict[str, float] | None) -> str:
+    """Requests running + waiting in the engine, and its KV-cache use."""
+    if not engine:
+        return "-"
+    running, waiting, usage = engine.get("running"), engine.get("waiting"), engine.get("kv_cache_usage")
+    cells = []
+    if running is not None:
+        cells.append(f"{running:g}+{waiting or 0:g}")
+    if usage is not None:
+        cells.append(f"{usage:.0%}")
+    return " ".join(cells) or "-"
+
+
+def _kv_pulled(engine: dict[str, float] | None) -> str:
+    pulled = (engine or {}).get("kv_transfers")
+    return f"{pulled:g} ({engine['kv_transfer_failures']:g} failed)" if pulled is not None else "-"
+
+
+def _replica_table(replicas: list[dict], wide: bool) -> Table:
+    columns = ["node", "replica", "engine", "state", "host", "devices", "load"]
+    if wide:
+        columns += ["pid", "engine pid", "url", "heartbeat", "served", "in-flight", "circuit", "moved off"]
+        columns += ["routing table", "KV pulled"]
+    table = _table("engine replicas (load: running+waiting requests, KV cache used)", columns)
+    for r in replicas:
+        state = r["state"] if r["state"] == "READY" else f"[red]{r['state']}[/]"
+        row = [_node(r), r["replica_id"], r.get("engine_kind", "vllm"), state, _hosts_of(r), _devices(r)]
+        row.append(_load(r.get("engine")))
+        if wide:
+            routing = r.get("router") or {}
+            table_size = next((f"{routing[k]} {k}" for k in ("prefix_blocks", "sessions") if k in routing), "-")
+            row += [str(r["pid"]), str(r["engine_pid"]), r["url"], f"{r['heartbeat_age_s']}s ago"]
+            row += [str(r.get("requests_served", "-")), str(routing.get("inflight", "-"))]
+            row += [routing.get("circuit", "-"), str(routing.get("migrations", "-")), table_size]
+            row.append(_kv_pulled(r.get("engine")))
+        table.add_row(*row)
+    return table
+
+
+def _rank_table(ranks: list[tuple[dict, dict]]) -> Table:
+    table = _table("engine ranks", ["node", "replica", "rank", "pid", "host", "cores", "gpus"])
+    for replica, rank in ranks:
+        table.add_row(
+            _node(replica),
+            replica["replica_id"],
+            str(rank.get("rank", "-")),
+            str(rank.get("pid", "-")),
+            rank.get("host") or replica["host"],
+            _cores(rank.get("cpus") or []) or "-",
+            ",".join(map(str, rank.get("gpus") or [])) or "-",
+        )
+    return table

@@ -588,7 +588,10 @@ class ServeConfig(Strict):
     serve: list[NodeConfig] = Field(min_length=1, description="The graph's nodes, at least one: see below.")
     action: str = Field("run", description=f"One of {', '.join(ACTIONS)}.")
     foreground: bool = Field(False, description="Keep `run` attached; Ctrl-C stops everything.")
-    output: Literal["table", "json"] = Field("table", description="`status` output format.")
+    output: Literal["table", "wide", "json"] = Field(
+        "table",
+        description="`status` output: table (what an operator scans first, 80 columns), wide (every column), json.",
+    )
     serve_id: str | None = Field(
         None,
         description="`logs`: only this node's engine replicas (a disaggregated node's: both of its pools; or one "

@@ -123,7 +123,7 @@ def test_disaggregated_answers_equal_colocated_ones_and_kv_moves_over_nixl(deplo
 
     engine = wait_for(pulls_shown, 60, "status to show the decode replica's KV pulls")
     assert engine["kv_transfer_failures"] == 0, engine
-    assert "pulled" in run_cli(conf, "action=status", timeout=120).stdout  # the table's column (may wrap)
+    assert "KV pulled" in run_cli(conf, "action=status", "output=wide", timeout=120).stdout  # a wide column
 
 
 def test_killing_a_prefill_replica_under_load_fails_no_request(deployment):

@@ -219,8 +219,12 @@ def test_status_is_healthy(deployment, client):
     assert report["healthy"] and report["status"] == "RUNNING"
     assert {d for d in report["deployments"]} == {"alpha", "beta", "router"}
     assert sorted(r["serve_id"] for r in report["replicas"]) == ["alpha", "alpha", "beta"]
-    table = run_cli(deployment["conf"], "action=status", timeout=120)
+    assert {r["engine_kind"] for r in report["replicas"]} == {"vllm"}
+    table = run_cli(deployment["conf"], "action=status", timeout=120)  # not a terminal: rich's 80 columns
     assert table.returncode == 0 and "HEALTHY" in table.stdout and "alpha" in table.stdout
+    assert max(len(line) for line in table.stdout.splitlines()) <= 80 and "…" not in table.stdout, table.stdout
+    replica_ids = [r["replica_id"] for r in report["replicas"]]
+    assert all(replica_id in table.stdout for replica_id in replica_ids), table.stdout
 
 
 def http_status(url: str, key: str | None = None, body: dict | None = None) -> int:

@@ -1,0 +1,84 @@
+"""`status`'s table at 80 columns: what an operator scans first, every cell whole; `output=wide` has the rest."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from flagscale.actions.status import _render
+
+
+def replica(serve_id, replica_id, engine_kind="vllm", role="colocated", **extra):
+    return {
+        "serve_id": serve_id,
+        "replica_id": replica_id,
+        "engine_kind": engine_kind,
+        "role": role,
+        "host": "10.77.0.12",
+        "node_id": "a" * 12,
+        "pid": 41234,
+        "engine_pid": 41240,
+        "url": "http://10.77.0.12:45123",
+        "heartbeat_age_s": 1.5,
+        "state": "READY",
+        "worker_cpus": [],
+        "gpus": [],
+        "ranks": [],
+        "log": "/tmp/x.log",
+        "engine": {"running": 3.0, "waiting": 1.0, "kv_cache_usage": 0.25},
+        "requests_served": 120,
+        "router": {"inflight": 4, "circuit": "closed", "migrations": 0, "prefix_blocks": 17},
+        **extra,
+    }
+
+
+REPORT = {
+    "app": "qwen-serve",
+    "endpoint": "http://127.0.0.1:8000",
+    "models": ["qwen2.5-7b-instruct", "tiny-gguf"],
+    "status": "RUNNING",
+    "http_health": "ok",
+    "healthy": True,
+    "deployments": {
+        "qwen2.5-7b-instruct": {"status": "HEALTHY", "replicas": {"RUNNING": 2}, "message": ""},
+        "tiny-gguf": {"status": "UPDATING", "replicas": {"RUNNING": 1, "STARTING": 1}, "message": "x" * 300},
+        "router": {"status": "HEALTHY", "replicas": {"RUNNING": 1}, "message": ""},
+    },
+    "replicas": [
+        replica(
+            "qwen2.5-7b-instruct",
+            "k3j4h5g6",
+            worker_cpus=[0, 1],
+            ranks=[
+                {"rank": 0, "pid": 41250, "host": "10.77.0.12", "cpus": [0], "gpus": []},
+                {"rank": 1, "pid": 51250, "host": "10.77.0.13", "cpus": [1], "gpus": []},
+            ],
+        ),
+        replica("qwen2.5-7b-instruct", "p0q9r8s7", role="decode", gpus=["0", "1"]),
+        replica("tiny-gguf", "z1y2x3w4", engine_kind="llama_cpp", engine={"running": 0.0, "waiting": 0.0}),
+    ],
+    "router": {"inflight": 4, "moved": 0, "resumed": 0},
+}
+
+
+def render(wide: bool, width: int) -> str:
+    out = io.StringIO()
+    _render(Console(file=out, width=width, highlight=False, color_system=None), REPORT, wide=wide)
+    return out.getvalue()
+
+
+def test_default_table_fits_80_columns_with_every_cell_whole():
+    text = render(wide=False, width=80)
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    assert "…" not in text, text
+    for cell in ("k3j4h5g6", "llama_cpp", "10.77.0.12 +1", "cpu 0|1", "gpu 0,1", "3+1 25%", "(decode)"):
+        assert cell in text, (cell, text)
+    assert "http://10.77.0.12:45123" not in text  # the URL, pids, router columns: output=wide
+    assert "tiny-gguf: " + "x" * 20 in text.replace("\n", "")  # an unhealthy deployment's message, wrapped below
+
+
+def test_wide_table_has_the_rest_and_each_rank():
+    text = render(wide=True, width=260)
+    for cell in ("http://10.77.0.12:45123", "41240", "17 prefix_blocks", "engine ranks", "51250", "10.77.0.13"):
+        assert cell in text, (cell, text)
