@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from flagscale.engines import vllm_args
-from flagscale.engines.base import Capabilities, EngineKind, ServerLaunch
+from flagscale.engines.base import Capabilities, EngineKind, HostShare, ServerLaunch
 from flagscale.errors import ConfigError
 
 
@@ -92,6 +92,41 @@ def positive_int(args: dict[str, Any], key: str, where: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{key} must be a positive integer, got {value!r}", where)
     return value
+
+
+# Ranks of one replica run under vLLM's multiprocessing executor, on one host or several (--nnodes): its Ray
+# executor refuses CPU ("current platform cpu does not support ray") and is what users report broken under Ray
+# Serve placement groups (docs/parallelism.md).
+EXECUTOR_FLAG = "--distributed-executor-backend"
+RANK_EXECUTOR = "mp"
+
+
+def rank_env(share: HostShare) -> dict[str, str]:
+    """What the ranks on one host need besides argv: their cores (CPU) or devices (GPU), and across hosts the
+    address their collectives use (without GLOO_SOCKET_IFNAME gloo advertises 127.0.0.1 to the other host)."""
+    env: dict[str, str] = {}
+    if share.rank_cpus:  # vLLM's CPU workers: "cores of rank 0|cores of rank 1|..." by local rank
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cpus)) for cpus in share.rank_cpus)
+    if share.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(share.gpus)
+    if share.nnodes > 1:
+        env["VLLM_HOST_IP"] = share.host
+        if share.interface:
+            env["GLOO_SOCKET_IFNAME"] = share.interface
+            if share.gpus:
+                env["NCCL_SOCKET_IFNAME"] = share.interface
+    return env
+
+
+def rank_argv(argv: list[str], share: HostShare) -> list[str]:
+    """`argv` plus the executor and, across hosts, this host's place in the rendezvous."""
+    extra = [] if EXECUTOR_FLAG in argv else [EXECUTOR_FLAG, RANK_EXECUTOR]
+    if share.nnodes > 1:
+        assert share.master is not None, "a replica over several hosts needs node rank 0's address"
+        address, port = share.master
+        extra += ["--nnodes", str(share.nnodes), "--node-rank", str(share.node_rank)]
+        extra += ["--master-addr", address, "--master-port", str(port)]
+    return [*argv, *extra]
 
 
 class VLLM(EngineKind):
@@ -177,6 +212,14 @@ class VLLM(EngineKind):
         if api_key:
             command += ["--middleware", MIDDLEWARE]
         return ServerLaunch(command, env=env, env_defaults=defaults, secret_env=secret)
+
+    def bind_ranks(self, launch: ServerLaunch, share: HostShare) -> ServerLaunch:
+        env = {**launch.env, **rank_env(share)}
+        return ServerLaunch(rank_argv(launch.argv, share), env, launch.env_defaults, launch.secret_env)
+
+    def headless_launch(self, argv: list[str], share: HostShare) -> ServerLaunch:
+        command = [sys.executable, "-m", "flagscale.engines.vllm_headless", *rank_argv(argv, share), "--headless"]
+        return ServerLaunch(command, env=rank_env(share))
 
 
 KIND = VLLM()

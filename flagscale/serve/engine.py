@@ -8,6 +8,7 @@ so the router streams bytes to it directly (see docs/design.md for why this is t
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from flagscale.serve import registry
 from flagscale.serve.autoscaling import ENGINE_REQUESTS
 from flagscale.serve.cpu_layout import pin_engine
 from flagscale.serve.metrics import engine_metrics
+from flagscale.serve.ranks import RankStartError, ReplicaRanks
 from flagscale.serve.startup_lock import gpu_start_lock
 
 
@@ -43,6 +45,7 @@ class EngineSpec:
     drain_timeout_s: float = 30.0  # Serve's graceful shutdown bound for this replica (deploy.drain_timeout_s)
     engine: str = engines.DEFAULT_ENGINE
     api_key: str | None = field(default=None, repr=False)  # engines require it on every path but health
+    parallel: tuple[int, int, int] = (1, 1, 1)  # TP, PP, DP: above one rank, flagscale/serve/ranks.py places them
 
     @property
     def kind(self) -> engines.EngineKind:
@@ -127,10 +130,15 @@ class EngineReplica:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"engine-{spec.serve_id}-{self.replica_id}.log"
         self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
+        self.ranks: ReplicaRanks | None = None
         try:
             self._start(spec, host, self.gpu_ids)
-        except (TimeoutError, UnsafeDirectory) as exc:  # the GPU start-up lock
+        except (TimeoutError, UnsafeDirectory, RankStartError) as exc:  # GPU start-up lock, cores, other hosts
+            self._terminate()
             raise EngineStartError(f"{self._server} for '{spec.serve_id}' could not start: {exc}") from None
+        except BaseException:
+            self._terminate()
+            raise
         self._after_start(spec)
 
     def _start(self, spec: EngineSpec, host: str, gpu_ids: list[str]) -> None:
@@ -141,6 +149,12 @@ class EngineReplica:
             self.url = f"http://{host}:{port}"
             engine_argv = spec.host_argv.get(ray.util.get_node_ip_address(), spec.argv)
             launch = spec.kind.launch(engine_argv, host, port, spec.api_key, spec.role)
+            if math.prod(spec.parallel) > 1:
+                cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+                self.ranks = ReplicaRanks(spec.engine, spec.parallel, host, cpus)
+                share = self.ranks.start(engine_argv, gpu_ids, lambda: free_port(host), self.log_path, self._note)
+                self._note(f"ranks {list(share.ranks)} here (node rank 0 of {share.nnodes}), cores {share.rank_cpus}")
+                launch = spec.kind.bind_ranks(launch, share)
             env = {**_engine_env({**launch.env_defaults, **spec.env}), **launch.env, **launch.secret_env}
             # engine_proc keeps the server from outliving this replica if the replica is killed outright.
             argv = [sys.executable, "-m", "flagscale.serve.engine_proc", *launch.argv]
@@ -155,6 +169,7 @@ class EngineReplica:
         import ray
 
         layout = pin_engine(self.proc.pid) if spec.pin_cpus and spec.kind.capabilities.cpu_worker_binding else None
+        rank_cores = self.ranks.cores() if self.ranks else []
         if layout:
             with open(self.log_path, "a") as log:
                 log.write(
@@ -173,11 +188,12 @@ class EngineReplica:
             engine_pid=self.proc.pid,
             log_path=str(self.log_path),
             updated_at=time.time(),
-            worker_cpus=layout.worker_cpus if layout else [],
+            worker_cpus=layout.worker_cpus if layout else rank_cores,
             gpus=self.gpu_ids,
             role=spec.role or "",
             version=spec.version,
             engine=spec.engine,
+            ranks=self.ranks.records(self.proc.pid) if self.ranks else [],
         )
         registry.publish(self.record)
         self._last_healthy = time.monotonic()
@@ -195,6 +211,12 @@ class EngineReplica:
                     f"{self._server} for '{self.spec.serve_id}' exited with code {code} during start-up; "
                     f"log {self.log_path}:\n{_cause_from_log(self.log_path)}"
                 )
+            if self.ranks:
+                try:
+                    self.ranks.check()
+                except RankStartError as exc:
+                    self._terminate()
+                    raise EngineStartError(f"{self._server} for '{self.spec.serve_id}': {exc}") from None
             if health_ok(self.url, timeout_s=2, path=self.spec.kind.health_path):
                 return
             time.sleep(0.5)
@@ -213,6 +235,8 @@ class EngineReplica:
         code = self.proc.poll()
         if code is not None:
             raise RuntimeError(f"{self._server} exited with code {code}; log {self.log_path}")
+        if self.ranks:
+            self.ranks.check()  # a rank on another host that died fails the replica as a whole
         now = time.monotonic()
         if health_ok(self.url, timeout_s=HEALTH_PROBE_TIMEOUT_S, path=self.spec.kind.health_path):
             self._last_healthy = now
@@ -235,7 +259,10 @@ class EngineReplica:
         return {ENGINE_REQUESTS: self.spec.kind.load(metrics)}
 
     def _terminate(self, grace_s: float = 10.0) -> None:
-        terminate_engine(self.proc, grace_s)
+        if hasattr(self, "proc"):
+            terminate_engine(self.proc, grace_s)
+        if getattr(self, "ranks", None):
+            self.ranks.stop()
 
     def __del__(self):
         """Serve's graceful shutdown (stop, an update replacing this replica, a downscale): leave the registry,
@@ -245,10 +272,9 @@ class EngineReplica:
             registry.withdraw(self.spec.app, self.replica_id)
         except Exception:
             pass
-        if hasattr(self, "proc"):
-            if self.proc.poll() is None and hasattr(self, "record"):
-                self._drain(deadline=time.monotonic() + max(0.0, self.spec.drain_timeout_s - DRAIN_MARGIN_S))
-            self._terminate()
+        if hasattr(self, "proc") and self.proc.poll() is None and hasattr(self, "record"):
+            self._drain(deadline=time.monotonic() + max(0.0, self.spec.drain_timeout_s - DRAIN_MARGIN_S))
+        self._terminate()
 
     def _drain(self, deadline: float) -> None:
         time.sleep(min(registry.ROUTER_REFRESH_S + 1.0, max(0.0, deadline - time.monotonic())))
