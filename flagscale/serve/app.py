@@ -72,6 +72,7 @@ def engine_spec(plan: Plan, engine: EnginePlan) -> EngineSpec:
         env={**({} if plan.cluster else plan.envs), **engine.secret_env},
         api_key=plan.api_key,
         engine=engine.engine,
+        parallel=engine.parallel,
         startup_timeout_s=plan.startup_timeout_s,
         pin_cpus=plan.pin_cpus,
         role=engine.role,
