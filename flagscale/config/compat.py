@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from flagscale import engines
 from flagscale.config.schema import DeployConfig, ServeConfig
 from flagscale.engines import DEFAULT_ENGINE, ENGINES
 from flagscale.engines.vllm_args import MANAGED_ARGS
@@ -89,6 +90,7 @@ def ignored(config: ServeConfig) -> list[str]:
                 f"(the node's engine is {node.engine or 'a custom node'})"
             )
     notices += _managed_engine_args(config)
+    notices += _engine_ignored_args(config)
     if config.experiment.auto_tuner is not None and config.action not in ("auto_tune", "dryrun"):
         notices.append(
             f"experiment.auto_tuner ignored: only action=auto_tune (and dryrun) reads it (action is {config.action})"
@@ -97,6 +99,20 @@ def ignored(config: ServeConfig) -> list[str]:
     pd_set = [key for key in PD_KEYS if key in deploy.model_fields_set and key != "prefill_decode_disaggregation"]
     if pd_set and not deploy.prefill_decode_disaggregation:
         notices.append(f"experiment.runner.deploy.{', '.join(pd_set)} ignored: prefill_decode_disaggregation is off")
+    return notices
+
+
+def _engine_ignored_args(config: ServeConfig) -> list[str]:
+    """Engine args the node's engine drops (its kind's ignored_args: another engine's keys), each with why."""
+    notices = []
+    for node in config.serve:
+        if not node.is_engine:
+            continue
+        kind = engines.get(node.engine)
+        args = {**config.experiment.runner.cli_args, **node.merged_engine_args()}
+        dropped = [f"{key} ({why})" for key, why in kind.ignored_args.items() if key in args]
+        if dropped:
+            notices.append(f"serve '{node.serve_id}': engine_args ignored by {kind.display}: " + "; ".join(dropped))
     return notices
 
 

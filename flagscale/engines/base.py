@@ -64,6 +64,9 @@ class EngineKind(ABC):
     # engine args that size a replica's reservation (TP, PP, DP): the same on every host, never per host
     sizing_args: tuple[str, ...] = ()
     secret_args: tuple[str, ...] = ()  # engine args whose values are secrets (secret_env carries them)
+    # engine args other engines' configs carry that mean nothing to this one: dropped by map_common_args, and the
+    # config's notices say so (key -> why), rather than refused
+    ignored_args: dict[str, str] = {}
 
     # ---- before start (the planner) ----
 
