@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,6 @@ from flagscale.cluster.placement import (
     check_gpu_share,
     check_shared_gpus_across_nodes,
     check_weights_fit,
-    endpoint_in_use,
-    load_hostfile,
     plan_cluster,
     reserve,
 )
@@ -34,12 +31,11 @@ from flagscale.config.load import ConfigSources
 from flagscale.config.replicas import ReplicaSettings, replica_settings
 from flagscale.config.routing import DEFAULT_POLICY, Admission, RoutingSpec
 from flagscale.config.schema import Disaggregation, NodeConfig, PoolConfig, Resources, ServeConfig
-from flagscale.devices import local_gpus
 from flagscale.engines.base import EngineKind
 from flagscale.errors import ConfigError
-from flagscale.net import port_is_free
+from flagscale.facts import TargetFacts, endpoint_port
+from flagscale.facts import gather as gather_facts
 
-DEFAULT_PORT = 8000
 ROUTER_DEPLOYMENT = "router"
 
 
@@ -205,10 +201,7 @@ def _pin_to_host(engine: EnginePlan, host: str, config: ServeConfig, target: Tar
     known = {entry.host for entry in target.hostfile.hosts}
     if host not in known:
         raise ConfigError(f"host {host!r} is not in {target.hostfile.path} (hosts: {', '.join(sorted(known))})", where)
-    from flagscale.cluster import ssh
-    from flagscale.cluster.multihost import resolve_ip
-
-    ip = resolve_ip(ssh.resolve(host, ssh.SshSettings.from_runner(config.experiment.runner)).hostname)
+    ip = target.host_ips[host]
     options = dict(engine.ray_actor_options)
     options["resources"] = {**options.get("resources", {}), f"node:{ip}": 0.001}
     return dataclasses.replace(engine, ray_actor_options=options, pinned_host=host)
@@ -335,10 +328,6 @@ def _host_argv(
     hostfile = target.hostfile
     if hostfile is None:
         raise ConfigError("per-host engine args need runner.hostfile (without one, use the node's engine_args)", where)
-    from flagscale.cluster import ssh
-    from flagscale.cluster.multihost import resolve_ip
-
-    settings = ssh.SshSettings.from_runner(config.experiment.runner)
     kind = engines.get(node.engine)
     known = {entry.host for entry in hostfile.hosts}
     out = {}
@@ -365,8 +354,8 @@ def _host_argv(
         args = {**engine_args_of(node, config), **extra.engine_args}
         args["model"] = kind.check_model(args.get("model"), host_where)
         args["served_model_name"] = names
-        # The replica finds its argv by its node IP: the host's ssh-config HostName, resolved (as `ray start` uses).
-        out[resolve_ip(ssh.resolve(host, settings).hostname)] = [
+        # The replica finds its argv by its node IP (facts.host_ips: resolved as `ray start` does).
+        out[target.host_ips[host]] = [
             *kind.argv(kind.map_common_args(args), host_where),
             *reservation.extra_argv,
         ]
@@ -388,22 +377,35 @@ def _refuse_unsupported(config: ServeConfig, sources: ConfigSources) -> None:
             )
 
 
-def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), check_port: bool = True) -> Plan:
+def build_plan(
+    config: ServeConfig,
+    sources: ConfigSources = ConfigSources(),
+    check_port: bool = True,
+    target_facts: TargetFacts | None = None,
+) -> Plan:
+    """The plan: a pure function of the config and the target's facts (gathered here unless given)."""
+    _refuse_unsupported(config, sources)
+    if target_facts is None:
+        target_facts = gather_facts(config, sources, check_port)
+    return _plan(config, sources, target_facts)
+
+
+def _plan(config: ServeConfig, sources: ConfigSources, target_facts: TargetFacts) -> Plan:
     serve_file = sources.file_for(("serve",))
     seen_ids: dict[str, int] = {}
     seen_names: dict[str, str] = {}
     engines: list[EnginePlan] = []
     notes: list[str] = []
-    _refuse_unsupported(config, sources)
-    facts = _existing_ray_cluster(config, sources)
-    gpus = local_gpus() if facts is None else []
-    hostfile = load_hostfile(config, sources)
+    facts = target_facts.ray_cluster
+    gpus = target_facts.gpus
+    hostfile = target_facts.hostfile
+    cpus = target_facts.cpus
     if facts is not None:
         target = Target.ray_cluster(facts)
     elif hostfile:
-        target = Target.hosts_of(hostfile)
+        target = Target.hosts_of(hostfile, target_facts.host_ips)
     else:
-        target = Target.this_machine(len(gpus), os.cpu_count() or 1, min((g.memory_mib for g in gpus), default=None))
+        target = Target.this_machine(len(gpus), cpus, min((g.memory_mib for g in gpus), default=None))
     on_hosts: list[tuple[EnginePlan, NodeConfig]] = []
     for index, node in enumerate(config.serve):
         if node.serve_id in seen_ids:
@@ -441,25 +443,10 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
 
     runner = config.experiment.runner
     deploy = runner.deploy
-    port = deploy.port
-    if port is None:
-        engine_ports = (engine_args_of(n, config).get("port") for n in config.serve if n.is_engine)
-        port = next((p for p in engine_ports if isinstance(p, int)), DEFAULT_PORT)
+    port = endpoint_port(config)
     router_host = deploy.host if facts is None else _router_host(deploy.host, facts, sources)
-    if check_port and facts is not None and endpoint_in_use(facts.head.ip, port):
-        raise ConfigError(
-            f"port {port} on the cluster's head node {facts.head.ip} is already in use (another deployment's "
-            "router?): pick another deploy.port",
-            f"{sources.main}: experiment.runner.deploy.port",
-        )
-    if check_port and hostfile is not None and endpoint_in_use(deploy.host, port):
-        raise ConfigError(
-            f"port {port} on {deploy.host} is already in use", f"{sources.main}: experiment.runner.deploy.port"
-        )
-    if check_port and hostfile is None and facts is None and not port_is_free(deploy.host, port):
-        raise ConfigError(
-            f"port {port} on {deploy.host} is already in use", f"{sources.main}: experiment.runner.deploy.port"
-        )
+    if target_facts.port_taken:
+        raise ConfigError(target_facts.port_taken, f"{sources.main}: experiment.runner.deploy.port")
 
     graph = build_graph_plan(config, sources, {e.group: e.model_names[0] for e in engines})
     groups = [*engines, *(graph.nodes if graph else [])]
@@ -500,12 +487,12 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
             )
         head_cpus = runner.num_cpus
     else:
-        head_cpus = max(os.cpu_count() or 1, room)
+        head_cpus = max(cpus, room)
     placement = None
     if facts is not None:
         placement = _place_on(facts, config.experiment.exp_name, replica_groups, sources)
-    elif cluster is None and required > (os.cpu_count() or 1):
-        notes.append(f"replicas reserve {required} logical CPUs on a {os.cpu_count()}-core machine: oversubscribed")
+    elif cluster is None and required > cpus:
+        notes.append(f"replicas reserve {required} logical CPUs on a {cpus}-core machine: oversubscribed")
 
     exp_dir = resolve_exp_dir(config.experiment.exp_dir)
     try:
@@ -536,27 +523,6 @@ def build_plan(config: ServeConfig, sources: ConfigSources = ConfigSources(), ch
         ray_cluster=facts,
         placement=placement,
     )
-
-
-def _existing_ray_cluster(config: ServeConfig, sources: ConfigSources):
-    """runner.type: ray: the cluster's facts, read by connecting (this process stays its driver); else None."""
-    from flagscale.cluster.launch import cluster_kind
-
-    runner = config.experiment.runner
-    if cluster_kind(runner, sources.main) != "ray":
-        return None
-    cmds = config.experiment.cmds
-    for key in ("before_start", "after_stop"):
-        if getattr(cmds, key):
-            raise ConfigError(
-                f"cmds.{key} runs on the hosts whose Ray nodes this runner starts and stops; with runner.type: ray "
-                "it starts none (set up the cluster's nodes in its own image or job script)",
-                f"{sources.main}: experiment.cmds.{key}",
-            )
-    from flagscale.cluster import ray_cluster
-
-    address = ray_cluster.resolve_address(runner.address, dict(os.environ), f"{sources.main}: experiment.runner")
-    return ray_cluster.gather_facts(address)
 
 
 def _router_host(host: str, facts, sources: ConfigSources) -> str:

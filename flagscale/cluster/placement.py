@@ -38,6 +38,7 @@ class Target:
     cpus: int = 1  # this machine only
     gpu_memory_mib: int | None = None  # this machine only: the smallest GPU's memory
     ray: Any = None  # an existing Ray cluster's ClusterFacts (runner.type: ray); gpus/cpus: its largest node's
+    host_ips: dict[str, str] = field(default_factory=dict)  # hostfile hosts the config names -> node IP (facts.py)
 
     @classmethod
     def this_machine(cls, gpus: int, cpus: int, gpu_memory_mib: int | None = None) -> Target:
@@ -53,8 +54,8 @@ class Target:
         )
 
     @classmethod
-    def hosts_of(cls, hostfile: Hostfile) -> Target:
-        return cls(hostfile.path, hostfile)
+    def hosts_of(cls, hostfile: Hostfile, host_ips: dict[str, str] | None = None) -> Target:
+        return cls(hostfile.path, hostfile, host_ips=dict(host_ips or {}))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-import flagscale.plan
+import flagscale.facts
 from flagscale.config.load import ConfigSources, load_config
 from flagscale.devices import Gpu
 from flagscale.errors import ConfigError
@@ -22,7 +22,7 @@ H100_MIB = 81559
 def gpus(monkeypatch):
     def install(count: int):
         table = [Gpu(i, "NVIDIA H100 80GB HBM3", H100_MIB) for i in range(count)]
-        monkeypatch.setattr(flagscale.plan, "local_gpus", lambda: table)
+        monkeypatch.setattr(flagscale.facts, "local_gpus", lambda: table)
 
     install(1)
     return install

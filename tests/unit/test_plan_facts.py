@@ -1,0 +1,61 @@
+"""Planning is a pure function of the config and the target's facts: given the facts, it probes nothing (no DNS,
+no nvidia-smi, no port), so dryrun and these tests can plan for hosts and GPUs this machine does not have."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from flagscale.cluster.hostfile import parse_hostfile
+from flagscale.config.load import ConfigSources, load_config
+from flagscale.devices import Gpu
+from flagscale.errors import ConfigError
+from flagscale.facts import TargetFacts, named_hosts
+from flagscale.plan import build_plan
+
+SOURCES = ConfigSources(main="conf/serve.yaml", serve="conf/serve/nodes.yaml")
+
+
+def config(demo_model_path, hostfile=None, **experiment):
+    cfg = {
+        "experiment": {
+            "exp_name": "t",
+            "exp_dir": "/tmp/t",
+            "runner": {"hostfile": str(hostfile) if hostfile else None, "deploy": {"port": 8123}},
+            **experiment,
+        },
+        "serve": [{"serve_id": "m", "engine_args": {"model": str(demo_model_path), "max_model_len": 256}}],
+    }
+    return load_config(cfg, SOURCES)
+
+
+@pytest.fixture
+def no_probes(monkeypatch):
+    """Any name lookup or GPU query during planning fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"planning probed the network: {args}")
+
+    monkeypatch.setattr(socket, "gethostbyname", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr("flagscale.facts.local_gpus", refuse)
+
+
+def test_hosts_named_by_the_config_come_from_the_facts(demo_model_path, tmp_path, no_probes):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("gpu-a slots=8 type=gpu\ngpu-b slots=8 type=gpu\n")
+    cfg = config(demo_model_path, hostfile, node_args={"gpu-b": {"engine_args": {"max_num_seqs": 2}}})
+    assert named_hosts(cfg) == {"gpu-b"}
+    facts = TargetFacts(hostfile=parse_hostfile(hostfile), host_ips={"gpu-b": "10.9.0.2"})
+    engine = build_plan(cfg, SOURCES, target_facts=facts).engines[0]
+    assert list(engine.host_argv) == ["10.9.0.2"]
+
+
+def test_this_machines_gpus_and_port_come_from_the_facts(demo_model_path, no_probes):
+    cfg = config(demo_model_path)
+    h100 = [Gpu(0, "NVIDIA H100 80GB HBM3", 81559)]
+    plan = build_plan(cfg, SOURCES, target_facts=TargetFacts(gpus=h100, cpus=64))
+    assert plan.engines[0].device == "gpu" and plan.head_num_cpus == 64
+    with pytest.raises(ConfigError, match="port 8123 on 127.0.0.1 is already in use"):
+        build_plan(cfg, SOURCES, target_facts=TargetFacts(port_taken="port 8123 on 127.0.0.1 is already in use"))
