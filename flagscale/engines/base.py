@@ -95,6 +95,9 @@ class EngineKind(ABC):
         """(TP, PP, DP) of one replica: the devices it reserves are their product."""
         return (1, 1, 1)
 
+    def check_parallel(self, parallel: tuple[int, int, int], on_cpu: bool, where: str) -> None:
+        """Raise ConfigError naming the engine arg when this engine cannot run that split on that device."""
+
     def served_names(self, args: dict[str, Any], default: str) -> list[str]:
         names = args.get("served_model_name") or [default]
         return [names] if isinstance(names, str) else list(names)
