@@ -54,6 +54,7 @@ class EnginePlan(ReplicaSettings):
     chip: str | None = None  # hostfile chip type the replicas run on (multi-host)
     placement_bundles: list[dict[str, float]] | None = None  # set when TP x PP spans hosts
     placement_strategy: str | None = None
+    ranks_per_host: int = 1  # the engine ranks each host of a replica runs (placement.Reservation)
     routing: RoutingSpec = field(default_factory=RoutingSpec)  # how the router picks a replica (node `routing`)
     role: str | None = None  # "prefill" / "decode": a pool of a disaggregated node (docs/disaggregation.md)
     group: str = ""  # the node's serve_id (a pool's serve_id is <node>-<role>); set by _engine_plan
@@ -253,6 +254,7 @@ def _engine_plan(
     reservation = reserve(
         node.resources, parallel, target, config.experiment.runner.placement_strategy, f"{node_where}.resources", where
     )
+    kind.check_parallel(parallel, reservation.device != "gpu", where)
     host_argv = _host_argv(node, config, names, reservation, target, sources)
     scaling = replica_settings(node.resources, reservation.ray_actor_options, reservation.auto_replicas)
     utilization = args.get("gpu_memory_utilization", VLLM_DEFAULT_GPU_MEMORY_UTILIZATION)
@@ -279,6 +281,7 @@ def _engine_plan(
         chip=reservation.chip,
         placement_bundles=reservation.placement_bundles,
         placement_strategy=reservation.placement_strategy,
+        ranks_per_host=reservation.ranks_per_host,
         routing=RoutingSpec(policy=node.routing or DEFAULT_POLICY, **node.routing_options.model_dump()),
         role=role,
         group=group or node.serve_id,
