@@ -92,7 +92,7 @@ def test_tp_from_engine_args_specific_sizes_the_replica(demo_model_path, tmp_pat
     cfg["experiment"]["runner"]["hostfile"] = str(hostfile)
     cfg["serve"][0]["engine_args_specific"] = {"vllm": {"tensor_parallel_size": 16}}
     plan = build_plan(load_config(cfg, SOURCES), SOURCES, check_port=False)
-    assert plan.engines[0].devices_per_replica == 16 and len(plan.engines[0].placement_bundles) == 17
+    assert plan.engines[0].devices_per_replica == 16 and len(plan.engines[0].placement_bundles) == 2
     assert "1 replica(s) x 16 (TP 16 x PP 1 x DP 1)" in plan.cluster.demand["gpu"]
 
 

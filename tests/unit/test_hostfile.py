@@ -100,6 +100,7 @@ def place_engine(node, hostfile, strategy, where):
         chip=reservation.chip,
         placement_bundles=reservation.placement_bundles,
         placement_strategy=reservation.placement_strategy,
+        ranks_per_host=reservation.ranks_per_host,
         **vars(scaling),
     )
     return plan, node
@@ -120,8 +121,10 @@ def test_tp_larger_than_one_host_uses_a_placement_group(tmp_path):
     hf = parse_hostfile(hostfile(tmp_path, "a slots=2 type=gpu\nb slots=2 type=gpu\n"))
     plan, node = place_engine(engine(tp=4), hf, "SPREAD", "here")
     assert plan.placement_strategy == "SPREAD"
-    assert plan.placement_bundles == [{"CPU": 1.0, "accelerator_type:gpu": 0.001}] + [{"GPU": 1.0}] * 4
-    assert plan.argv[-2:] == ["--distributed-executor-backend", "ray"]
+    # one bundle per host with its share of the ranks; the replica starts the other host's (serve/ranks.py)
+    share = {"GPU": 2.0, "accelerator_type:gpu": 0.001}
+    assert plan.placement_bundles == [{"CPU": 1.0, **share}, share] and plan.ranks_per_host == 2
+    assert "--distributed-executor-backend" not in plan.argv
     assert check_fits([(plan, node)], hf, None, "here")["gpu"].endswith("2 + 2 = 4 slot(s) of type=gpu")
 
 
