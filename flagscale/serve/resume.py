@@ -99,6 +99,14 @@ except ImportError:  # pragma: no cover - orjson is in requirements/base.txt
         return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+# What the hot path (ClientStream._one_token) looks for in an event's bytes, as vLLM's pydantic models write them.
+_IDS_KEY = b'"token_ids":['
+_PROMPT_IDS_KEY = b'"prompt_token_ids":['
+_OPEN_FINISH = b'"finish_reason":null'
+_TEXT = b'"text":"'
+_CHAT_TEXT = b'"delta":{"content":"'
+
+
 class ClientStream:
     """One streamed completions or chat request on its way to the client, cut into whole events so that a
     stream that breaks off can end with a clean error event, or go on from another replica when it is
@@ -179,6 +187,13 @@ class ClientStream:
 
     def feed(self, data: bytes) -> bytes:
         """Upstream bytes in, the client's bytes out: whole events only (a partial one waits for its end)."""
+        if not self._pending and data.endswith(b"\n\n") and data.find(b"\n\n") == len(data) - 2:
+            # one whole event, as an engine streams each token: no buffering, splitting or joining
+            converted = self._event(data[:-2]) if self.resumable else self._passed(data[:-2])
+            if converted is None:
+                return b""
+            self.sent_events += 1
+            return data if converted is data[:-2] else converted + b"\n\n"
         self._pending += data
         *events, self._pending = self._pending.split(b"\n\n")
         out = []
@@ -195,6 +210,10 @@ class ClientStream:
         return event
 
     def _event(self, event: bytes) -> bytes | None:
+        if not self.resumed:
+            quick = self._one_token(event)
+            if quick is not None:
+                return quick
         if not event.startswith(b"data: "):
             return event if event.strip() else None
         payload = event[6:]
@@ -216,6 +235,31 @@ class ClientStream:
         if self.client_wants_ids:
             return event
         return self._without_ids(chunk)
+
+    def _one_token(self, event: bytes) -> bytes | None:
+        """The hot path, without parsing the event: a chunk of the original stream that carries one choice, one
+        token id and some text, and is not the last (most chunks of a stream). Its token is clean (it carried
+        text), so only its id is kept; the ids are cut out of the bytes as vLLM writes them when none are asked
+        for (`"token_ids":null`). None: any other event, which goes through the full parse. Byte patterns can
+        be matched safely here: a quote inside a JSON string is escaped, so `"key":` only matches a key."""
+        start = event.find(_IDS_KEY)
+        if start < 0 or event.find(_IDS_KEY, start + 1) >= 0 or _PROMPT_IDS_KEY in event:
+            return None
+        end = event.find(b"]", start)
+        ids = event[start + len(_IDS_KEY) : end]
+        if not ids.isdigit() or _OPEN_FINISH not in event or not event.startswith(b"data: {"):
+            return None
+        text = event.find(_CHAT_TEXT if self.chat else _TEXT)
+        if text < 0 or event[text + (len(_CHAT_TEXT) if self.chat else len(_TEXT))] == 0x22 or b'"reasoning' in event:
+            return None  # no text (part of a character, or a reasoning parser's), or an unusual shape
+        if self.id is None:  # (the first chunk carries the prompt's ids: never this path)
+            return None
+        self.generated.append(int(ids))
+        self.clean = len(self.generated)
+        self.text_since_clean = ""
+        if self.client_wants_ids:
+            return event
+        return event[:start] + b'"token_ids":null' + event[end + 1 :]
 
     def _track(self, chunk: dict[str, Any]) -> None:
         """A chunk of the original stream: learn the id, the prompt's tokens and the generated ones."""

@@ -337,7 +337,8 @@ class Router:
         self._session = upstream_session()
         runner = web.AppRunner(self.web_app(), **RUNNER_OPTIONS)
         await runner.setup()
-        site = web.TCPSite(runner, self.spec.host, self.spec.port, backlog=1024, reuse_address=True)
+        # every router process of the deployment listens on the same port; the kernel spreads connections
+        site = web.TCPSite(runner, self.spec.host, self.spec.port, backlog=1024, reuse_address=True, reuse_port=True)
         await site.start()
         await self._refresh()
         asyncio.get_running_loop().create_task(self._refresh_forever())

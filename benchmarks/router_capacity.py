@@ -1,0 +1,403 @@
+"""How much streaming one router process carries, and how that scales with deploy.router_processes.
+
+Loads the router until it saturates and reports, per number of router processes: streamed chunks (tokens)
+per second through the router, the router processes' CPU microseconds per token and per chunk, and the
+cores they used; the upstream's and the clients' CPU too, to show which side saturated.
+
+Two upstreams:
+
+- `--upstream replay` (default; labelled "replay" in every row): NOT an engine. Each upstream process is a small
+  aiohttp server that answers /v1/completions with a stream in exactly vLLM's chunk format (token ids when asked,
+  the prompt's ids on the first chunk, finish_reason on the last, usage when asked), advancing every running
+  stream by one token per `--step-ms` like an engine's batch step. The routers are the project's Router class
+  (flagscale/serve/router.py: the real request path, resumable streams, keys, metrics), started as plain
+  processes sharing one port with SO_REUSEPORT, each reading a fixed replica list instead of Ray's registry.
+  This measures the router alone, with nothing else on the machine limiting it but the cores.
+- `--upstream endpoint --url URL`: a running deployment (real engines). The router processes are the ones
+  listening on the endpoint's port; set deploy.router_processes and update in place between runs.
+
+The clients are `--clients` processes of `--concurrency` streams each (aiohttp, counting `data:` events without
+parsing them), for `--duration` seconds after a warm-up.
+
+  .venv/bin/python benchmarks/router_capacity.py --processes 1 2 --duration 10         # this machine (2 cores)
+  .venv/bin/python benchmarks/router_capacity.py --processes 1 2 4 --upstreams 4 --clients 6 --concurrency 128
+  .venv/bin/python benchmarks/router_capacity.py --upstream endpoint --url http://127.0.0.1:8000 --model demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import psutil  # noqa: E402
+
+MODEL = "demo"
+PROMPT_IDS = list(range(1, 129))  # a 128-token prompt, as the replay upstream reports it
+WORDS = [" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", "."]
+STARTUP_TIMEOUT_S = 60
+
+
+# ---- the replay upstream (not an engine) ------------------------------------------------------------------
+
+
+def completion_chunk(rid: str, index: int, tokens: int, prompt_ids: list[int] | None, with_ids: bool) -> bytes:
+    """One event as vLLM 0.26-0.32's completions stream writes it (pydantic, exclude_unset: every field set)."""
+    last = index == tokens - 1
+    choice = {
+        "index": 0,
+        "text": WORDS[index % len(WORDS)],
+        "logprobs": None,
+        "finish_reason": "length" if last else None,
+        "stop_reason": None,
+        "prompt_token_ids": prompt_ids if with_ids else None,
+        "token_ids": [1000 + index % 500] if with_ids else None,
+    }
+    chunk = {"id": rid, "object": "text_completion", "created": 1764000000, "model": MODEL, "choices": [choice]}
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage_chunk(rid: str, tokens: int) -> bytes:
+    usage = {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": tokens, "total_tokens": len(PROMPT_IDS) + tokens}
+    chunk = {
+        "id": rid,
+        "object": "text_completion",
+        "created": 1764000000,
+        "model": MODEL,
+        "choices": [],
+        "usage": usage,
+    }
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+
+def serve_replay(port: int, step_ms: float) -> None:
+    """The replay upstream: every `step_ms`, each running stream gets its next token (one event), like an
+    engine's batch step; the events are built once per (request shape, position) and reused."""
+    import uvloop
+    from aiohttp import web
+
+    streams: list[list[Any]] = []  # [response, events, next index, done future]
+
+    async def step_forever() -> None:
+        while True:
+            await asyncio.sleep(step_ms / 1000)
+            for stream in list(streams):
+                response, events, index, done = stream
+                try:
+                    await response.write(events[index])
+                except Exception:  # the router hung up
+                    streams.remove(stream)
+                    done.set_result(None)
+                    continue
+                stream[2] += 1
+                if stream[2] == len(events):
+                    streams.remove(stream)
+                    done.set_result(None)
+
+    cache: dict[tuple, list[bytes]] = {}
+
+    async def completions(request: web.Request):
+        body = await request.json()
+        tokens = int(body.get("max_tokens") or 16)
+        with_ids = bool(body.get("return_token_ids"))
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        key = (tokens, with_ids, usage)
+        if key not in cache:
+            rid = "cmpl-replay"
+            events = [completion_chunk(rid, i, tokens, PROMPT_IDS if i == 0 else None, with_ids) for i in range(tokens)]
+            cache[key] = events + ([usage_chunk(rid, tokens)] if usage else []) + [b"data: [DONE]\n\n"]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await response.prepare(request)
+        done = asyncio.get_running_loop().create_future()
+        streams.append([response, cache[key], 0, done])
+        await done
+        await response.write_eof()
+        return response
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_get("/health", lambda request: web.Response(text="ok"))
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port, backlog=4096).start()
+        asyncio.get_running_loop().create_task(step_forever())
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
+def serve_router(port: int, upstream_urls: list[str]) -> None:
+    """One router process: the project's Router, its replica list fixed to the replay upstreams (instead of
+    Ray's registry), listening on `port` beside the others (SO_REUSEPORT)."""
+    from flagscale.serve import registry
+    from flagscale.serve.router import Router, RouterSpec
+    from flagscale.serve.routing import RoutingSpec
+
+    records = [
+        registry.ReplicaRecord(
+            app="capacity",
+            serve_id="replay",
+            replica_id=f"replay-{i}",
+            models=[MODEL],
+            url=url,
+            node_id="",
+            node_ip="127.0.0.1",
+            pid=0,
+            engine_pid=0,
+            log_path="",
+            updated_at=time.time() + 10**9,  # never stale
+        )
+        for i, url in enumerate(upstream_urls)
+    ]
+    registry.list_replicas = lambda app, include_stale=False: records  # the benchmark's stand-in for the GCS
+    spec = RouterSpec(
+        app="capacity",
+        host="127.0.0.1",
+        port=port,
+        models={MODEL: "replay"},
+        pin_cpus=False,
+        routing={MODEL: RoutingSpec()},
+        refresh_s=3600,
+    )
+    Router(spec)
+    threading.Event().wait()  # serving on the router's own thread until SIGTERM
+
+
+# ---- the clients ------------------------------------------------------------------------------------------
+
+
+def run_client(url: str, concurrency: int, seconds: float, warmup: float, tokens: int, api_key: str | None) -> None:
+    """`concurrency` streams back to back for warm-up + `seconds`; prints JSON: events, requests, failures in the
+    measured window."""
+    import aiohttp
+    import uvloop
+
+    body = json.dumps(
+        {"model": MODEL, "prompt": "x " * 128, "max_tokens": tokens, "stream": True, "ignore_eos": True}
+    ).encode()
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    counts = {"events": 0, "requests": 0, "failed": 0}
+
+    async def one_stream(session, measuring) -> None:
+        events = 0
+        async with session.post(url + "/v1/completions", data=body, headers=headers) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}")
+            tail = b""
+            async for data in resp.content.iter_any():
+                data = tail + data
+                events += data.count(b"\n\ndata: ") + (data.startswith(b"data: ") and not tail)
+                tail = data[-8:]
+        if measuring():
+            counts["events"] += events
+            counts["requests"] += 1
+
+    async def worker(session, start_at, end_at) -> None:
+        loop = asyncio.get_running_loop()
+        while loop.time() < end_at:
+            try:
+                await one_stream(session, lambda: loop.time() >= start_at and loop.time() < end_at)
+            except Exception:
+                if loop.time() >= start_at:
+                    counts["failed"] += 1
+                await asyncio.sleep(0.05)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        start_at = loop.time() + warmup
+        end_at = start_at + seconds
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+            await asyncio.gather(*(worker(session, start_at, end_at) for _ in range(concurrency)))
+
+    uvloop.run(main())
+    print(json.dumps(counts))
+
+
+# ---- the driver -------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    from flagscale.net import free_port as pick
+
+    return pick()
+
+
+def wait_listening(url: str, path: str = "/health") -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url + path, timeout=2):
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url}{path} did not answer within {STARTUP_TIMEOUT_S}s")
+
+
+def cpu_of(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def listening_pids(port: int) -> list[int]:
+    """The processes listening on `port` (the router processes of a deployment's endpoint)."""
+    pids = set()
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            pids.add(conn.pid)
+    return sorted(pids)
+
+
+class Processes:
+    """Processes this benchmark started, each in a session of its own; all stopped at the end (by pid)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *argv: str, stdout=subprocess.DEVNULL) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, __file__, *argv], stdout=stdout, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, procs: list[subprocess.Popen] | None = None) -> None:
+        for proc in procs if procs is not None else self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs if procs is not None else self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def load(args, url: str, procs: Processes, router_pids: list[int], upstream_pids: list[int]) -> dict[str, Any]:
+    """One measured pass: the clients' events and the CPU each side used in the measured window."""
+    clients = [
+        procs.start(
+            "--run-client",
+            url,
+            str(args.concurrency),
+            str(args.duration),
+            str(args.warmup),
+            str(args.tokens),
+            stdout=subprocess.PIPE,
+        )
+        for _ in range(args.clients)
+    ]
+    time.sleep(args.warmup)
+    client_pids = [c.pid for c in clients]
+    before = {side: cpu_of(pids) for side, pids in (("router", router_pids), ("upstream", upstream_pids))}
+    before["clients"] = cpu_of(client_pids)
+    started = time.monotonic()
+    time.sleep(args.duration)
+    elapsed = time.monotonic() - started
+    used = {side: cpu_of(pids) for side, pids in (("router", router_pids), ("upstream", upstream_pids))}
+    used["clients"] = cpu_of(client_pids)
+    counts = {"events": 0, "requests": 0, "failed": 0}
+    for client in clients:
+        out, _ = client.communicate(timeout=args.duration + args.warmup + 120)
+        for key, value in json.loads(out.decode().strip().splitlines()[-1]).items():
+            counts[key] += value
+    cpu = {side: used[side] - before[side] for side in used}
+    # events counted by the clients include the usage/[DONE] lines: one per request each at most
+    tokens = counts["events"] - counts["requests"]
+    return {
+        "router_processes": len(router_pids),
+        "streams": args.clients * args.concurrency,
+        "tokens_per_s": round(tokens / elapsed),
+        "requests": counts["requests"],
+        "failed": counts["failed"],
+        "router_cpu_us_per_token": round(cpu["router"] / max(tokens, 1) * 1e6, 1),
+        "router_cores": round(cpu["router"] / elapsed, 2),
+        "upstream_cores": round(cpu["upstream"] / elapsed, 2),
+        "client_cores": round(cpu["clients"] / elapsed, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--upstream", choices=["replay", "endpoint"], default="replay")
+    parser.add_argument("--url", help="endpoint: the deployment's URL (its router processes listen on its port)")
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4], help="replay: router processes")
+    parser.add_argument("--upstreams", type=int, default=2, help="replay: upstream processes")
+    parser.add_argument("--step-ms", type=float, default=10.0, help="replay: time between a stream's tokens")
+    parser.add_argument("--clients", type=int, default=2, help="client processes")
+    parser.add_argument("--concurrency", type=int, default=64, help="streams per client process")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per stream (max_tokens)")
+    parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per pass")
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args()
+
+    procs = Processes()
+    rows = []
+    try:
+        if args.upstream == "endpoint":
+            if not args.url:
+                raise SystemExit("--upstream endpoint needs --url")
+            port = int(args.url.rsplit(":", 1)[1].split("/")[0])
+            routers = listening_pids(port)
+            if not routers:
+                raise SystemExit(f"no process of this user listens on port {port}")
+            row = load(args, args.url, procs, routers, [])
+            rows.append({"upstream": "endpoint (real engines)", **row})
+            print(json.dumps(rows[-1]), flush=True)
+        else:
+            upstream_ports = [free_port() for _ in range(args.upstreams)]
+            upstreams = [procs.start("--serve-replay", str(p), str(args.step_ms)) for p in upstream_ports]
+            urls = [f"http://127.0.0.1:{p}" for p in upstream_ports]
+            for url in urls:
+                wait_listening(url)
+            for count in args.processes:
+                port = free_port()
+                routers = [procs.start("--serve-router", str(port), ",".join(urls)) for _ in range(count)]
+                url = f"http://127.0.0.1:{port}"
+                wait_listening(url)
+                deadline = time.monotonic() + STARTUP_TIMEOUT_S
+                while len(listening_pids(port)) < count and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                row = load(args, url, procs, [r.pid for r in routers], [u.pid for u in upstreams])
+                rows.append({"upstream": "replay (not an engine)", **row})
+                print(json.dumps(rows[-1]), flush=True)
+                procs.stop(routers)
+    finally:
+        procs.stop()
+    output = args.output or REPO / "benchmarks" / "results" / f"router_capacity-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"args": vars(args) | {"output": str(output)}, "rows": rows}, indent=1))
+    print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve-replay":
+        serve_replay(int(sys.argv[2]), float(sys.argv[3]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--serve-router":
+        serve_router(int(sys.argv[2]), sys.argv[3].split(","))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--run-client":
+        _, _, url, c, seconds, warmup, tokens = sys.argv
+        run_client(url, int(c), float(seconds), float(warmup), int(tokens), os.environ.get("ROUTER_API_KEY"))
+    else:
+        main()
