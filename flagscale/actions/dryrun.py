@@ -63,6 +63,9 @@ def dryrun(
         resources = ", ".join(f"{k}={v}" for k, v in node.ray_actor_options.items())
         table.add_row(node.serve_id, replicas, resources, "-", f"custom: {node.class_name}")
     console.print(table)
+    for engine in plan.engines:
+        if engine.devices_per_replica > 1:
+            _print_ranks(plan, engine, console)
     if plan.graph:
         from pathlib import Path
 
@@ -98,6 +101,56 @@ def _print_update(running_config: dict, snapshot: dict, console: Console) -> Non
     for change in changes:
         mark = "  " if change.in_place else "  [not in place] "
         console.print(mark + change.describe(), markup=False)
+
+
+def _print_ranks(plan: Plan, engine, console: Console) -> None:
+    """Each replica's ranks: which host (first fit over the hostfile's hosts, as Ray would) and devices, and the
+    command each host runs (serve/ranks.py, the engine kind's bind_ranks / headless_launch)."""
+    import math
+    import shlex
+    import sys
+
+    from flagscale.serve.ranks import preview
+
+    if plan.ray_cluster is not None:
+        hosts = [("a node of the Ray cluster", engine.devices_per_replica * engine.initial_replicas)]
+    elif plan.cluster is not None:
+        hosts = [(h.host, h.slots) for h in plan.cluster.hostfile.by_chip()[engine.chip]]
+    else:
+        hosts = [("this machine", engine.devices_per_replica * engine.initial_replicas)]
+    tp, pp, dp = engine.parallel
+    on_gpu = engine.device == "gpu"
+    planned = preview(engine.parallel, on_gpu, engine.ranks_per_host, hosts, engine.initial_replicas)
+    nnodes = planned[0].share.nnodes if planned else 1
+    console.print(
+        f"[bold]ranks of '{engine.serve_id}'[/]: TP {tp} x PP {pp} x DP {dp} = {math.prod(engine.parallel)} per "
+        f"replica, {engine.ranks_per_host} per host over {nnodes} host(s), vLLM's mp executor"
+        + (" (placement group: one bundle per host)" if nnodes > 1 else "")
+    )
+    kind = engine.kind
+
+    def shown(argv: list[str]) -> str:
+        argv = ["python" if a == sys.executable else a for a in argv]
+        text = shlex.join(argv).replace("--port 0", "--port <free port>")
+        return text.replace("--master-port 0", "--master-port <free port>")
+
+    for host in planned:
+        share = host.share
+        ranks = f"{share.ranks[0]}-{share.ranks[-1]}" if len(share.ranks) > 1 else str(share.ranks[0])
+        if share.node_rank == 0:
+            launch = kind.bind_ranks(kind.launch(engine.argv, share.host, 0, None, engine.role), share)
+            what = "API server + ranks"
+        else:
+            launch = kind.headless_launch(engine.argv, share)
+            what = "headless ranks"
+        console.print(
+            f"  replica {host.replica + 1}  node rank {share.node_rank}  {host.host}: {what} {ranks}, {host.devices}",
+            markup=False,
+        )
+        env = " ".join(f"{k}={v}" for k, v in launch.env.items())
+        console.print(f"    $ {env + ' ' if env else ''}{shown(launch.argv)}", markup=False, soft_wrap=True)
+    if len(planned) < nnodes * engine.initial_replicas:
+        console.print(f"  (the hosts' free slots hold {len(planned) // max(1, nnodes)} such replica(s))")
 
 
 def _set_keys(argv: list[str]) -> list[str]:
