@@ -89,6 +89,7 @@ class Plan:
     api_key: str | None = field(default=None, repr=False)  # deploy.api_key / api_key_env, resolved
     protect_metrics: bool = False
     admission: Admission = field(default_factory=Admission)  # the router's body cap and queue bounds (deploy.*)
+    router_processes: int = 1  # deploy.router_processes, or default_router_processes
     graph: GraphPlan | None = None  # custom nodes and the graph's HTTP entry, when the config has any
     cluster: ClusterPlan | None = None  # hosts of the hostfile, when runner.hostfile is set
     ray_cluster: Any = None  # an existing Ray cluster's ClusterFacts (runner.type: ray), read before planning
@@ -108,6 +109,14 @@ class Plan:
     @property
     def log_dir(self) -> Path:
         return Path(self.exp_dir) / "serve_logs"
+
+
+def default_router_processes(engines: list[EnginePlan], head_cpus: int) -> int:
+    """One router process carries one GPU's worth of streaming (~10-40k tokens/s of a small model at ~30 us of
+    CPU per token: docs/benchmarks.md): one per GPU the engines may use, at least one, at most a quarter of
+    the head's cores."""
+    gpus = sum(e.most_replicas * e.ray_actor_options.get("num_gpus", 0) for e in engines)
+    return max(1, min(math.ceil(gpus), head_cpus // 4))
 
 
 def engine_args_of(node: NodeConfig, config: ServeConfig) -> dict[str, Any]:
@@ -521,6 +530,7 @@ def _plan(config: ServeConfig, sources: ConfigSources, target_facts: TargetFacts
         api_key=api_key,
         protect_metrics=deploy.protect_metrics,
         admission=Admission.of(deploy),
+        router_processes=deploy.router_processes or default_router_processes(engines, cpus),
         graph=graph,
         cluster=cluster,
         ray_cluster=facts,

@@ -75,6 +75,14 @@ class DeployConfig(Strict):
     queue_timeout_s: float = Field(
         30, gt=0, description="How long a request waits in that queue before it gets 503 with Retry-After."
     )
+    router_processes: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Router processes on the endpoint's host, sharing its port (SO_REUSEPORT), each a full router; "
+        "they share routing hints, load, /metrics and drains (docs/design.md). Default: one per GPU the engines "
+        "may use (at least one), at most a quarter of the head host's cores.",
+    )
     cpu_affinity: Literal["auto", "off"] = Field(
         "auto",
         description="auto: when vLLM's CPU backend binds a worker to some cores, its engine core joins those "

@@ -44,7 +44,9 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
     router = serve.deployment(
         Router,
         name=ROUTER_DEPLOYMENT,
-        num_replicas=1,
+        # deploy.router_processes: all on the head, sharing the port (flagscale/serve/router_peers.py); changing
+        # the count is a scale of this deployment, not a restart of its replicas
+        num_replicas=plan.router_processes,
         ray_actor_options={"num_cpus": 0, **_on_head(plan)},
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         # The rest of its spec reaches a running router through reconfigure(): an update never restarts it

@@ -30,6 +30,7 @@ import hmac
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
@@ -37,7 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS, Admission
-from flagscale.serve import registry
+from flagscale.serve import registry, router_peers
 from flagscale.serve.cpu_layout import RouterPinning
 from flagscale.serve.metrics import SCRAPE_TIMEOUT_S, RouterMetrics, merge_replica_metrics
 from flagscale.serve.resume import CHAT, COMPLETIONS, ClientStream, error_event
@@ -92,6 +93,9 @@ class RouterSpec:
     # served model names whose engine gives no token ids (capabilities.resume_from_tokens): a stream of theirs moves
     # to another replica only before its first byte
     no_resume: list[str] = field(default_factory=list)
+    # deploy.router_processes > 1 (each process a Router): share load, metrics, drains and routing hints with the
+    # others (flagscale/serve/router_peers.py; needs Ray's GCS). Off only where no Ray runs (benchmarks, tests).
+    share_with_peers: bool = True
 
     # What a running router takes in place (Serve's user_config -> Router.reconfigure). Where it listens, and the
     # API key (Serve shows user_configs in its status), are fixed for the router replica's life.
@@ -240,6 +244,7 @@ class Router:
         self._graph = graph  # DeploymentHandle of the graph driver, when the config has custom nodes
         self._init_state()
         self._pinning = None
+        self._started_at = time.time()
         if spec.pin_cpus:
             import ray
 
@@ -310,6 +315,9 @@ class Router:
         # Requests waiting for a replica with a free slot, per (pool, model): (ticket, future), oldest first.
         self._waiting: dict[tuple[str, str], list[tuple[int, asyncio.Future]]] = {}
         self._tickets = itertools.count()
+        self._process = router_peers.this_process()
+        self._peer_reports: list[router_peers.PeerReport] = []  # the other processes' last reports
+        self._hints = None  # the datagram endpoint routing hints come in on (router_peers.RoutingHints)
 
     # ---- event loop thread -------------------------------------------------------------------
 
@@ -341,7 +349,12 @@ class Router:
         site = web.TCPSite(runner, self.spec.host, self.spec.port, backlog=1024, reuse_address=True, reuse_port=True)
         await site.start()
         await self._refresh()
-        asyncio.get_running_loop().create_task(self._refresh_forever())
+        loop = asyncio.get_running_loop()
+        if self.spec.share_with_peers:
+            self._hints = await router_peers.RoutingHints.open(self._learn_hint)
+            await self._publish()
+            loop.create_task(self._watch_drain())
+        loop.create_task(self._refresh_forever())
 
     def web_app(self):
         """The HTTP surface: /health, /metrics, /v1/models, the graph's route, everything else proxied; the API
@@ -364,6 +377,62 @@ class Router:
             except Exception as exc:  # GCS hiccup: keep the last table
                 log.warning("replica refresh failed: %s", exc)
             await self._probe_half_open()
+            if self.spec.share_with_peers:
+                await self._publish()
+
+    # ---- the other router processes of the deployment (router_peers.py) -------------------------------
+
+    async def _publish(self) -> None:
+        """This process's report out, the others' in (and so where their routing hints go)."""
+        report = router_peers.PeerReport(
+            process=self._process,
+            pid=os.getpid(),
+            started_at=self._started_at,
+            updated_at=0.0,
+            stats=self._collect_stats(),
+            metrics=self.metrics.text().decode(),
+            hints_port=self._hints.port if self._hints else 0,
+        )
+        app = self.spec.app
+        try:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, router_peers.publish, app, report)
+            reports = await loop.run_in_executor(None, router_peers.reports, app)
+        except Exception as exc:  # GCS hiccup: the next refresh tries again
+            log.warning("publishing the router's report failed: %s", exc)
+            return
+        self._peer_reports = [r for r in reports if r.process != self._process]
+        if self._hints is not None:
+            self._hints.peers = [r.hints_port for r in self._peer_reports if r.hints_port]
+
+    async def _watch_drain(self) -> None:
+        """Another process was asked to drain the deployment (stop): this one drains too, and reports often so
+        that the one asked sees when nothing is in flight anywhere."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(router_peers.DRAIN_POLL_S)
+            if not self._draining:
+                try:
+                    asked = await loop.run_in_executor(
+                        None, router_peers.drain_requested, self.spec.app, self._started_at
+                    )
+                except Exception:
+                    continue
+                self._draining = asked
+            if self._draining:
+                await self._publish()
+
+    def _send_hint(self, pool: str, model: str, upstream: Upstream, info: RequestInfo) -> None:
+        """Tell the other processes where this prompt went, so their cache-aware tables learn it too."""
+        keys = info.memo.get("prefix_keys")
+        if keys and self._hints is not None and self._hints.peers:
+            self._hints.send(pool, model, upstream.replica_id, keys)
+
+    def _learn_hint(self, pool: str, model: str, replica_id: str, keys: list[bytes]) -> None:
+        policies = self._prefill_policies if pool == "prefill" else self._policies
+        policy = policies.get(model)
+        if policy is not None:
+            policy.learn(replica_id, keys)
 
     async def _probe_half_open(self) -> None:
         """Replicas whose circuit cool-down is over get one /health probe, so an idle router readmits them too."""
@@ -538,8 +607,11 @@ class Router:
             return None
 
         scraped = await asyncio.gather(*(scrape(u) for u in list(self._table.by_replica.values())))
-        text = merge_replica_metrics([s for s in scraped if s is not None]).encode() + self.metrics.text()
-        return web.Response(body=text, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        # every router process's own series, labelled by process (the others' as of their last report)
+        routers = [({"router_process": self._process}, self.metrics.text().decode())]
+        routers += [({"router_process": r.process}, r.metrics) for r in self._peer_reports if not r.stale]
+        text = merge_replica_metrics([s for s in scraped if s is not None]) + merge_replica_metrics(routers)
+        return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def _health(self, request):
         from aiohttp import web
@@ -714,6 +786,7 @@ class Router:
             name = f"prefill replica {upstream.record.replica_id} of {upstream.record.serve_id!r}"
             ok = None
             policy.before_request(upstream, exchange.info)
+            self._send_hint("prefill", exchange.model, upstream, exchange.info)
             upstream.inflight += 1
             upstream.sent += 1
             try:
@@ -814,6 +887,7 @@ class Router:
         breaker = upstream.breaker
         ok = None  # what the replica's answer says of it: True, False, or None (unknown: nothing recorded)
         exchange.policy.before_request(upstream, exchange.info)
+        self._send_hint("serve", exchange.model, upstream, exchange.info)
         upstream.inflight += 1
         upstream.sent += 1
         try:
@@ -920,24 +994,58 @@ class Router:
             raise RuntimeError("router event loop thread died")
 
     async def drain(self, timeout_s: float) -> int:
-        """Refuse new requests and wait (bounded) for in-flight ones; returns how many were still running."""
+        """Refuse new requests and wait (bounded) for in-flight ones, in every router process of the deployment
+        (the others see the drain request within DRAIN_POLL_S); returns how many were still running."""
         self._draining = True
-        deadline = time.monotonic() + timeout_s
-        while self._inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        return self._inflight
+        asked_at, deadline = time.time(), time.monotonic() + timeout_s
+        sharing = self._hints is not None
+        if sharing:
+            try:
+                await asyncio.to_thread(router_peers.request_drain, self.spec.app, timeout_s)
+            except Exception as exc:
+                log.warning("could not ask the other router processes to drain: %s", exc)
+                sharing = False
+        others = 0
+        while time.monotonic() < deadline:
+            if sharing:
+                others = await asyncio.to_thread(self._others_inflight, asked_at)
+            if not self._inflight and not others:
+                break
+            await asyncio.sleep(router_peers.DRAIN_POLL_S)
+        return self._inflight + others
+
+    def _others_inflight(self, asked_at: float) -> int:
+        """Requests the other processes still hold (one for a process that has not reported draining since)."""
+        left = 0
+        for report in router_peers.reports(self.spec.app):
+            if report.process == self._process:
+                continue
+            drained = report.updated_at >= asked_at and report.stats.get("draining")
+            left += report.stats.get("inflight", 0) if drained else max(1, report.stats.get("inflight", 0))
+        return left
 
     def stats(self) -> dict:
-        """Per replica: served, in-flight, circuit, the routing policy's table. Read on the event loop thread,
-        which is the one changing the policies' tables."""
+        """Per replica: served, in-flight, circuit, the routing policy's table, summed over every router process
+        of the deployment (router_peers.merge_stats; the others' as of their last report, at most refresh_s
+        old), and each process's own load under "processes". This process's part is read on its event loop
+        thread, which is the one changing the policies' tables."""
         loop = getattr(self, "_loop", None)
         if loop is not None and loop.is_running() and threading.current_thread() is not self._thread:
 
             async def collect() -> dict:
                 return self._collect_stats()
 
-            return asyncio.run_coroutine_threadsafe(collect(), loop).result(timeout=10)
-        return self._collect_stats()
+            own = asyncio.run_coroutine_threadsafe(collect(), loop).result(timeout=10)
+        else:
+            own = self._collect_stats()
+        by_process = {self._process: own}
+        if self._hints is not None:
+            try:
+                others = router_peers.reports(self.spec.app)
+            except Exception:
+                others = self._peer_reports
+            by_process.update({r.process: r.stats for r in others if r.process != self._process})
+        return router_peers.merge_stats(by_process)
 
     def _collect_stats(self) -> dict:
         counts: dict[str, dict] = defaultdict(dict)
@@ -958,7 +1066,14 @@ class Router:
                     entry["routing"] = policy.name
                     entry.update(policy.stats(upstream.replica_id))
             counts[upstream.record.replica_id] = entry
-        return {"inflight": self._inflight, "moved": self._moved, "resumed": self._resumed, "replicas": dict(counts)}
+        return {
+            "pid": os.getpid(),
+            "draining": self._draining,
+            "inflight": self._inflight,
+            "moved": self._moved,
+            "resumed": self._resumed,
+            "replicas": dict(counts),
+        }
 
 
 @dataclass

@@ -37,6 +37,7 @@ LOAD_SLACK = 1  # in-flight requests a replica may be above the least busy one a
 COOLDOWN_S = 5.0  # an open circuit stays open this long, then lets one probe through
 BREAKER_FAILURES = 3  # consecutive failures (5xx, dropped connection) that open a replica's circuit
 SESSION_HEADER = "x-session-id"
+PREFIX_KEY_BYTES = 12  # a prefix block's key: blake2b of the blocks up to it, this many bytes
 
 
 # ---- circuit breaker ------------------------------------------------------------------------------------
@@ -205,6 +206,9 @@ class Policy:
     def on_replica_left(self, replica_id: str) -> None:
         pass
 
+    def learn(self, replica_id: str, prefix_keys: list[bytes]) -> None:
+        """Another router process of the deployment sent a prompt with these prefix keys to this replica."""
+
     def stats(self, replica_id: str) -> dict[str, Any]:
         return {}
 
@@ -305,7 +309,9 @@ class PrefixTable:
     def keys(self, text: str) -> list[bytes]:
         keys, digest = [], b""
         for start in range(0, len(text) - self.block_chars + 1, self.block_chars):
-            digest = hashlib.blake2b(digest + text[start : start + self.block_chars].encode(), digest_size=12).digest()
+            digest = hashlib.blake2b(
+                digest + text[start : start + self.block_chars].encode(), digest_size=PREFIX_KEY_BYTES
+            ).digest()
             keys.append(digest)
         return keys
 
@@ -387,6 +393,9 @@ class CacheAware(Policy):
 
     def before_request(self, upstream, request):
         self.table.insert(self._prompt_keys(request), upstream.replica_id)
+
+    def learn(self, replica_id, prefix_keys):
+        self.table.insert(prefix_keys, replica_id)
 
     def on_replica_left(self, replica_id):
         self.table.remove_replica(replica_id)

@@ -1,0 +1,138 @@
+"""Several router processes of one deployment (deploy.router_processes): routing hints make every process's
+cache_aware table agree (real loopback UDP between two routers' request paths), stats merge over processes,
+and the default count follows the engines' GPUs and the head's cores."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+from flagscale.serve import router_peers
+from flagscale.serve.router_peers import RoutingHints, decode_hint, encode_hint, merge_stats
+from tests.conftest import bare_router, router_listening
+from tests.unit.test_router_retry import healthy_replica, upstream
+
+PROMPTS = [f"document {d}: " + "lorem ipsum dolor sit amet " * 20 + f"question {q}" for d in range(6) for q in range(3)]
+
+
+def test_a_hint_survives_its_encoding():
+    keys = [bytes([i]) * 12 for i in range(5)]
+    assert decode_hint(encode_hint("serve", "m", "r1", keys)) == ("serve", "m", "r1", keys)
+    for bad in (b"no newline", b'["serve","m","r1"]\n' + b"x" * 5):
+        try:
+            decode_hint(bad)
+            raise AssertionError("a malformed hint was taken")
+        except ValueError:
+            pass
+
+
+async def _two_routers_route(prompts: list[str], hints: bool) -> list[str]:
+    """Two bare routers over the same two replicas, each a separate cache_aware table; prompts alternate between
+    them. Returns, per prompt, the replica that served it."""
+    seen_a: list = []
+    seen_b: list = []
+    runner_a, port_a = await healthy_replica(seen_a)
+    runner_b, port_b = await healthy_replica(seen_b)
+    routers = []
+    for _ in range(2):
+        router = bare_router([upstream("a", port_a, 0), upstream("b", port_b, 0)], "cache_aware")
+        routers.append(router)
+    if hints:
+        for router in routers:
+            router._hints = await RoutingHints.open(router._learn_hint)
+        routers[0]._hints.peers = [routers[1]._hints.port]
+        routers[1]._hints.peers = [routers[0]._hints.port]
+    served = []
+    try:
+        async with router_listening(routers[0]) as url0, router_listening(routers[1]) as url1:
+            async with aiohttp.ClientSession() as client:
+                for i, prompt in enumerate(prompts):
+                    before = (len(seen_a), len(seen_b))
+                    body = {"model": "m", "prompt": prompt, "max_tokens": 1}
+                    async with client.post((url0, url1)[i % 2] + "/v1/completions", json=body) as resp:
+                        assert resp.status == 200
+                    served.append("a" if len(seen_a) > before[0] else "b")
+                    await asyncio.sleep(0.01)  # the hint crosses to the other process
+    finally:
+        for router in routers:
+            if router._hints is not None:
+                router._hints.transport.close()
+        await runner_a.cleanup()
+        await runner_b.cleanup()
+    return served
+
+
+def test_routing_hints_make_two_routers_send_a_prefix_where_it_went_first():
+    served = asyncio.run(_two_routers_route(PROMPTS, hints=True))
+    for d in range(6):  # each document's three questions went to one replica, whichever router had them
+        assert len(set(served[d * 3 : d * 3 + 3])) == 1, served
+    assert set(served) == {"a", "b"}  # new documents still spread
+
+
+def test_without_hints_two_routers_split_a_prefix():
+    """The test above can fail: without hints, the routers' tables disagree on where prefixes went."""
+    served = asyncio.run(_two_routers_route(PROMPTS, hints=False))
+    assert any(len(set(served[d * 3 : d * 3 + 3])) > 1 for d in range(6)), served
+
+
+def test_stats_of_several_processes_merge():
+    one = {
+        "pid": 1,
+        "inflight": 2,
+        "moved": 1,
+        "resumed": 0,
+        "replicas": {"r1": {"served": 5, "inflight": 2, "migrations": 1, "circuit": "closed", "prefix_blocks": 10}},
+    }
+    two = {
+        "pid": 2,
+        "inflight": 1,
+        "moved": 0,
+        "resumed": 1,
+        "draining": True,
+        "replicas": {
+            "r1": {"served": 3, "inflight": 1, "migrations": 0, "circuit": "open", "prefix_blocks": 12},
+            "r2": {"served": 4, "inflight": 0, "migrations": 0, "circuit": "closed"},
+        },
+    }
+    merged = merge_stats({"h:1": one, "h:2": two})
+    assert (merged["inflight"], merged["moved"], merged["resumed"]) == (3, 1, 1)
+    assert merged["replicas"]["r1"] == {
+        "served": 8,
+        "inflight": 3,
+        "migrations": 1,
+        "circuit": "open",
+        "prefix_blocks": 12,
+    }
+    assert merged["replicas"]["r2"]["served"] == 4
+    assert merged["processes"] == {
+        "h:1": {"pid": 1, "inflight": 2, "served": 5, "moved": 1, "resumed": 0, "draining": False},
+        "h:2": {"pid": 2, "inflight": 1, "served": 7, "moved": 0, "resumed": 1, "draining": True},
+    }
+    json.dumps(merged)  # status prints it
+
+
+def test_a_drain_request_concerns_processes_started_before_it(monkeypatch):
+    store: dict = {}
+    monkeypatch.setattr(router_peers, "kv_put", lambda key, value, namespace: store.__setitem__(key, value))
+    monkeypatch.setattr(router_peers, "kv_get", lambda key, namespace: store.get(key))
+    router_peers.request_drain("app", timeout_s=30)
+    set_at = json.loads(store[b"router-drain/app"])["set_at"]
+    assert router_peers.drain_requested("app", started_at=set_at - 5)
+    assert not router_peers.drain_requested("app", started_at=set_at + 1)  # a later deployment of the name
+    assert not router_peers.drain_requested("other", started_at=0)
+
+
+def test_default_router_processes():
+    from types import SimpleNamespace
+
+    from flagscale.plan import default_router_processes
+
+    def engine(replicas, gpus):
+        return SimpleNamespace(most_replicas=replicas, ray_actor_options={"num_cpus": 1, "num_gpus": gpus})
+
+    assert default_router_processes([engine(2, 0)], head_cpus=2) == 1  # CPU engines
+    assert default_router_processes([engine(8, 1)], head_cpus=128) == 8  # one per GPU
+    assert default_router_processes([engine(2, 0.5)], head_cpus=16) == 1  # two replicas sharing one GPU
+    assert default_router_processes([engine(8, 1)], head_cpus=16) == 4  # a quarter of the cores
