@@ -1,5 +1,6 @@
 # `make serve`: set up what is missing, then serve the embedded demo model.
 # `make test`:  set up what is missing, then run the whole test suite.
+# `make llama-cpp`: build llama.cpp's llama-server (engine: llama_cpp) once per version into the cache.
 VENV    ?= .venv
 PYTHON  ?= python3
 FLAVOR  := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
@@ -7,7 +8,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(FLAVOR)
 LOCK    := $(wildcard requirements/$(FLAVOR).lock)
 
-.PHONY: setup sshd serve status stop test unit lint format bench clean-venv
+.PHONY: setup sshd llama-cpp serve status stop test unit lint format bench clean-venv
 
 setup: $(STAMP)
 
@@ -31,7 +32,7 @@ status: setup
 stop: setup
 	$(PY) run.py --config-name serve action=stop
 
-test: setup sshd lint
+test: setup sshd lint llama-cpp
 	$(PY) -m pytest tests
 
 # One style for the whole tree (settings in pyproject.toml); `make format` applies it.
@@ -46,6 +47,12 @@ format: setup
 # The multi-host tests run an sshd per test host (tests/e2e/netns.py); install it only when missing.
 sshd:
 	test -x /usr/sbin/sshd || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server)
+
+# No wheel or distro package has it: built from the llama-cpp-python sdist's vendored llama.cpp (only the server,
+# ~10 CPU-minutes the first time; flagscale/engines/llama_cpp_build.py), a no-op once cached.
+llama-cpp: setup
+	command -v cmake >/dev/null && command -v g++ >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake g++)
+	$(PY) -m flagscale.engines.llama_cpp_build
 
 unit: setup
 	$(PY) -m pytest tests/unit

@@ -2,6 +2,8 @@
 
 Nothing is downloaded. Generation is deterministic: the same seed gives the same files, so the cache
 directory is keyed by the seed and the shape, and a finished model is marked by a `.complete` file.
+The same model as one GGUF file (for engine: llama_cpp) is converted from it on first use by the converter of the
+llama.cpp built here (flagscale/engines/llama_cpp_build.py).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -131,5 +135,51 @@ def ensure_demo_model(seed: int = DEMO_SEED, cache_dir: Path | None = None) -> P
     return materialize(demo_model_dir(seed, cache_dir), build)
 
 
+# The demo tokenizer's pre-tokenizer is byte-level BPE with GPT-2's split pattern (pre_tokenizers.ByteLevel), which
+# llama.cpp calls "gpt-2"; its converter knows pre-tokenizers only by a hash of known models' tokenizations.
+DEMO_GGUF_PRE_TOKENIZER = "gpt-2"
+GGUF_CONVERT_TIMEOUT_S = 600
+
+
+def demo_model_gguf_path(seed: int = DEMO_SEED, cache_dir: Path | None = None) -> Path:
+    hf_dir = demo_model_dir(seed, cache_dir)
+    return hf_dir.with_name(hf_dir.name + "-gguf") / "model.gguf"
+
+
+def ensure_demo_model_gguf(seed: int = DEMO_SEED, cache_dir: Path | None = None) -> Path:
+    """The demo model as one GGUF file (float32), converted on first use; needs llama.cpp built (make llama-cpp)."""
+    from flagscale.engines import llama_cpp_build
+
+    hf_dir = ensure_demo_model(seed, cache_dir)
+    converter = llama_cpp_build.converter_dir()
+    if not (converter / "convert_hf_to_gguf.py").is_file():
+        raise FileNotFoundError(
+            f"llama.cpp's converter is not here ({converter}): run `make llama-cpp` to build llama.cpp first"
+        )
+    target = demo_model_gguf_path(seed, cache_dir)
+
+    def build(staging: Path) -> None:
+        argv = [sys.executable, "-m", "flagscale.demo_model", "to-gguf", str(converter), str(hf_dir)]
+        subprocess.run([*argv, str(staging / target.name)], check=True, timeout=GGUF_CONVERT_TIMEOUT_S)
+
+    return materialize(target.parent, build) / target.name
+
+
+def _convert_to_gguf(converter: Path, hf_dir: Path, out: Path) -> None:
+    """llama.cpp's convert_hf_to_gguf.py run in this process, told the demo tokenizer's pre-tokenizer."""
+    sys.path[:0] = [str(converter / "gguf-py"), str(converter)]
+    import convert_hf_to_gguf  # from the converter dir
+    from conversion.base import TextModel
+
+    TextModel.get_vocab_base_pre = lambda self, tokenizer: DEMO_GGUF_PRE_TOKENIZER
+    sys.argv = ["convert_hf_to_gguf.py", str(hf_dir), "--outfile", str(out), "--outtype", "f32"]
+    convert_hf_to_gguf.main()
+
+
 if __name__ == "__main__":
-    print(ensure_demo_model())
+    if sys.argv[1:2] == ["to-gguf"]:
+        _convert_to_gguf(*(Path(arg) for arg in sys.argv[2:5]))
+    elif sys.argv[1:2] == ["gguf"]:
+        print(ensure_demo_model_gguf())
+    else:
+        print(ensure_demo_model())

@@ -1,16 +1,30 @@
-"""OmegaConf resolvers usable in configs: `${demo_model:}` is the path of the embedded demo model."""
+"""OmegaConf resolvers usable in configs: `${demo_model:}` is the path of the embedded demo model,
+`${demo_model_gguf:}` the same model as one GGUF file (for engine: llama_cpp)."""
 
 from __future__ import annotations
 
 from omegaconf import OmegaConf
 
 
-def _demo_model(seed: int | None = None) -> str:
-    from flagscale.demo_model import DEMO_SEED, ensure_demo_model
+def _seed(seed: int | None) -> int:
+    from flagscale.demo_model import DEMO_SEED
 
-    return str(ensure_demo_model(DEMO_SEED if seed is None else int(seed)))
+    return DEMO_SEED if seed is None else int(seed)
+
+
+def _demo_model(seed: int | None = None) -> str:
+    from flagscale.demo_model import ensure_demo_model
+
+    return str(ensure_demo_model(_seed(seed)))
+
+
+def _demo_model_gguf(seed: int | None = None) -> str:
+    from flagscale.demo_model import ensure_demo_model_gguf
+
+    return str(ensure_demo_model_gguf(_seed(seed)))
 
 
 def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("demo_model"):
-        OmegaConf.register_new_resolver("demo_model", _demo_model)
+    for name, resolver in (("demo_model", _demo_model), ("demo_model_gguf", _demo_model_gguf)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)

@@ -1,0 +1,254 @@
+"""The engine interface (flagscale/engines/): the contract every registered kind keeps, and each kind's argv and
+FlagScale mapping. llama.cpp's flag table comes from a stand-in binary printing help text in llama-server's
+layout (the real binary's table is checked too when it is built: `make llama-cpp`)."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from flagscale import engines
+from flagscale.engines import llama_cpp, llama_cpp_build
+from flagscale.engines.base import Capabilities, EngineKind, ServerLaunch
+from flagscale.errors import ConfigError
+
+# llama-server --help's layout (common/arg.cpp: spellings, value hint, help text at column 40 or on the next line)
+HELP = """\
+----- common params -----
+
+-h,    --help, --usage                  print usage and exit
+-t,    --threads N                      number of CPU threads to use during generation (default: -1)
+                                        (env: LLAMA_ARG_THREADS)
+-c,    --ctx-size N                     size of the prompt context (default: 0, 0 = loaded from model)
+-b,    --batch-size N                   logical maximum batch size (default: 2048)
+-ngl,  --gpu-layers, --n-gpu-layers N   max. number of layers to store in VRAM
+-kvu,  --kv-unified, -no-kvu, --no-kv-unified
+                                        use single unified KV buffer shared across all sequences
+--kv-unified-per-slot N                 context limit per parallel slot (default: unset, behavior unchanged).
+-cb,   --cont-batching, -nocb, --no-cont-batching
+                                        whether to enable continuous batching (default: enabled)
+-m,    --model FNAME                    model path to load
+-a,    --alias STRING                   set model name aliases, comma-separated (to be used by API)
+--host HOST                             ip address to listen (default: 127.0.0.1)
+--port PORT                             port to listen (default: 8080)
+--api-key KEY                           API key to use for authentication, multiple keys can be provided as a
+                                        comma-separated list (default: none)
+--api-key-file FNAME                    path to file containing API keys (default: none)
+--metrics                               enable prometheus compatible metrics endpoint (default: disabled)
+-np,   --parallel N                     number of server slots (default: -1, -1 = auto)
+"""
+
+
+@pytest.fixture
+def fake_llama_server(tmp_path, monkeypatch):
+    binary = tmp_path / "bin" / "llama-server"
+    binary.parent.mkdir()
+    (tmp_path / "help.txt").write_text(HELP)
+    binary.write_text(f"#!/bin/sh\ncat {tmp_path / 'help.txt'}\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setattr(llama_cpp_build, "server_binary", lambda cache_dir=None: binary)
+    return binary
+
+
+@pytest.fixture
+def gguf(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(b"GGUF" + b"\0" * 60)
+    return path
+
+
+KIND = llama_cpp.KIND
+
+
+def llama_argv(args: dict, model) -> list[str]:
+    return KIND.argv(KIND.map_common_args({"model": str(model), **args}), "serve[0](tiny).engine_args")
+
+
+# ---- the contract, for every registered kind ----
+
+
+@pytest.mark.parametrize("name", list(engines.ENGINES))
+def test_every_kind_is_registered_under_its_own_name_and_describes_itself(name):
+    kind = engines.get(name)
+    assert isinstance(kind, EngineKind) and kind.name == name and kind.display
+    assert isinstance(kind.capabilities, Capabilities)
+    assert set(kind.capabilities.parallel) <= {"tp", "pp", "dp"}
+    assert kind.health_path.startswith("/")
+    # the load is made of samples status shows too: what autoscaling acts on, an operator can read
+    assert set(kind.load_metrics) <= set(kind.status_gauges), kind.load_metrics
+    assert not set(kind.ignored_args) & {"model", "served_model_name", "max_num_seqs", "max_model_len"}
+    assert kind.load({m: 2.0 for m in kind.load_metrics}) == 2.0 * len(kind.load_metrics)
+
+
+@pytest.mark.parametrize("name", list(engines.ENGINES))
+def test_every_kind_serves_or_refuses_consistently(name, fake_llama_server, gguf):
+    """A kind that cannot run here refuses at check_available and everywhere after it; one that can serves on the
+    host and port it is given, with the API key in its secret env and never in argv."""
+    kind = engines.get(name)
+    try:
+        kind.check_available("serve[0]")
+    except ConfigError:
+        with pytest.raises(ConfigError):
+            kind.check_model(str(gguf), "serve[0].engine_args")
+        with pytest.raises(ConfigError):
+            kind.argv({"model": str(gguf)}, "serve[0].engine_args")
+        assert not any(vars(kind.capabilities).values())  # nothing claimed for what cannot run
+        return
+    launch = kind.launch(["--model", "m"], "127.0.0.1", 12345, "the-key", None)
+    assert isinstance(launch, ServerLaunch)
+    assert "12345" in launch.argv and "127.0.0.1" in launch.argv
+    assert "the-key" not in " ".join(launch.argv) and "the-key" in launch.secret_env.values()
+    assert "the-key" not in " ".join(f"{k}={v}" for k, v in {**launch.env, **launch.env_defaults}.items())
+    without_key = kind.launch(["--model", "m"], "127.0.0.1", 12345, None, None)
+    assert not without_key.secret_env
+
+
+@pytest.mark.parametrize("name", list(engines.ENGINES))
+def test_kinds_without_kv_transfer_say_so(name):
+    kind = engines.get(name)
+    if not kind.capabilities.kv_transfer:
+        with pytest.raises(NotImplementedError):
+            kind.kv_transfer_args(None, "prefill", True, {})
+
+
+# ---- llama.cpp ----
+
+
+def test_llama_cpp_maps_flagscale_keys(fake_llama_server, gguf):
+    argv = llama_argv(
+        {"max_num_seqs": 4, "max_model_len": 512, "served_model_name": ["tiny", "small"], "n_gpu_layers": 0},
+        gguf,
+    )
+    assert argv == [
+        "--model",
+        str(gguf),
+        "--parallel",
+        "4",
+        "--kv-unified-per-slot",
+        "512",
+        "--alias",
+        "tiny,small",
+        "--n-gpu-layers",
+        "0",
+    ]
+
+
+def test_llama_cpp_own_key_wins_over_the_common_one(fake_llama_server, gguf):
+    argv = llama_argv({"max_num_seqs": 4, "parallel": 2}, gguf)
+    assert argv[argv.index("--parallel") + 1] == "2" and argv.count("--parallel") == 1
+
+
+def test_llama_cpp_drops_vllm_keys_and_host_port(fake_llama_server, gguf):
+    args = {"gpu_memory_utilization": 0.9, "dtype": "float32", "enforce_eager": True, "host": "0.0.0.0", "port": 1}
+    args.update(tensor_parallel_size=1, pipeline_parallel_size=1)
+    assert llama_argv(args, gguf) == ["--model", str(gguf)]
+    assert set(KIND.ignored_args) >= {"gpu_memory_utilization", "dtype", "enforce_eager"}
+
+
+def test_llama_cpp_switches(fake_llama_server, gguf):
+    assert llama_argv({"cont_batching": False, "kv_unified": True}, gguf)[2:] == ["--no-cont-batching", "--kv-unified"]
+    with pytest.raises(ConfigError, match="always on"):  # managed, not a user switch
+        llama_argv({"metrics": True}, gguf)
+    with pytest.raises(ConfigError, match="--kv-unified is a switch"):
+        llama_argv({"kv_unified": 3}, gguf)
+    with pytest.raises(ConfigError, match="--threads takes a value"):
+        llama_argv({"threads": True}, gguf)
+
+
+def test_llama_cpp_unknown_key_names_it_and_the_closest_flags(fake_llama_server, gguf):
+    with pytest.raises(ConfigError) as info:
+        llama_argv({"n_gpu_layer": 0}, gguf)
+    assert "--n-gpu-layer" in str(info.value) and "n_gpu_layers" in str(info.value)
+    assert str(info.value).startswith("serve[0](tiny).engine_args.n_gpu_layer")
+
+
+@pytest.mark.parametrize("key", ["api_key", "api_key_file", "alias", "metrics"])
+def test_llama_cpp_managed_keys_are_refused(fake_llama_server, gguf, key):
+    with pytest.raises(ConfigError, match=key):
+        llama_argv({key: "x"}, gguf)
+
+
+@pytest.mark.parametrize("key", ["tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"])
+def test_llama_cpp_refuses_parallel_ranks(key):
+    assert KIND.parallel({key: 1}, "w") == (1, 1, 1)
+    with pytest.raises(ConfigError, match=f"{key}: 2"):
+        KIND.parallel({key: 2}, "w")
+
+
+def test_llama_cpp_model_must_be_a_gguf_file(tmp_path, gguf):
+    assert KIND.check_model(str(gguf), "w") == str(gguf.resolve())
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "weights.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    cases = {
+        str(tmp_path / "hf"): "is a directory",
+        str(tmp_path / "weights.safetensors"): "is not a GGUF file",
+        str(tmp_path / "missing.gguf"): "cannot be read",
+        None: "model is required",
+    }
+    for model, message in cases.items():
+        with pytest.raises(ConfigError, match=message) as info:
+            KIND.check_model(model, "serve[0](tiny).engine_args")
+        if model:
+            assert model in str(info.value)
+
+
+def test_llama_cpp_launch(fake_llama_server):
+    launch = KIND.launch(["--model", "m.gguf"], "10.0.0.2", 8080, "k", None)
+    assert launch.argv[0] == str(fake_llama_server)
+    assert launch.argv[1:] == [
+        "--model",
+        "m.gguf",
+        "--metrics",
+        "--host",
+        "10.0.0.2",
+        "--port",
+        "8080",
+        "--threads",
+        "1",
+    ]
+    assert launch.secret_env == {"LLAMA_API_KEY": "k"}
+    own = KIND.launch(["--model", "m.gguf", "--threads", "3"], "10.0.0.2", 8080, None, None)
+    assert own.argv.count("--threads") == 1
+
+
+def test_llama_cpp_missing_binary_names_the_make_target(tmp_path, monkeypatch):
+    monkeypatch.setattr(llama_cpp_build, "server_binary", lambda cache_dir=None: tmp_path / "nothing")
+    with pytest.raises(ConfigError, match="make llama-cpp"):
+        KIND.check_available("serve[0](tiny).engine")
+
+
+def test_llama_cpp_load_from_its_metrics():
+    metrics = {"llamacpp:requests_processing": 2.0, "llamacpp:requests_deferred": 3.0, "llamacpp:n_decode_total": 9.0}
+    assert KIND.load(metrics) == 5.0
+    assert KIND.status_load(metrics) == {"running": 2.0, "waiting": 3.0}
+
+
+def test_help_table_parse_and_cache(fake_llama_server):
+    table = llama_cpp.flag_table(fake_llama_server)
+    assert table["--threads"].takes_value and table["--threads"].names == ("-t", "--threads")
+    assert table["--n-gpu-layers"] == table["--gpu-layers"] and table["--n-gpu-layers"].takes_value
+    assert not table["--kv-unified"].takes_value and "--no-kv-unified" in table
+    assert not table["--metrics"].takes_value and table["--kv-unified-per-slot"].takes_value
+    assert table["--api-key"].takes_value
+    (fake_llama_server.parent.parent / "help.txt").write_text("")  # the binary changes nothing; the cache answers
+    assert llama_cpp.flag_table(fake_llama_server) == table
+
+
+def test_the_built_llama_server_has_the_flags_mapped_to():
+    binary = llama_cpp_build.server_binary()
+    if not binary.is_file():
+        pytest.skip("llama-server is not built here (make llama-cpp)")
+    table = llama_cpp.flag_table(binary)
+    wanted = ["--parallel", "--kv-unified-per-slot", "--alias", "--model", "--threads", "--metrics", "--host"]
+    assert all(table[name] for name in [*wanted, "--port", "--n-gpu-layers", "--no-cont-batching"])
+    assert not table["--metrics"].takes_value and table["--parallel"].takes_value
+
+
+# ---- SGLang: refused before start, naming what is missing ----
+
+
+def test_sglang_is_refused_naming_what_it_lacks():
+    with pytest.raises(ConfigError, match="torch 2.14.1") as info:
+        engines.get("sglang").check_available("serve[0](x).engine")
+    assert "docs/engines.md" in str(info.value)
