@@ -76,9 +76,11 @@ def write_config(conf_dir: Path, nodes, exp_dir: Path, port: int, experiment: di
     return conf_dir
 
 
-def run_cli(conf_dir: Path, *overrides: str, timeout: float = 900, name: str = "serve") -> CliResult:
+def run_cli(
+    conf_dir: Path, *overrides: str, timeout: float = 900, name: str = "serve", columns: int = 200
+) -> CliResult:
     argv = [sys.executable, str(REPO / "run.py"), "--config-path", str(conf_dir), "--config-name", name, *overrides]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": str(columns)}
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 

@@ -220,7 +220,7 @@ def test_status_is_healthy(deployment, client):
     assert {d for d in report["deployments"]} == {"alpha", "beta", "router"}
     assert sorted(r["serve_id"] for r in report["replicas"]) == ["alpha", "alpha", "beta"]
     assert {r["engine_kind"] for r in report["replicas"]} == {"vllm"}
-    table = run_cli(deployment["conf"], "action=status", timeout=120)  # not a terminal: rich's 80 columns
+    table = run_cli(deployment["conf"], "action=status", timeout=120, columns=80)  # an 80-column terminal
     assert table.returncode == 0 and "HEALTHY" in table.stdout and "alpha" in table.stdout
     assert max(len(line) for line in table.stdout.splitlines()) <= 80 and "…" not in table.stdout, table.stdout
     replica_ids = [r["replica_id"] for r in report["replicas"]]
