@@ -12,7 +12,8 @@ Two upstreams:
   stream by one token per `--step-ms` like an engine's batch step. The routers are the project's Router class
   (flagscale/serve/router.py: the real request path, resumable streams, keys, metrics), started as plain
   processes sharing one port with SO_REUSEPORT, each reading a fixed replica list instead of Ray's registry.
-  This measures the router alone, with nothing else on the machine limiting it but the cores.
+  This measures the router alone, with nothing else on the machine limiting it but the cores. (Without Ray
+  the processes share no reports or routing hints: a cost per request, not per token.)
 - `--upstream endpoint --url URL`: a running deployment (real engines). The router processes are the ones
   listening on the endpoint's port; set deploy.router_processes and update in place between runs.
 
@@ -171,6 +172,7 @@ def serve_router(port: int, upstream_urls: list[str]) -> None:
         pin_cpus=False,
         routing={MODEL: RoutingSpec()},
         refresh_s=3600,
+        share_with_peers=False,  # no Ray here: no shared reports or routing hints (per request, not per token)
     )
     Router(spec)
     threading.Event().wait()  # serving on the router's own thread until SIGTERM
