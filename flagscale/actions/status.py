@@ -267,10 +267,13 @@ def _render(console: Console, report: dict[str, Any], wide: bool = False) -> Non
         console.print(_rank_table(ranks))
     if report.get("router"):
         router = report["router"]
+        processes = router.get("processes") or {}
         console.print(
-            f"router: {router['inflight']} in flight; {router['moved']} requests moved to another replica "
-            f"after theirs failed, {router['resumed']} of them streams resumed mid-way"
+            f"router: {len(processes) or 1} process(es), {router['inflight']} in flight; {router['moved']} requests "
+            f"moved to another replica after theirs failed, {router['resumed']} of them streams resumed mid-way"
         )
+        if len(processes) > 1 or wide:
+            console.print(_router_table(processes))
     if "hosts" in report:
         hosts = _table("hosts", ["host", "role", "chip", "slots", "ray node", "replicas"])
         for h in report["hosts"]:
@@ -375,6 +378,16 @@ def _replica_table(replicas: list[dict], wide: bool) -> Table:
             row += [routing.get("circuit", "-"), str(routing.get("migrations", "-")), table_size]
             row.append(_kv_pulled(r.get("engine")))
         table.add_row(*row)
+    return table
+
+
+def _router_table(processes: dict[str, dict]) -> Table:
+    """Each router process sharing the endpoint's port, and its load."""
+    table = _table("router processes", ["process", "pid", "state", "in-flight", "served", "moved"])
+    for name, process in sorted(processes.items()):
+        state = "draining" if process.get("draining") else "serving"
+        row = [name, str(process.get("pid", "-")), state, str(process.get("inflight", 0))]
+        table.add_row(*row, str(process.get("served", 0)), str(process.get("moved", 0)))
     return table
 
 

@@ -58,7 +58,15 @@ REPORT = {
         replica("qwen2.5-7b-instruct", "p0q9r8s7", role="decode", gpus=["0", "1"]),
         replica("tiny-gguf", "z1y2x3w4", engine_kind="llama_cpp", engine={"running": 0.0, "waiting": 0.0}),
     ],
-    "router": {"inflight": 4, "moved": 0, "resumed": 0},
+    "router": {
+        "inflight": 4,
+        "moved": 0,
+        "resumed": 0,
+        "processes": {
+            "router-a1b2c3d4": {"pid": 7001, "inflight": 3, "served": 90, "moved": 0, "draining": False},
+            "router-e5f6g7h8": {"pid": 7002, "inflight": 1, "served": 30, "moved": 0, "draining": False},
+        },
+    },
 }
 
 
@@ -72,7 +80,8 @@ def test_default_table_fits_80_columns_with_every_cell_whole():
     text = render(wide=False, width=80)
     assert max(len(line) for line in text.splitlines()) <= 80, text
     assert "…" not in text, text
-    for cell in ("k3j4h5g6", "llama_cpp", "10.77.0.12 +1", "cpu 0|1", "gpu 0,1", "3+1 25%", "(decode)"):
+    cells = ("k3j4h5g6", "llama_cpp", "10.77.0.12 +1", "cpu 0|1", "gpu 0,1", "3+1 25%", "(decode)")
+    for cell in (*cells, "router-e5f6g7h8", "7002", "2 process(es)"):
         assert cell in text, (cell, text)
     assert "http://10.77.0.12:45123" not in text  # the URL, pids, router columns: output=wide
     assert "tiny-gguf: " + "x" * 20 in text.replace("\n", "")  # an unhealthy deployment's message, wrapped below
