@@ -7,6 +7,10 @@ vllm:prefix_cache_queries_total`, summed over both replicas' /metrics, counted o
 everything to one replica would give about 0.55 here; cache_aware must reach 0.45. least_load is measured in
 the same test for comparison, on the same engines after `run` switched the node's routing in place, with new
 prefixes; both numbers are printed and written to $ROUTING_E2E_REPORT when set.
+
+Then the same update scales the router to 2 processes (deploy.router_processes) and switches back to cache_aware:
+every request on a new connection, so the kernel spreads them over both processes (both must take some), and the
+hit rate must stay what one router reached (the processes share routing hints).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import os
 import random
 
+import httpx
 import openai
 
 from flagscale.serve.metrics import engine_metrics
@@ -55,6 +60,11 @@ def status_json(conf) -> dict:
     return json.loads(result.stdout[result.stdout.index("{") :])
 
 
+def runner(router_processes: int) -> dict:
+    deploy = {"host": "127.0.0.1", "port": PORT, "startup_timeout_s": 600, "router_processes": router_processes}
+    return {"runner": {"hostfile": None, "deploy": deploy}}
+
+
 def node(routing: str) -> dict:
     return {
         "serve_id": "demo",
@@ -65,17 +75,28 @@ def node(routing: str) -> dict:
     }
 
 
-def measure(conf, routing: str, seed: int) -> dict:
-    """One pass of the workload (its own prefixes, by `seed`) once the router routes with `routing`."""
+def router_processes(conf) -> dict[str, dict]:
+    return status_json(conf)["router"]["processes"]
 
-    def both_replicas_routed() -> list[dict] | None:  # the router knows both replicas, with this policy
-        replicas = [r for r in status_json(conf)["replicas"] if r["requests_served"] is not None]
-        return replicas if len(replicas) == 2 and {r["router"]["routing"] for r in replicas} == {routing} else None
 
-    replicas = wait_for(both_replicas_routed, 120, f"the router to route to both replicas with {routing}")
+def measure(conf, routing: str, seed: int, processes: int = 1) -> dict:
+    """One pass of the workload (its own prefixes, by `seed`) once the router routes with `routing`, in
+    `processes` router processes (more than one: each request on a new connection)."""
+
+    def both_replicas_routed() -> list[dict] | None:  # the routers know both replicas, with this policy
+        report = status_json(conf)
+        replicas = [r for r in report["replicas"] if r["requests_served"] is not None]
+        ready = len(replicas) == 2 and {r["router"]["routing"] for r in replicas} == {routing}
+        return replicas if ready and len(report["router"]["processes"]) == processes else None
+
+    replicas = wait_for(both_replicas_routed, 180, f"{processes} router(s) to route to both replicas with {routing}")
     served0 = {r["replica_id"]: r["requests_served"] for r in replicas}
+    by_process0 = router_processes(conf)
     urls = [r["url"] for r in replicas]
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
+    http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) if processes > 1 else None
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0, http_client=http
+    )
     hits0, queries0 = prefix_cache_counters(urls)
     prompt_tokens = []
     for prompt in workload(seed):
@@ -83,7 +104,9 @@ def measure(conf, routing: str, seed: int) -> dict:
         prompt_tokens.append(completion.usage.prompt_tokens)
     hits1, queries1 = prefix_cache_counters(urls)
     after = {r["replica_id"]: r for r in status_json(conf)["replicas"]}
+    by_process = router_processes(conf)
     return {
+        "processes": {p: r["served"] - by_process0.get(p, {}).get("served", 0) for p, r in by_process.items()},
         "routing": routing,
         "hit_rate": (hits1 - hits0) / (queries1 - queries0),
         "hits": hits1 - hits0,
@@ -106,10 +129,15 @@ def test_cache_aware_routing_raises_the_prefix_cache_hit_rate(tmp_path):
         switched = run_cli(conf, timeout=300)
         assert switched.returncode == 0, switched.output
         least_load = measure(conf, "least_load", seed=12)
+        # The router scaled to two processes in place, back to cache_aware (the engines stay)
+        conf = write_config(tmp_path / "conf", [node("cache_aware")], tmp_path / "exp", PORT, runner(2))
+        scaled = run_cli(conf, timeout=300)
+        assert scaled.returncode == 0, scaled.output
+        two_routers = measure(conf, "cache_aware", seed=13, processes=2)
     finally:
         stopped = run_cli(conf, "action=stop", timeout=300)
         assert stopped.returncode == 0, stopped.output
-    report = {"cache_aware": cache_aware, "least_load": least_load}
+    report = {"cache_aware": cache_aware, "least_load": least_load, "cache_aware_2_routers": two_routers}
     print(json.dumps(report, indent=1))
     if os.environ.get("ROUTING_E2E_REPORT"):
         with open(os.environ["ROUTING_E2E_REPORT"], "w") as f:
@@ -121,3 +149,6 @@ def test_cache_aware_routing_raises_the_prefix_cache_hit_rate(tmp_path):
     assert cache_aware["hit_rate"] > least_load["hit_rate"] + 0.1, report
     assert min(cache_aware["served"]) > 0  # new prefixes still went to both replicas
     assert all(r["prefix_blocks"] > 0 and r["circuit"] == "closed" for r in cache_aware["router"]), cache_aware
+    # two router processes: both took requests, and together they lost no hit rate
+    assert len(two_routers["processes"]) == 2 and min(two_routers["processes"].values()) > 0, two_routers
+    assert two_routers["hit_rate"] >= cache_aware["hit_rate"] - 0.03, report
