@@ -362,6 +362,12 @@ def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, f
     return {role: round(sec, 2) for role, sec in sorted(used.items(), key=lambda item: -item[1]) if sec >= 0.05}
 
 
+def router_cpu_us_per_token(cpu_s: dict[str, float], output_tokens: int) -> float | None:
+    """The router processes' CPU per streamed output token in a pass (None when no router took part)."""
+    seconds = sum(sec for role, sec in cpu_s.items() if role.endswith("router replica"))
+    return round(seconds / output_tokens * 1e6, 1) if seconds and output_tokens else None
+
+
 def run_pass(
     run_bench,
     url: str,
@@ -374,6 +380,7 @@ def run_pass(
     result = run_bench(vllm_bench_argv(url, MODEL_NAME, str(model_dir), settings, concurrency, num_warmups=concurrency))
     row = report_row(concurrency, result)
     row["cpu_s"] = cpu_used(before, cpu_seconds(watched()))
+    row["router_us_per_token"] = router_cpu_us_per_token(row["cpu_s"], int(result["total_output_tokens"]))
     if row["completed"] == 0:
         raise RuntimeError(f"every request to {url} failed, e.g. {next((e for e in result['errors'] if e), '?')}")
     return row
@@ -385,6 +392,8 @@ def median_rows(rounds: list[dict[str, Any]], system: str, concurrency: int) -> 
     for label, key, stat in METRICS:
         medians[label] = statistics.median(p[key] if stat is None else p[key][stat] for p in passes)
     medians["failed requests"] = sum(p["failed"] for p in passes)
+    router = [p["router_us_per_token"] for p in passes if p.get("router_us_per_token")]
+    medians["router CPU us/token"] = statistics.median(router) if router else None
     return medians
 
 
@@ -412,6 +421,8 @@ def render(report: dict[str, Any]) -> None:
 
     for concurrency, by_system in report["medians"].items():
         for label in by_system["plain"]:
+            if by_system["orchestrator"][label] is None:
+                continue
             add(
                 f"c={concurrency} {label}",
                 by_system["plain"][label],
@@ -506,6 +517,8 @@ def main() -> int:
                             soft_wrap=True,
                         )
                         top = ", ".join(f"{role} {sec:.1f}" for role, sec in list(row["cpu_s"].items())[:6])
+                        if row["router_us_per_token"]:
+                            top += f"; router {row['router_us_per_token']:.1f} us CPU per output token"
                         console.print(f"    CPU s: {top}", soft_wrap=True, style="dim")
                 rounds.append(results)
 

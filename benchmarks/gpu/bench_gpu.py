@@ -53,6 +53,7 @@ from overhead import (  # noqa: E402
     interrupt,
     memory_mb,
     orchestrator_memory,
+    router_cpu_us_per_token,
 )
 
 from flagscale.actions.bench import report_row, vllm_bench_argv, vllm_bench_worker  # noqa: E402
@@ -316,6 +317,7 @@ def pooled_row(concurrency: int, clients: int, results: list[dict[str, Any]]) ->
         "span_s": span,
         # Every client's output tokens over the span from the first request's start to the last one's end.
         "output_tok_s": total_out / span if span > 0 else 0.0,
+        "output_tokens": total_out,
         "sum_client_output_tok_s": sum(float(r["output_throughput"]) for r in results),
         "ttft_ms": _percentiles(ttfts),
         "tpot_ms": _percentiles(tpots),
@@ -351,6 +353,7 @@ def run_pass(
     results = [f.result() for f in futures]
     row = pooled_row(concurrency, len(clients), results)
     row["cpu_s"] = cpu_used(before, cpu_seconds(watched()))
+    row["router_us_per_token"] = router_cpu_us_per_token(row["cpu_s"], row["output_tokens"])
     if row["completed"] == 0:
         error = next((e for r in results for e in r["errors"] if e), "?")
         raise RuntimeError(f"every request to {url} failed, e.g. {error}")
@@ -366,6 +369,8 @@ def median_rows(rounds: list[dict[str, Any]], system: str, concurrency: int) -> 
     passes = [r[system][str(concurrency)] for r in rounds]
     medians = {label: statistics.median(stat_of(p, key, stat) for p in passes) for label, key, stat in METRICS}
     medians["failed requests"] = sum(p["failed"] for p in passes)
+    router = [p["router_us_per_token"] for p in passes if p.get("router_us_per_token")]
+    medians["router CPU us/token"] = statistics.median(router) if router else None
     return medians
 
 
@@ -630,6 +635,8 @@ def main() -> int:
                             soft_wrap=True,
                         )
                         top = ", ".join(f"{role} {sec:.1f}" for role, sec in list(row["cpu_s"].items())[:6])
+                        if row["router_us_per_token"]:
+                            top += f"; router {row['router_us_per_token']:.1f} us CPU per output token"
                         console.print(f"    CPU s: {top}", soft_wrap=True, style="dim")
                 rounds.append(results)
 
