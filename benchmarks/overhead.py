@@ -83,6 +83,20 @@ def parse_args() -> argparse.Namespace:
         help="also load the orchestrator's engine replica on its own port, bypassing the router",
     )
     parser.add_argument("--startup-only", action="store_true", help="time both start-ups, no load")
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine arg for both systems, VALUE as JSON (e.g. dtype=bfloat16, max_num_seqs=64)",
+    )
+    parser.add_argument(
+        "--orchestrator-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Hydra override for the orchestrator only (e.g. experiment.runner.deploy.cpu_affinity=off)",
+    )
     parser.add_argument("--plain-port", type=int, default=None, help="default: first free port in 8150-8199")
     parser.add_argument("--orchestrator-port", type=int, default=None, help="default: next free port in 8150-8199")
     parser.add_argument(
@@ -91,6 +105,13 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.num_prompts = args.num_prompts or (20 if args.quick else 200)
+    for item in args.engine_arg:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-arg {item!r}: expected KEY=VALUE")
+        with contextlib.suppress(json.JSONDecodeError):
+            raw = json.loads(raw)
+        ENGINE_ARGS[key.replace("-", "_")] = raw  # both systems are built from it
     return args
 
 
@@ -461,6 +482,7 @@ def main() -> int:
     work_dir = Path(tempfile.mkdtemp(prefix="flagscale-bench-", dir="/tmp"))
     output = args.output or REPO / "benchmarks" / "results" / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"
     plain, orchestrator = PlainVLLM(model_dir, plain_port, work_dir), Orchestrator(orch_port, work_dir)
+    orchestrator.overrides += args.orchestrator_override
     console.print(
         f"work dir {work_dir} (server and client logs); plain vLLM on :{plain_port}, orchestrator on :{orch_port}",
         soft_wrap=True,
@@ -537,6 +559,7 @@ def main() -> int:
                 "input_len": args.input_len,
                 "output_len": args.output_len,
                 "engine_args": ENGINE_ARGS,
+                "orchestrator_overrides": args.orchestrator_override,
                 "model": str(model_dir),
                 "dataset": "random",
                 "streaming": True,
