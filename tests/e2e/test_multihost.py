@@ -301,3 +301,59 @@ def test_ssh_config_alias_and_proxy_jump_reach_a_host(hosts, tmp_path):
         assert session_members(session.id)
         assert behind.stop_session(session.id, session.start_ticks) == []
         assert session_members(session.id) == []
+
+
+def test_one_engine_over_two_hosts(hosts, hostfile, tmp_path, stop_on_failure, demo_model_path):
+    """TP=2 over the two chipA hosts (one rank each): vLLM's multi-node mp executor, the API server and rank 0 on
+    one host, the headless rank 1 on the other (docs/parallelism.md). Greedy answers equal plain vLLM TP=2 on one
+    host; a rank that dies takes its replica down and Serve replaces it; stop leaves no rank anywhere."""
+    from tests.e2e.plain_vllm import answers, plain_answers
+
+    h1, h2, _ = (h.ip for h in hosts.hosts)
+    nodes = [
+        {
+            "serve_id": "tp",
+            "engine": "vllm",
+            "engine_args": demo_engine_args(served_model_name="tp", tensor_parallel_size=2),
+            "resources": {"num_replicas": 1, "num_cpus": 1, "accelerator": "chipA"},
+        }
+    ]
+    conf, exp_dir = deploy(tmp_path, hosts, hostfile, nodes, "tp-hosts")
+    stop_on_failure((conf, exp_dir))
+    run = run_cli(conf, timeout=900)
+    assert run.returncode == 0, run.output
+    client = openai.OpenAI(base_url=f"http://{h1}:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
+    spanning = answers(client, "tp")
+
+    def ranks_on_both_hosts():
+        _, report = status_json(conf)
+        (replica,) = [r for r in report["replicas"] if r["state"] == "READY"]
+        ranks = replica.get("ranks") or []
+        assert sorted((r["rank"], r["host"]) for r in ranks) in (
+            [(0, h1), (1, h2)],
+            [(0, h2), (1, h1)],
+        ), ranks
+        assert all(r["pid"] and len(r["cpus"]) == 1 for r in ranks), ranks
+        return replica
+
+    replica = wait_for(ranks_on_both_hosts, 120, "status: the replica's rank 0 and 1 on the two chipA hosts")
+    remote = next(r for r in replica["ranks"] if r["rank"] == 1)
+    assert "Worker_TP1" in " ".join(open(f"/proc/{remote['pid']}/cmdline").read().split("\0"))
+
+    # A rank on the other host dies: the replica's health check fails and Serve replaces the replica as a whole.
+    os.kill(remote["pid"], signal.SIGKILL)
+
+    def replaced():
+        _, report = status_json(conf)
+        ready = [r for r in report["replicas"] if r["state"] == "READY" and r.get("ranks")]
+        assert ready and ready[0]["replica_id"] != replica["replica_id"], report["replicas"]
+        return True
+
+    wait_for(replaced, 600, "Serve to replace the replica whose remote rank died", interval=5)
+    assert answers(client, "tp") == spanning
+
+    stop = run_cli(conf, "action=stop", timeout=300)
+    assert stop.returncode == 0, stop.output
+    assert_no_ray_left(hosts)
+    # plain vLLM TP=2 on one host, ranks on the same cores
+    assert plain_answers(demo_model_path, 2, "0|1", tmp_path / "plain.log") == spanning
