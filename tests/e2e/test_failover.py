@@ -9,6 +9,10 @@ serves; 4xx answers leave every circuit closed.
 
 On the same deployment, first: clients that hang up (non-streamed requests after they run, a stream after its
 first tokens) get their requests aborted in the engines (vLLM counts them as finished_reason="abort").
+
+The deployment runs 2 router processes (deploy.router_processes); last, one of them is SIGKILLed under streaming
+load on new connections: only requests begun before the kill may fail (those it held), Serve starts it again, and
+the new process takes requests.
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import os
 import signal
+import threading
 import time
 import urllib.request
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -71,7 +78,10 @@ def deployment(tmp_path_factory):
         "resources": {"num_replicas": 2, "num_cpus": 1},
         "routing": "least_load",
     }
-    conf = write_config(tmp_path / "conf", [node], tmp_path / "exp", PORT)
+    deploy = {"host": "127.0.0.1", "port": PORT, "startup_timeout_s": 600, "router_processes": 2}
+    conf = write_config(
+        tmp_path / "conf", [node], tmp_path / "exp", PORT, {"runner": {"hostfile": None, "deploy": deploy}}
+    )
     started = run_cli(conf, timeout=900)
     try:
         assert started.returncode == 0, started.output
@@ -186,3 +196,60 @@ def test_killing_a_replica_under_streaming_load_loses_no_request(deployment):
         except openai.BadRequestError:
             pass
     assert all(r["router"]["circuit"] == "closed" for r in routed_replicas(conf))
+
+
+def two_router_processes(conf, without_pid: int | None = None) -> dict[str, dict] | None:
+    processes = status_json(conf)["router"]["processes"]
+    ok = len(processes) == 2 and without_pid not in {p["pid"] for p in processes.values()}
+    return processes if ok else None
+
+
+def test_killing_a_router_process_loses_only_the_requests_it_held(deployment):
+    conf = deployment
+    processes = wait_for(lambda: two_router_processes(conf), 60, "two router processes")
+    fresh = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))  # each request a new connection
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0, http_client=fresh
+    )
+    results: list[tuple[float, bool]] = []  # (when the request began, whether it succeeded)
+    done = threading.Event()
+
+    def keep_streaming() -> None:
+        while not done.is_set():
+            began = time.monotonic()
+            try:
+                ok = bool(stream(client, "completion", "a router process dies"))
+            except (openai.APIError, httpx.HTTPError):
+                ok = False
+            results.append((began, ok))
+
+    victim = processes[sorted(processes)[0]]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        workers = [pool.submit(keep_streaming) for _ in range(6)]
+        wait_for(lambda: len(results) >= 6, 120, "streams through both router processes")
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        time.sleep(5)  # requests keep coming, now to the survivor
+        done.set()
+        for worker in workers:
+            worker.result()
+    failed = [began for began, ok in results if not ok]
+    after = [ok for began, ok in results if began > killed_at + 0.5]
+    assert len(failed) <= 6, f"{len(failed)} failed: more than the 6 requests in flight when it died"
+    assert all(began <= killed_at + 0.5 for began in failed), "a request begun after the kill failed"
+    assert after and all(after), "no request went through the surviving router process"
+    # Serve starts the router process again; it takes requests
+    restarted = wait_for(
+        lambda: two_router_processes(conf, without_pid=victim["pid"]), 180, "Serve to restart the router process"
+    )
+    before = {p["pid"] for p in processes.values()}
+    newcomer = next(p for p in restarted.values() if p["pid"] not in before)
+    for i in range(16):  # on new connections: the kernel gives the new process its share
+        assert client.completions.create(model="demo", prompt=f"after the restart {i}", max_tokens=2).choices
+    wait_for(
+        lambda: any(
+            p["pid"] == newcomer["pid"] and p["served"] > 0 for p in status_json(conf)["router"]["processes"].values()
+        ),
+        30,
+        "the restarted router process to serve",
+    )
