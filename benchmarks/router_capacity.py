@@ -14,15 +14,18 @@ Two upstreams:
   processes sharing one port with SO_REUSEPORT, each reading a fixed replica list instead of Ray's registry.
   This measures the router alone, with nothing else on the machine limiting it but the cores. (Without Ray
   the processes share no reports or routing hints: a cost per request, not per token.)
-- `--upstream endpoint --url URL`: a running deployment (real engines). The router processes are the ones
-  listening on the endpoint's port; set deploy.router_processes and update in place between runs.
+- `--upstream deployment`: real engines. Starts the project (`run.py action=run`) with `--replicas` engine
+  replicas (on a GPU: the random-weight Llama of benchmarks/gpu/model.py, `--size`, the replicas sharing the GPU;
+  without one: the demo model on CPU), measures each `--processes` count after an in-place update of
+  deploy.router_processes, and stops it. The router processes are the ones listening on the endpoint's port.
+- `--upstream endpoint --url URL`: a deployment already running; its router processes likewise.
 
 The clients are `--clients` processes of `--concurrency` streams each (aiohttp, counting `data:` events without
 parsing them), for `--duration` seconds after a warm-up.
 
   .venv/bin/python benchmarks/router_capacity.py --processes 1 2 --duration 10         # this machine (2 cores)
   .venv/bin/python benchmarks/router_capacity.py --processes 1 2 4 --upstreams 4 --clients 6 --concurrency 128
-  .venv/bin/python benchmarks/router_capacity.py --upstream endpoint --url http://127.0.0.1:8000 --model demo
+  python3 benchmarks/router_capacity.py --upstream deployment --size 1b --replicas 2 --processes 1 2 4   # a GPU
 """
 
 from __future__ import annotations
@@ -339,9 +342,74 @@ def load(args, url: str, procs: Processes, router_pids: list[int], upstream_pids
     }
 
 
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class Deployment:
+    """The project's own deployment of `replicas` engine replicas, through the CLI, on a private exp_dir and port."""
+
+    def __init__(self, args, work_dir: Path, port: int):
+        import yaml
+
+        self.yaml, self.port, self.conf = yaml, port, work_dir / "conf"
+        self.exp_dir = work_dir / "exp"
+        self.env = {**os.environ, **GPU_ENV, "COLUMNS": "160"}
+        if args.size is not None:  # a GPU
+            sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+            from model import ensure_model
+
+            share = round(1 / args.replicas, 4)
+            engine_args = {"model": str(ensure_model(args.size)), "max_model_len": 2048, "max_num_seqs": 1024}
+            engine_args.update(enforce_eager=True, gpu_memory_utilization=round(0.8 * share, 3))
+            resources = {"num_replicas": args.replicas, "num_gpus": share}
+        else:
+            engine_args = {"model": "${demo_model:}", "max_model_len": 512, "enforce_eager": True, "dtype": "float32"}
+            resources = {"num_replicas": args.replicas, "num_cpus": 1}
+        engine_args["served_model_name"] = MODEL
+        self.node = {"serve_id": MODEL, "engine": "vllm", "engine_args": engine_args, "resources": resources}
+        self.node["routing"] = "least_load"
+
+    def configure(self, router_processes: int) -> None:
+        deploy = {"host": "127.0.0.1", "port": self.port, "startup_timeout_s": 900}
+        deploy["router_processes"] = router_processes
+        experiment = {
+            "exp_name": "router-capacity",
+            "exp_dir": str(self.exp_dir),
+            "task": {"type": "serve"},
+            "runner": {"hostfile": None, "deploy": deploy},
+            "envs": dict(GPU_ENV),
+        }
+        main = {"defaults": ["_self_", {"serve": "nodes"}], "experiment": experiment, "action": "run"}
+        main["hydra"] = {"run": {"dir": "${experiment.exp_dir}/hydra"}}
+        (self.conf / "serve").mkdir(parents=True, exist_ok=True)
+        (self.conf / "serve.yaml").write_text(self.yaml.safe_dump(main, sort_keys=False))
+        (self.conf / "serve" / "nodes.yaml").write_text(self.yaml.safe_dump([self.node], sort_keys=False))
+
+    def cli(self, action: str, timeout_s: float) -> None:
+        argv = [sys.executable, str(REPO / "run.py"), "--config-path", str(self.conf), "--config-name", "serve"]
+        proc = subprocess.run(
+            [*argv, f"action={action}"], capture_output=True, text=True, timeout=timeout_s, cwd=REPO, env=self.env
+        )
+        print(f"  {action}: exit {proc.returncode}", flush=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"action={action} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+
+    def routers(self, count: int) -> list[int]:
+        """The router processes once `count` of them listen on the port (an update scales them)."""
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            pids = listening_pids(self.port)
+            if len(pids) == count:
+                return pids
+            time.sleep(1)
+        raise RuntimeError(f"{count} router processes did not come up on port {self.port} within 300s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--upstream", choices=["replay", "endpoint"], default="replay")
+    parser.add_argument("--upstream", choices=["replay", "deployment", "endpoint"], default="replay")
+    parser.add_argument("--replicas", type=int, default=2, help="deployment: engine replicas")
+    parser.add_argument("--size", default=None, help="deployment on a GPU: the model size (benchmarks/gpu/model.py)")
     parser.add_argument("--url", help="endpoint: the deployment's URL (its router processes listen on its port)")
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4], help="replay: router processes")
     parser.add_argument("--upstreams", type=int, default=2, help="replay: upstream processes")
@@ -367,6 +435,21 @@ def main() -> None:
             row = load(args, args.url, procs, routers, [])
             rows.append({"upstream": "endpoint (real engines)", **row})
             print(json.dumps(rows[-1]), flush=True)
+        elif args.upstream == "deployment":
+            import tempfile
+
+            deployment = Deployment(args, Path(tempfile.mkdtemp(prefix="router-capacity-")), free_port())
+            url = f"http://127.0.0.1:{deployment.port}"
+            try:
+                for index, count in enumerate(args.processes):
+                    deployment.configure(count)
+                    deployment.cli("run", 1500 if index == 0 else 600)  # the first starts it, then updates
+                    routers = deployment.routers(count)
+                    row = load(args, url, procs, routers, [])
+                    rows.append({"upstream": f"deployment ({args.replicas} real engine replicas)", **row})
+                    print(json.dumps(rows[-1]), flush=True)
+            finally:
+                deployment.cli("stop", 600)
         else:
             upstream_ports = [free_port() for _ in range(args.upstreams)]
             upstreams = [procs.start("--serve-replay", str(p), str(args.step_ms)) for p in upstream_ports]
