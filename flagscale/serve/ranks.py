@@ -27,7 +27,7 @@ import psutil
 from flagscale import engines
 from flagscale.cluster.tempdirs import ensure_private_dir
 from flagscale.engines.base import HostShare
-from flagscale.serve.cpu_layout import process_tree
+from flagscale.serve.cpu_layout import affinity, process_tree
 from flagscale.serve.startup_lock import lock_dir
 
 CORE_WAIT_S = 60.0  # a replica being replaced may still hold its cores this long (its drain and exit)
@@ -58,8 +58,10 @@ def rank_of_title(title: str, tp: int, pp: int) -> int | None:
     return dp_rank * tp * pp + pp_rank * tp + tp_rank
 
 
-def worker_pids(root: int, tp: int, pp: int) -> dict[int, int]:
-    """global rank -> pid of the worker processes under `root`."""
+def worker_pids(root: int, tp: int, pp: int, share: HostShare | None = None) -> dict[int, int]:
+    """global rank -> pid of the worker processes under `root`. CPU ranks are known by their cores first (a
+    data-parallel engine's workers may all be titled plain `VLLM::Worker`), then by their title."""
+    by_cores = {frozenset(cpus): rank for rank, cpus in zip(share.ranks, share.rank_cpus)} if share else {}
     found = {}
     for pid in process_tree(root):
         try:
@@ -67,8 +69,10 @@ def worker_pids(root: int, tp: int, pp: int) -> dict[int, int]:
         except psutil.Error:
             continue
         rank = rank_of_title(title, tp, pp)
-        if rank is not None:
-            found[rank] = pid
+        if rank is None:
+            continue
+        cores = affinity(pid)
+        found[by_cores.get(frozenset(cores or ()), rank)] = pid
     return found
 
 
@@ -197,6 +201,7 @@ class RemoteRanks:
         self.log_path = Path(log_path)
         self.claim: CoreClaim | None = None
         self.proc: subprocess.Popen | None = None
+        self.host_share: HostShare | None = None
 
     def start(self) -> dict:
         """Starts the ranks; returns {"host", "pid", "rank_cpus"}."""
@@ -220,6 +225,7 @@ class RemoteRanks:
             master=tuple(self.share["master"]),
             interface=interface_of(host),
         )
+        self.host_share = share
         launch = self.kind.headless_launch(self.argv, share)
         argv = [sys.executable, "-m", "flagscale.serve.engine_proc", *launch.argv]
         self.proc = spawn(argv, launch.env, self.log_path)
@@ -234,7 +240,7 @@ class RemoteRanks:
         return _cause_from_log(self.log_path)
 
     def workers(self, tp: int, pp: int) -> dict[int, int]:
-        return worker_pids(self.proc.pid, tp, pp) if self.proc else {}
+        return worker_pids(self.proc.pid, tp, pp, self.host_share) if self.proc else {}
 
     def stop(self) -> None:
         from flagscale.serve.engine import terminate_engine
@@ -348,7 +354,7 @@ class ReplicaRanks:
         import ray
 
         out = []
-        shares = [(self.local, worker_pids(server_pid, self.tp, self.pp))]
+        shares = [(self.local, worker_pids(server_pid, self.tp, self.pp, self.local))]
         for remote in self.remote:
             try:
                 pids = ray.get(remote.actor.workers.remote(self.tp, self.pp), timeout=REMOTE_CALL_TIMEOUT_S)
