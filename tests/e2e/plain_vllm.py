@@ -21,9 +21,19 @@ def answers(client: openai.OpenAI, model: str) -> list[str]:
     return [client.completions.create(model=model, prompt=p, **GREEDY).choices[0].text for p in PROMPTS]
 
 
+_answered: dict[tuple[str, int, str], list[str]] = {}  # one plain run per test session (`make test`: one pytest)
+
+
 def plain_answers(model_path: Path, tp: int, bind: str, log: Path, timeout_s: float = 600) -> list[str]:
     """Greedy answers of `python -m vllm.entrypoints.openai.api_server` with TP `tp`, ranks bound as `bind`
     (VLLM_CPU_OMP_THREADS_BIND), the demo engine args of tests/conftest.py; the server is stopped after."""
+    key = (str(model_path), tp, bind)
+    if key not in _answered:
+        _answered[key] = _run_plain(model_path, tp, bind, log, timeout_s)
+    return _answered[key]
+
+
+def _run_plain(model_path: Path, tp: int, bind: str, log: Path, timeout_s: float) -> list[str]:
     port = free_port("127.0.0.1")
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path)]
     argv += ["--served-model-name", "plain", "--max-model-len", "512", "--max-num-seqs", "8", "--enforce-eager"]
