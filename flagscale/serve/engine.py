@@ -152,7 +152,9 @@ class EngineReplica:
             if math.prod(spec.parallel) > 1:
                 cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
                 self.ranks = ReplicaRanks(spec.engine, spec.parallel, host, cpus)
-                share = self.ranks.start(engine_argv, gpu_ids, lambda: free_port(host), self.log_path, self._note)
+                share = self.ranks.start(
+                    engine_argv, gpu_ids, lambda: free_port(host), self.log_path, spec.env, self._note
+                )
                 self._note(f"ranks {list(share.ranks)} here (node rank 0 of {share.nnodes}), cores {share.rank_cpus}")
                 launch = spec.kind.bind_ranks(launch, share)
             env = {**_engine_env({**launch.env_defaults, **spec.env}), **launch.env, **launch.secret_env}

@@ -177,14 +177,16 @@ def actor_options(resources: dict[str, float]) -> dict:
     return options
 
 
-def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    from flagscale.serve.engine import spawn_engine
+def spawn(argv: list[str], env: dict[str, str], log_path: Path, unshown_env: dict[str, str]) -> subprocess.Popen:
+    """`argv` under engine_proc's watch, its own process group; `env` is written to the log, `unshown_env` (the
+    node's envs and secret engine args, as the replica's server gets them) is not."""
+    from flagscale.serve.engine import _engine_env, spawn_engine
 
     with open(log_path, "ab") as log:
         shown = " ".join(f"{k}={v}" for k, v in env.items())
         log.write(f"$ {shown} {' '.join(argv)}\n".encode())
         log.flush()
-        return spawn_engine(argv, log, {**os.environ, **env})
+        return spawn_engine(argv, log, {**_engine_env(unshown_env), **env})
 
 
 class RemoteRanks:
@@ -193,8 +195,11 @@ class RemoteRanks:
     The ranks' process runs under engine_proc, which ends it when this actor's process goes; Ray ends this actor
     when the replica that created it goes."""
 
-    def __init__(self, engine: str, argv: list[str], share: dict, cores_per_rank: int, log_path: str):
+    def __init__(
+        self, engine: str, argv: list[str], share: dict, cores_per_rank: int, log_path: str, env: dict[str, str]
+    ):
         self.kind = engines.get(engine)
+        self.env = env
         self.argv = argv
         self.share = share
         self.cores_per_rank = cores_per_rank
@@ -228,7 +233,7 @@ class RemoteRanks:
         self.host_share = share
         launch = self.kind.headless_launch(self.argv, share)
         argv = [sys.executable, "-m", "flagscale.serve.engine_proc", *launch.argv]
-        self.proc = spawn(argv, launch.env, self.log_path)
+        self.proc = spawn(argv, launch.env, self.log_path, self.env)
         return {"host": host, "pid": self.proc.pid, "rank_cpus": [list(c) for c in rank_cpus], "gpus": list(gpus)}
 
     def exit_code(self) -> int | None:
@@ -274,7 +279,13 @@ class ReplicaRanks:
         self.local: HostShare | None = None
 
     def start(
-        self, argv: list[str], gpus: list[str], master_port: Callable[[], int], log_path: Path, note
+        self,
+        argv: list[str],
+        gpus: list[str],
+        master_port: Callable[[], int],
+        log_path: Path,
+        env: dict[str, str],
+        note: Callable[[str], None],
     ) -> HostShare:
         """Places the ranks, starts the other hosts' ranks, and returns this host's share (node rank 0)."""
         parts = placement_hosts() or []
@@ -298,22 +309,22 @@ class ReplicaRanks:
             interface=interface_of(self.host) if nnodes > 1 else None,
         )
         if nnodes > 1:
-            self._start_remote(parts[1:], per_host[1:], nnodes, master, argv, cores_per_rank, log_path, note)
+            self._start_remote(parts[1:], per_host[1:], master, argv, cores_per_rank, log_path, env, note)
         return self.local
 
-    def _start_remote(self, parts, per_host, nnodes, master, argv, cores_per_rank, log_path: Path, note) -> None:
+    def _start_remote(self, parts, per_host, master, argv, cores_per_rank, log_path: Path, env, note) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         group = ray.util.get_current_placement_group()
         actor_class = ray.remote(RemoteRanks)
         for node_rank, (part, ranks) in enumerate(zip(parts, per_host, strict=True), start=1):
-            share = {"node_rank": node_rank, "nnodes": nnodes, "ranks": list(ranks), "master": list(master)}
+            share = {"node_rank": node_rank, "nnodes": len(parts) + 1, "ranks": list(ranks), "master": list(master)}
             host_log = str(log_path.with_name(f"{log_path.stem}-node{node_rank}{log_path.suffix}"))
             actor = actor_class.options(
                 **actor_options(part.resources),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=part.bundle),
-            ).remote(self.engine, argv, share, cores_per_rank, host_log)
+            ).remote(self.engine, argv, share, cores_per_rank, host_log, env)
             self.remote.append(RemoteHost(part, share, actor, host_log))
             note(f"node rank {node_rank} (ranks {list(ranks)}) on {part.host}: log {host_log}")
         for remote in self.remote:
