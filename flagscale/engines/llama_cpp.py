@@ -55,6 +55,9 @@ IGNORED_ARGS = {
 }
 
 
+FLAG_TABLE_FORMAT = 1  # of the cached table: a cache written by another parse_help is read again
+
+
 @dataclass(frozen=True)
 class Flag:
     names: tuple[str, ...]  # every spelling, short and long ("-t", "--threads")
@@ -67,7 +70,7 @@ def parse_help(text: str) -> dict[str, Flag]:
     line when the spellings are longer (common/arg.cpp: common_arg::to_string)."""
     table: dict[str, Flag] = {}
     for line in text.splitlines():
-        if not line.startswith("-"):
+        if not line.startswith("-") or line.startswith("-----"):  # not an option, or a section title
             continue
         options = line[:37] if len(line) > 40 and line[37:40] == "   " else line
         pieces = [piece.strip() for piece in options.strip().split(",")]
@@ -83,7 +86,7 @@ def parse_help(text: str) -> dict[str, Flag]:
 def flag_table(binary: Path) -> dict[str, Flag]:
     """The flags of this binary, from `--help` once, cached beside it (keyed by its size and mtime)."""
     stat = binary.stat()
-    key = f"{stat.st_size}-{stat.st_mtime_ns}"
+    key = f"{FLAG_TABLE_FORMAT}-{stat.st_size}-{stat.st_mtime_ns}"
     cache = binary.with_name(f".{binary.name}-flags.json")
     try:
         cached = json.loads(cache.read_text())

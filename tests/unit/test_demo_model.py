@@ -1,5 +1,7 @@
 import hashlib
 
+import pytest
+
 from flagscale.demo_model import ensure_demo_model
 
 
@@ -20,3 +22,19 @@ def test_different_seed_gives_different_weights(tmp_path):
     assert a != b
     assert _digest(a)["model.safetensors"] != _digest(b)["model.safetensors"]
     assert _digest(a)["tokenizer.json"] == _digest(b)["tokenizer.json"]
+
+
+def test_demo_model_as_gguf_is_converted_once(tmp_path):
+    from flagscale.demo_model import ensure_demo_model_gguf
+    from flagscale.engines import llama_cpp_build
+
+    if not (llama_cpp_build.converter_dir() / "convert_hf_to_gguf.py").is_file():
+        pytest.skip("llama.cpp is not built here (make llama-cpp)")
+    path = ensure_demo_model_gguf(seed=7, cache_dir=tmp_path)
+    data = path.read_bytes()
+    assert data[:4] == b"GGUF"
+    # the demo tokenizer's pre-tokenizer, which the converter's table does not know by its hash
+    assert b"tokenizer.ggml.pre" in data and b"gpt-2" in data
+    assert b"<|assistant|>" in data  # the chat template went along
+    mtime = path.stat().st_mtime_ns
+    assert ensure_demo_model_gguf(seed=7, cache_dir=tmp_path) == path and path.stat().st_mtime_ns == mtime

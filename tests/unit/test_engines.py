@@ -231,6 +231,7 @@ def test_help_table_parse_and_cache(fake_llama_server):
     assert not table["--kv-unified"].takes_value and "--no-kv-unified" in table
     assert not table["--metrics"].takes_value and table["--kv-unified-per-slot"].takes_value
     assert table["--api-key"].takes_value
+    assert all(name[2].isalnum() for name in table)  # not the section titles
     (fake_llama_server.parent.parent / "help.txt").write_text("")  # the binary changes nothing; the cache answers
     assert llama_cpp.flag_table(fake_llama_server) == table
 

@@ -1,0 +1,251 @@
+"""What the orchestrator costs over plain llama.cpp: llama-server through FlagScale vs llama-server alone.
+
+Both serve the same GGUF (the demo model, ${demo_model_gguf:}) with the same llama-server flags: the argv the
+llama_cpp engine kind makes of the same engine args (so --parallel, --kv-unified-per-slot, --alias and --threads
+match). One replica behind the router vs the bare server, loaded one at a time with vLLM's serving benchmark
+(random dataset, streaming, ignore_eos; overhead.py's machinery), alternating plain / orchestrator in each round.
+Reports per-system medians over the rounds and the orchestrator/plain ratios, and writes everything to JSON.
+
+  .venv/bin/python benchmarks/llama_cpp.py               # 3 rounds x 100 prompts at concurrency 1 and 8
+  .venv/bin/python benchmarks/llama_cpp.py --quick       # smoke test: 1 round x 20 prompts
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import overhead  # noqa: E402  (benchmarks/overhead.py: the orchestrator's run/stop, bench passes, medians)
+import psutil  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from flagscale.actions.bench import vllm_bench_worker  # noqa: E402
+from flagscale.config.schema import BenchConfig  # noqa: E402
+from flagscale.engines import llama_cpp, llama_cpp_build  # noqa: E402
+from flagscale.net import port_is_free  # noqa: E402
+
+console = overhead.console
+MODEL_NAME = overhead.MODEL_NAME  # conf/serve/demo.yaml's served_model_name, given to both servers
+PORT_RANGE = range(8450, 8500)  # clear of overhead.py, routing.py, pd.py (8400-8449) and the GPU bench
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=None, help="A/B rounds (default 3; 1 with --quick)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="prompts per pass (default 100; 20 with --quick)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="max concurrency per pass")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--parallel", type=int, default=8, help="max_num_seqs -> --parallel (slots)")
+    parser.add_argument("--threads", type=int, default=1, help="the replica's num_cpus -> --threads")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 20 prompts, 1 round")
+    parser.add_argument("--output", type=Path, default=None, help="default benchmarks/results/llama-cpp-<time>.json")
+    args = parser.parse_args()
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.num_prompts = args.num_prompts or (20 if args.quick else 100)
+    return args
+
+
+def engine_args(gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
+    return {"model": str(gguf), "served_model_name": [MODEL_NAME], "max_num_seqs": args.parallel, "max_model_len": 512}
+
+
+class PlainLlamaServer:
+    """llama-server alone, in a session of its own, with the flags the engine kind gives a replica."""
+
+    def __init__(self, gguf: Path, port: int, work_dir: Path, args: argparse.Namespace):
+        kind = llama_cpp.KIND
+        # --threads as a replica reserving `threads` CPUs gets it
+        argv = kind.argv(kind.map_common_args({**engine_args(gguf, args), "threads": args.threads}), "plain")
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = work_dir / "plain-llama-server.log"
+        self.argv = kind.launch(argv, "127.0.0.1", port, None, None).argv
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> float:
+        with open(self.log_path, "ab") as log:
+            started = time.monotonic()
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+
+        def exited() -> str | None:
+            code = self.proc.poll()
+            return None if code is None else f"plain llama-server exited with {code}:\n{overhead.tail(self.log_path)}"
+
+        return overhead.wait_for_first_completion(self.url, started, exited)
+
+    def processes(self) -> list[psutil.Process]:
+        return [psutil.Process(self.proc.pid)] if self.proc and self.proc.poll() is None else []
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def orchestrator(gguf: Path, port: int, work_dir: Path, args: argparse.Namespace) -> overhead.Orchestrator:
+    """conf/serve.yaml's demo node turned into one llama.cpp replica (its vLLM keys are ignored, with a notice)."""
+    orch = overhead.Orchestrator(port, work_dir)
+    values = {**engine_args(gguf, args), "served_model_name": MODEL_NAME}
+    orch.overrides = [
+        "experiment.exp_name=llama-cpp-bench",
+        f"experiment.exp_dir={orch.exp_dir}",
+        f"experiment.runner.deploy.port={port}",
+        "serve.0.engine=llama_cpp",
+        f"serve.0.resources.num_cpus={args.threads}",
+        *(f"serve.0.engine_args.{key}={json.dumps(value)}" for key, value in values.items()),
+    ]
+    return orch
+
+
+def render(report: dict[str, Any]) -> None:
+    settings = report["settings"]
+    table = Table(
+        title=f"orchestrator vs plain llama-server: median of {settings['rounds']} round(s), "
+        f"{settings['num_prompts']} prompts/pass",
+        title_justify="left",
+    )
+    for column in ("metric", "plain", "orchestrator", "orch/plain"):
+        table.add_column(column, justify="left" if column == "metric" else "right")
+    for concurrency, by_system in report["medians"].items():
+        for label, plain in by_system["plain"].items():
+            orch = by_system["orchestrator"][label]
+            fmt = "{:.0f}" if label == "failed requests" else "{:.1f}"
+            ratio = f"{orch / plain:.3f}" if plain else "-"
+            table.add_row(f"c={concurrency} {label}", fmt.format(plain), fmt.format(orch), ratio)
+        table.add_section()
+    startup = report["startup_s"]
+    table.add_row(
+        "startup to first completion s",
+        f"{startup['plain']:.1f}",
+        f"{startup['orchestrator']:.1f}",
+        f"{startup['orchestrator'] / startup['plain']:.1f}",
+    )
+    console.print(table)
+
+
+def main() -> int:
+    args = parse_args()
+    from flagscale.demo_model import ensure_demo_model, ensure_demo_model_gguf
+
+    llama_cpp_build.ensure_built()
+    tokenizer_dir, gguf = ensure_demo_model(), ensure_demo_model_gguf()
+    free = [p for p in PORT_RANGE if port_is_free("127.0.0.1", p)]
+    plain_port, orch_port = free[0], free[1]
+    work_dir = Path(tempfile.mkdtemp(prefix="flagscale-llama-bench-", dir="/tmp"))
+    output = args.output or REPO / "benchmarks" / "results" / f"llama-cpp-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    plain = PlainLlamaServer(gguf, plain_port, work_dir, args)
+    orch = orchestrator(gguf, orch_port, work_dir, args)
+    console.print(f"work dir {work_dir}; plain llama-server on :{plain_port}, orchestrator on :{orch_port}")
+    signal.signal(signal.SIGTERM, overhead.interrupt)
+    try:
+        with console.status("starting plain llama-server ..."):
+            startup = {"plain": plain.start()}
+        plain.stop()
+        with console.status("starting the orchestrator ..."):
+            startup["orchestrator"] = orch.start()
+        with console.status("starting plain llama-server again for the load ..."):
+            plain.start()
+        console.print(
+            f"first completion after: plain {startup['plain']:.1f}s, orchestrator {startup['orchestrator']:.1f}s"
+        )
+        servers = {"plain": plain.url, "orchestrator": orch.url}
+        rounds: list[dict[str, Any]] = []
+        with vllm_bench_worker(work_dir / "bench-client.log") as run_bench:
+            for round_index in range(args.rounds):
+                results: dict[str, Any] = {system: {} for system in servers}
+                for concurrency in args.concurrency:
+                    # A fresh prompt set per pass, the same for both systems; the order alternates per round.
+                    settings = BenchConfig(
+                        input_len=args.input_len,
+                        output_len=args.output_len,
+                        num_prompts=args.num_prompts,
+                        seed=1000 * round_index + concurrency,
+                    )
+                    order = list(servers) if round_index % 2 == 0 else list(reversed(servers))
+                    for system in order:
+                        with console.status(f"round {round_index + 1}/{args.rounds}: {system}, c={concurrency} ..."):
+                            row = overhead.run_pass(
+                                run_bench,
+                                servers[system],
+                                tokenizer_dir,
+                                settings,
+                                concurrency,
+                                lambda: {"plain": plain.processes(), "orch": orch.processes()},
+                            )
+                        results[system][str(concurrency)] = row
+                        console.print(
+                            f"round {round_index + 1} {system:>12} c={concurrency:<3} {row['output_tok_s']:8.1f} tok/s  "
+                            f"TTFT p50 {row['ttft_ms']['p50']:7.1f} ms  TPOT p50 {row['tpot_ms']['p50']:6.1f} ms  "
+                            f"failed {row['failed']}"
+                        )
+                rounds.append(results)
+        medians = {str(c): {s: overhead.median_rows(rounds, s, c) for s in servers} for c in args.concurrency}
+        report = {
+            "settings": {
+                "rounds": args.rounds,
+                "num_prompts": args.num_prompts,
+                "concurrency": args.concurrency,
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "parallel": args.parallel,
+                "threads": args.threads,
+                "model": str(gguf),
+                "dataset": "random",
+                "streaming": True,
+                "ignore_eos": True,
+            },
+            "versions": {"llama-cpp-python sdist": llama_cpp_build.LLAMA_CPP_PYTHON_VERSION},
+            "machine": {"cpus": os.cpu_count()},
+            "startup_s": startup,
+            "medians": medians,
+            "ratios_orchestrator_over_plain": {
+                c: {
+                    label: (m["orchestrator"][label] / m["plain"][label] if m["plain"][label] else None)
+                    for label, _, _ in overhead.METRICS
+                }
+                for c, m in medians.items()
+            },
+            "rounds": rounds,
+            "plain_argv": plain.argv,
+            "orchestrator_argv": orch.cli("run"),
+            "work_dir": str(work_dir),
+        }
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(report, indent=2))
+        render(report)
+        console.print(f"results: {output}")
+        return 0
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]")
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with console.status("stopping both servers ..."):
+            orch.stop()
+            plain.stop()
+        console.print(f"stopped both servers; logs in {work_dir}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
