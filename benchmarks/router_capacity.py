@@ -364,6 +364,7 @@ class Deployment:
             resources = {"num_replicas": args.replicas, "num_gpus": share}
         else:
             engine_args = {"model": "${demo_model:}", "max_model_len": 512, "enforce_eager": True, "dtype": "float32"}
+            engine_args.update(gpu_memory_utilization=0.2, max_num_seqs=16)  # benchmarks/overhead.py's
             resources = {"num_replicas": args.replicas, "num_cpus": 1}
         engine_args["served_model_name"] = MODEL
         self.node = {"serve_id": MODEL, "engine": "vllm", "engine_args": engine_args, "resources": resources}
