@@ -3,7 +3,8 @@ Ray started on each over SSH from a hostfile, real vLLM (CPU) engines, requests 
 
 One set of hosts is shared by the module, in order:
   run with 2 replicas (land on two hosts) -> requests -> status host table -> stop -> no Ray process anywhere;
-  a node pinned to type=chipB runs only on the chipB host -> kill a worker's Ray node -> status says dead -> stop;
+  a vLLM node pinned to type=chipB runs only on the chipB host, a llama.cpp node beside it on the chipA hosts ->
+  kill a worker's Ray node -> status says dead, both models still answer -> stop;
   2 prefill replicas on the chipA hosts and 1 decode replica on the chipB host pass KV caches between hosts;
   a hostfile with an unreachable host fails within the SSH timeout, naming it, nothing left on the others.
 """
@@ -93,15 +94,19 @@ def stop_on_failure():
             shutil.rmtree(host_temp_dir(str(exp_dir.resolve()), ip), ignore_errors=True)  # Ray's logs of the run
 
 
-def serve_on_hosts(tmp_path, hosts, hostfile, stop_on_failure, name, model, replicas, chip, **experiment):
-    """Run one engine node of `replicas` replicas pinned to `chip`; returns conf, exp_dir and a client."""
+def serve_on_hosts(
+    tmp_path, hosts, hostfile, stop_on_failure, name, model, replicas, chip, extra_nodes=(), **experiment
+):
+    """Run one engine node of `replicas` replicas pinned to `chip` (and `extra_nodes`); returns conf, exp_dir and a
+    client."""
     nodes = [
         {
             "serve_id": model,
             "engine": "vllm",
             "engine_args": demo_engine_args(served_model_name=model),
             "resources": {"num_replicas": replicas, "num_cpus": 1, "accelerator": chip},
-        }
+        },
+        *extra_nodes,
     ]
     conf, exp_dir = deploy(tmp_path, hosts, hostfile, nodes, name, **experiment)
     stop_on_failure((conf, exp_dir))
@@ -146,24 +151,35 @@ def test_two_replicas_on_two_hosts_serve_and_stop_cleanly(hosts, hostfile, tmp_p
 
 
 def test_chip_pinned_node_runs_on_its_chip_and_a_dead_worker_shows(hosts, hostfile, tmp_path, stop_on_failure):
+    """vLLM node b pinned to the chipB host and, in the same deployment, a llama.cpp node (docs/engines.md) on the
+    two chipA hosts, both behind one endpoint; then a worker host dies."""
     # FlagScale's experiment.node_args: engine args for the replicas on one host (max_num_seqs is 8 elsewhere).
     node_args = {hosts.hosts[2].ip: {"engine_args": {"max_num_seqs": 3}}}
+    llama = {
+        "serve_id": "tiny",
+        "engine": "llama_cpp",
+        "engine_args": {"model": "${demo_model_gguf:}", "max_model_len": 512, "max_num_seqs": 2},
+        "resources": {"num_replicas": 2, "num_cpus": 1, "accelerator": "chipA"},
+    }
     conf, exp_dir, client = serve_on_hosts(
-        tmp_path, hosts, hostfile, stop_on_failure, "chip-b", "b", 1, "chipB", node_args=node_args
+        tmp_path, hosts, hostfile, stop_on_failure, "chip-b", "b", 1, "chipB", extra_nodes=[llama], node_args=node_args
     )
     assert client.completions.create(model="b", prompt="hi", max_tokens=4).usage.completion_tokens == 4
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).usage.completion_tokens >= 1
 
-    def replica_on_the_chip_b_host() -> bool:
+    def each_engine_on_its_chip() -> bool:
         _, report = status_json(conf)
-        assert [r["host"] for r in report["replicas"]] == [hosts.hosts[2].ip], report["replicas"]
+        placed = sorted((r["engine_kind"], r["host"]) for r in report["replicas"])
+        h1, h2, h3 = (h.ip for h in hosts.hosts)
+        assert placed == sorted([("vllm", h3), ("llama_cpp", h1), ("llama_cpp", h2)]), report["replicas"]
         return True
 
-    wait_for(replica_on_the_chip_b_host, 120, "status: the one replica on the chipB host", interval=2)
+    wait_for(each_engine_on_its_chip, 120, "status: b on the chipB host, tiny on both chipA hosts", interval=2)
     (engine_log,) = (exp_dir / "serve_logs").glob("engine-b-*.log")
     command = next(line for line in engine_log.read_text().splitlines() if line.startswith("$ "))
     assert "--max-num-seqs 3" in command and "--max-num-seqs 8" not in command, command
 
-    # Kill the Ray node of worker host 2 (no replica on it) outright: its whole recorded session.
+    # Kill the Ray node of worker host 2 (a llama.cpp replica on it) outright: its whole recorded session.
     state = json.loads((exp_dir / "state.json").read_text())
     worker = next(h for h in state["hosts"] if h["host"] == hosts.hosts[1].ip)
     from flagscale.cluster.processes import session_members
@@ -181,6 +197,8 @@ def test_chip_pinned_node_runs_on_its_chip_and_a_dead_worker_shows(hosts, hostfi
     assert states == {hosts.hosts[0].ip: "alive", hosts.hosts[1].ip: "dead", hosts.hosts[2].ip: "alive"}
     assert result.returncode != 0  # not healthy while a host is down
     assert client.completions.create(model="b", prompt="hi", max_tokens=4).usage.completion_tokens == 4
+    for _ in range(4):  # the llama.cpp replica on the dead host is passed over before the first byte
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).usage.completion_tokens >= 1
 
     stop = run_cli(conf, "action=stop", timeout=300)
     assert stop.returncode == 0, stop.output
