@@ -112,6 +112,16 @@ def test_kinds_without_kv_transfer_say_so(name):
             kind.kv_transfer_args(None, "prefill", True, {})
 
 
+# ---- vLLM: FlagScale's common keys are its own spellings ----
+
+
+def test_vllm_passes_flagscale_keys_through():
+    args = {"model": "m", "max_num_seqs": 4, "max_model_len": 512, "served_model_name": ["a"], "dtype": "float32"}
+    kind = engines.get("vllm")
+    assert kind.map_common_args(args) == args and not kind.ignored_args
+    assert kind.parallel({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "w") == (2, 2, 1)
+
+
 # ---- llama.cpp ----
 
 
