@@ -131,8 +131,9 @@ def render(report: dict[str, Any]) -> None:
         for label, plain in by_system["plain"].items():
             orch = by_system["orchestrator"][label]
             fmt = "{:.0f}" if label == "failed requests" else "{:.1f}"
-            ratio = f"{orch / plain:.3f}" if plain else "-"
-            table.add_row(f"c={concurrency} {label}", fmt.format(plain), fmt.format(orch), ratio)
+            cells = ["-" if value is None else fmt.format(value) for value in (plain, orch)]
+            ratio = f"{orch / plain:.3f}" if plain and orch is not None else "-"
+            table.add_row(f"c={concurrency} {label}", *cells, ratio)
         table.add_section()
     startup = report["startup_s"]
     table.add_row(
