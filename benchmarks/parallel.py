@@ -42,7 +42,7 @@ from flagscale.actions.bench import vllm_bench_worker  # noqa: E402
 from flagscale.config.schema import BenchConfig  # noqa: E402
 
 SYSTEMS = ("plain-tp1", "plain-tp2", "orch-tp1", "orch-tp2")
-console = Console(highlight=False)
+console = Console(highlight=False, width=160)
 
 
 def parse_args() -> argparse.Namespace:
