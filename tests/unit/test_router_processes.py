@@ -136,3 +136,30 @@ def test_default_router_processes():
     assert default_router_processes([engine(8, 1)], head_cpus=128) == 8  # one per GPU
     assert default_router_processes([engine(2, 0.5)], head_cpus=16) == 1  # two replicas sharing one GPU
     assert default_router_processes([engine(8, 1)], head_cpus=16) == 4  # a quarter of the cores
+
+
+def test_metrics_on_one_process_carry_every_processs_series():
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def scrape() -> str:
+        router = bare_router([], "least_load")
+        router.metrics.requests.labels("m", "200").inc(3)
+        other = bare_router([], "least_load")
+        other.metrics.requests.labels("m", "200").inc(5)
+        peer = router_peers.PeerReport("h:2", 2, 0.0, time.time(), {}, other.metrics.text().decode())
+        stale = router_peers.PeerReport("h:3", 3, 0.0, time.time() - 60, {}, other.metrics.text().decode())
+        router._peer_reports = [peer, stale]
+        async with router_listening(router) as url, aiohttp.ClientSession() as client:
+            async with client.get(url + "/metrics") as resp:
+                return await resp.text()
+
+    samples = [
+        s
+        for family in text_string_to_metric_families(asyncio.run(scrape()))
+        for s in family.samples
+        if s.name == "flagscale_router_requests_total"
+    ]
+    by_process = {s.labels["router_process"]: s.value for s in samples}
+    assert by_process == {router_peers.this_process(): 3.0, "h:2": 5.0}  # the stale report is left out
