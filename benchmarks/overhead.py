@@ -383,9 +383,10 @@ def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, f
     return {role: round(sec, 2) for role, sec in sorted(used.items(), key=lambda item: -item[1]) if sec >= 0.05}
 
 
-def router_cpu_us_per_token(cpu_s: dict[str, float], output_tokens: int) -> float | None:
-    """The router processes' CPU per streamed output token in a pass (None when no router took part)."""
-    seconds = sum(sec for role, sec in cpu_s.items() if role.endswith("router replica"))
+def router_cpu_us_per_token(cpu_s: dict[str, float], output_tokens: int, group: str | None) -> float | None:
+    """The CPU of `group`'s router processes per streamed output token in a pass (None: no router carried it;
+    the idle system's router still uses some CPU, which is not counted against the other's tokens)."""
+    seconds = cpu_s.get(f"{group}: router replica", 0.0) if group else 0.0
     return round(seconds / output_tokens * 1e6, 1) if seconds and output_tokens else None
 
 
@@ -401,7 +402,7 @@ def run_pass(
     result = run_bench(vllm_bench_argv(url, MODEL_NAME, str(model_dir), settings, concurrency, num_warmups=concurrency))
     row = report_row(concurrency, result)
     row["cpu_s"] = cpu_used(before, cpu_seconds(watched()))
-    row["router_us_per_token"] = router_cpu_us_per_token(row["cpu_s"], int(result["total_output_tokens"]))
+    row["output_tokens"] = int(result["total_output_tokens"])
     if row["completed"] == 0:
         raise RuntimeError(f"every request to {url} failed, e.g. {next((e for e in result['errors'] if e), '?')}")
     return row
@@ -532,6 +533,9 @@ def main() -> int:
                                 concurrency,
                                 lambda: {"plain": plain.processes(), "orch": orchestrator.processes()},
                             )
+                        row["router_us_per_token"] = router_cpu_us_per_token(
+                            row["cpu_s"], row["output_tokens"], "orch" if system == "orchestrator" else None
+                        )
                         results[system][str(concurrency)] = row
                         console.print(
                             f"round {round_index + 1} {system:>12} c={concurrency:<3} {row['output_tok_s']:8.1f} tok/s  "

@@ -353,7 +353,6 @@ def run_pass(
     results = [f.result() for f in futures]
     row = pooled_row(concurrency, len(clients), results)
     row["cpu_s"] = cpu_used(before, cpu_seconds(watched()))
-    row["router_us_per_token"] = router_cpu_us_per_token(row["cpu_s"], row["output_tokens"])
     if row["completed"] == 0:
         error = next((e for r in results for e in r["errors"] if e), "?")
         raise RuntimeError(f"every request to {url} failed, e.g. {error}")
@@ -625,6 +624,7 @@ def main() -> int:
                             f"round {round_index + 1}/{args.rounds}: {system}, {args.clients} x c={concurrency} ..."
                         ):
                             row = run_pass(clients, pool, url, model_dir, args, round_index, concurrency, watched)
+                        row["router_us_per_token"] = router_cpu_us_per_token(row["cpu_s"], row["output_tokens"], system)
                         results[system][str(concurrency)] = row
                         console.print(
                             f"round {round_index + 1} {system:>12} {args.clients}x c={concurrency:<4} "

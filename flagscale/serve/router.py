@@ -406,11 +406,12 @@ class Router:
             self._hints.peers = [r.hints_port for r in self._peer_reports if r.hints_port]
 
     async def _watch_drain(self) -> None:
-        """Another process was asked to drain the deployment (stop): this one drains too, and reports often so
-        that the one asked sees when nothing is in flight anywhere."""
+        """Another process was asked to drain the deployment (stop): this one drains too (it looks every refresh:
+        the one asked waits until every process has reported draining), then reports every DRAIN_POLL_S so that
+        the one asked sees when nothing is in flight anywhere."""
         loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(router_peers.DRAIN_POLL_S)
+            await asyncio.sleep(router_peers.DRAIN_POLL_S if self._draining else self.spec.refresh_s)
             if not self._draining:
                 try:
                     asked = await loop.run_in_executor(

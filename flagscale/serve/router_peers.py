@@ -7,7 +7,8 @@ Ray's GCS key-value store, as the replica registry does (flagscale/serve/registr
 - each process publishes a report on every refresh: its stats (Router.stats's shape) and its own
   `flagscale_router_*` series, so that `stats` and `/metrics` on any one process answer for all of them;
 - `stop` drains them all: the process asked to drain sets a drain request (with a deadline), every process
-  watches for it and stops taking requests, and the one asked waits until no process has any in flight.
+  looks for it every refresh and stops taking requests, and the one asked waits until every process has
+  reported draining with nothing in flight.
 
 And one thing goes directly from process to process: routing hints (RoutingHints). Whenever a process sends a
 prompt to a replica, it tells the others which replica got which prefix-table keys, over loopback UDP (the
@@ -33,7 +34,7 @@ from flagscale.serve.routing import PREFIX_KEY_BYTES
 
 KV_NAMESPACE = "flagscale"
 STALE_AFTER_S = 10.0  # a report not refreshed for this long is a process that is gone
-DRAIN_POLL_S = 0.25  # how often each process looks for a drain request (one small GCS read)
+DRAIN_POLL_S = 0.25  # how often a draining process reports
 HINT_MAX_KEYS = 4096  # the prompt's first this many prefix blocks go in one hint (one datagram, < 64 KiB)
 
 
