@@ -220,14 +220,17 @@ def check_payload(payload: Any) -> None:
 async def read_body(request, limit: int) -> bytes:
     """The request's body, or _BadRequest(413) as soon as it is over `limit` bytes (before reading it all when
     Content-Length says so)."""
-    too_large = _BadRequest(f"request body is over the limit of {limit} bytes (deploy.max_body_bytes)", 413)
+
+    def too_large() -> _BadRequest:
+        return _BadRequest(f"request body is over the limit of {limit} bytes (deploy.max_body_bytes)", 413)
+
     if request.content_length is not None and request.content_length > limit:
-        raise too_large
+        raise too_large()
     chunks, size = [], 0
     async for chunk in request.content.iter_any():
         size += len(chunk)
         if size > limit:
-            raise too_large
+            raise too_large()
         chunks.append(chunk)
     return b"".join(chunks)
 
