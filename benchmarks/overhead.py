@@ -488,6 +488,15 @@ def main() -> int:
         f"work dir {work_dir} (server and client logs); plain vLLM on :{plain_port}, orchestrator on :{orch_port}",
         soft_wrap=True,
     )
+    layout_off = "experiment.runner.deploy.cpu_affinity=off" in args.orchestrator_override
+    console.print(
+        "orchestrator without its CPU layout: both systems' processes placed by the OS"
+        if layout_off
+        else "orchestrator with its CPU layout (deploy.cpu_affinity: auto, the default; plain vLLM has none: "
+        "on this machine that layout, not the router, decides the c=16 ratio; docs/benchmarks.md; "
+        "--orchestrator-override experiment.runner.deploy.cpu_affinity=off compares like for like)",
+        soft_wrap=True,
+    )
     signal.signal(signal.SIGTERM, interrupt)
     try:
         # Each start-up is timed with nothing else running; plain vLLM is then started again for the load.
@@ -564,6 +573,7 @@ def main() -> int:
                 "output_len": args.output_len,
                 "engine_args": ENGINE_ARGS,
                 "orchestrator_overrides": args.orchestrator_override,
+                "orchestrator_cpu_layout": not layout_off,
                 "model": str(model_dir),
                 "dataset": "random",
                 "streaming": True,
