@@ -112,9 +112,9 @@ class Plan:
 
 
 def default_router_processes(engines: list[EnginePlan], head_cpus: int) -> int:
-    """One router process carries one GPU's worth of streaming (~10-40k tokens/s of a small model at ~30 us of
-    CPU per token: docs/benchmarks.md): one per GPU the engines may use, at least one, at most a quarter of
-    the head's cores."""
+    """One router process relays ~20k streamed tokens/s (one core, ~50 us each: docs/benchmarks.md), about one
+    GPU's worth of a small model: one per GPU the engines may use, at least one, at most a quarter of the head's
+    cores."""
     gpus = sum(e.most_replicas * e.ray_actor_options.get("num_gpus", 0) for e in engines)
     return max(1, min(math.ceil(gpus), head_cpus // 4))
 
