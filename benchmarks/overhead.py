@@ -403,6 +403,8 @@ def run_pass(
     row = report_row(concurrency, result)
     row["cpu_s"] = cpu_used(before, cpu_seconds(watched()))
     row["output_tokens"] = int(result["total_output_tokens"])
+    # other work on the machine moves the ratio by more than any setting (docs/benchmarks.md): recorded per pass
+    row["load_avg_1m"] = round(os.getloadavg()[0], 2)
     if row["completed"] == 0:
         raise RuntimeError(f"every request to {url} failed, e.g. {next((e for e in result['errors'] if e), '?')}")
     return row
@@ -554,6 +556,7 @@ def main() -> int:
                         top = ", ".join(f"{role} {sec:.1f}" for role, sec in list(row["cpu_s"].items())[:6])
                         if row["router_us_per_token"]:
                             top += f"; router {row['router_us_per_token']:.1f} us CPU per output token"
+                        top += f"; load average {row['load_avg_1m']:.2f}"
                         console.print(f"    CPU s: {top}", soft_wrap=True, style="dim")
                 rounds.append(results)
 
