@@ -75,6 +75,7 @@ def dryrun(
         console.print("\n".join(describe(plan)), markup=False)
         console.print(f"graph picture: {draw(plan, Path(plan.exp_dir) / 'graph.png')}")
     console.print(f"endpoint: {plan.endpoint}/v1   models: {', '.join(dict.fromkeys(plan.model_ids))}")
+    console.print(f"router: {plan.router_processes} process(es) sharing the endpoint's port")
     if plan.ray_cluster is not None:
         _print_ray_cluster(plan, console)
     elif plan.cluster is None:

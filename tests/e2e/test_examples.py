@@ -20,3 +20,4 @@ def test_shipped_config_dryruns(conf_dir, name, tmp_path):
     result = run_cli(conf_dir, "action=dryrun", f"experiment.exp_dir={tmp_path}", name=name, timeout=300)
     assert result.returncode == 0, result.output
     assert "dryrun: nothing was started" in result.stdout
+    assert "router: 1 process(es)" in result.stdout  # CPU deployments: one router process by default
