@@ -23,6 +23,7 @@ class Capabilities:
     cpu_worker_binding: bool = False  # binds its CPU workers to cores itself (flagscale/serve/cpu_layout.py)
     multi_host: bool = False  # one replica's ranks may span hosts
     parallel: tuple[str, ...] = ()  # which of "tp", "pp", "dp" a replica may have above 1
+    keeps_connections: bool = True  # its server keeps a connection open after a response (the router reuses it)
 
 
 @dataclass(frozen=True)

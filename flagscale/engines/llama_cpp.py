@@ -131,7 +131,9 @@ class LlamaCpp(EngineKind):
     display = "llama.cpp"
     # prefix_caching: a request goes to the slot whose cached prompt shares most with it, and the shared part is not
     # computed again (cache_prompt, on by default). Resume: see docs/engines.md.
-    capabilities = Capabilities(prefix_caching=True)
+    # It closes a connection after every streamed response although its headers say Keep-Alive (measured): the
+    # router opens a fresh connection per request instead of reusing one that may already be gone.
+    capabilities = Capabilities(prefix_caching=True, keeps_connections=False)
     status_gauges = {"llamacpp:requests_processing": "running", "llamacpp:requests_deferred": "waiting"}
     load_metrics = ("llamacpp:requests_processing", "llamacpp:requests_deferred")
     ignored_args = IGNORED_ARGS

@@ -37,6 +37,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from flagscale import engines
 from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS, Admission
 from flagscale.serve import registry, router_peers
 from flagscale.serve.cpu_layout import RouterPinning
@@ -896,8 +897,11 @@ class Router:
         upstream.sent += 1
         try:
             try:
+                headers = exchange.headers
+                if not engines.get(upstream.record.engine).capabilities.keeps_connections:
+                    headers = {**headers, "Connection": "close"}  # no pooled connection it may have closed
                 upstream_resp = await self._session.request(
-                    exchange.http.method, upstream.record.url + path, data=data, headers=exchange.headers
+                    exchange.http.method, upstream.record.url + path, data=data, headers=headers
                 )
             except aiohttp.ClientConnectorError as exc:  # no connection: nothing sent, the next replica may take it
                 ok = False  # the caller trips the circuit

@@ -200,6 +200,16 @@ def test_logs_show_the_llama_server_log(deployment, client):
     assert API_KEY not in result.stdout
 
 
+def test_back_to_back_streams_never_meet_a_closed_connection(deployment, client):
+    """llama-server closes a connection after each stream although it says Keep-Alive: a router that reused it
+    would fail about every second request there and move it to another replica (docs/engines.md)."""
+    moved_before = status_json(deployment)["router"]["moved"]
+    for _ in range(16):
+        stream = client.completions.create(model=LLAMA, prompt="hi", max_tokens=4, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices)
+    assert status_json(deployment)["router"]["moved"] == moved_before
+
+
 def test_api_key_guards_llama_server(deployment, client):
     (replica, *_) = record_llama_servers(deployment)
     base = replica["url"]
