@@ -93,7 +93,7 @@ def test_every_kind_serves_or_refuses_consistently(name, fake_llama_server, gguf
             kind.check_model(str(gguf), "serve[0].engine_args")
         with pytest.raises(ConfigError):
             kind.argv({"model": str(gguf)}, "serve[0].engine_args")
-        assert not any(vars(kind.capabilities).values())  # nothing claimed for what cannot run
+        assert kind.capabilities == Capabilities()  # nothing claimed beyond the defaults for what cannot run
         return
     launch = kind.launch(["--model", "m"], "127.0.0.1", 12345, "the-key", None)
     assert isinstance(launch, ServerLaunch)
