@@ -13,11 +13,9 @@ Reports per-system medians over the rounds and the orchestrator/plain ratios, an
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +27,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import overhead  # noqa: E402  (benchmarks/overhead.py: the orchestrator's run/stop, bench passes, medians)
-import psutil  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from flagscale.actions.bench import vllm_bench_worker  # noqa: E402
@@ -63,8 +60,10 @@ def engine_args(gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
     return {"model": str(gguf), "served_model_name": [MODEL_NAME], "max_num_seqs": args.parallel, "max_model_len": 512}
 
 
-class PlainLlamaServer:
-    """llama-server alone, in a session of its own, with the flags the engine kind gives a replica."""
+class PlainLlamaServer(overhead.PlainServer):
+    """llama-server alone, with the flags the engine kind gives a replica."""
+
+    name = "plain llama-server"
 
     def __init__(self, gguf: Path, port: int, work_dir: Path, args: argparse.Namespace):
         kind = llama_cpp.KIND
@@ -73,34 +72,6 @@ class PlainLlamaServer:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = work_dir / "plain-llama-server.log"
         self.argv = kind.launch(argv, "127.0.0.1", port, None, None).argv
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> float:
-        with open(self.log_path, "ab") as log:
-            started = time.monotonic()
-            self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
-
-        def exited() -> str | None:
-            code = self.proc.poll()
-            return None if code is None else f"plain llama-server exited with {code}:\n{overhead.tail(self.log_path)}"
-
-        return overhead.wait_for_first_completion(self.url, started, exited)
-
-    def processes(self) -> list[psutil.Process]:
-        return [psutil.Process(self.proc.pid)] if self.proc and self.proc.poll() is None else []
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 def orchestrator(gguf: Path, port: int, work_dir: Path, args: argparse.Namespace) -> overhead.Orchestrator:
@@ -220,32 +191,19 @@ def main() -> int:
             "machine": {"cpus": os.cpu_count()},
             "startup_s": startup,
             "medians": medians,
-            "ratios_orchestrator_over_plain": {
-                c: {
-                    label: (m["orchestrator"][label] / m["plain"][label] if m["plain"][label] else None)
-                    for label, _, _ in overhead.METRICS
-                }
-                for c, m in medians.items()
-            },
+            "ratios_orchestrator_over_plain": overhead.ratios_over_plain(medians),
             "rounds": rounds,
             "plain_argv": plain.argv,
             "orchestrator_argv": orch.cli("run"),
             "work_dir": str(work_dir),
         }
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(report, indent=2))
-        render(report)
-        console.print(f"results: {output}")
+        overhead.save_report(report, output, render)
         return 0
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")
         return 130
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        with console.status("stopping both servers ..."):
-            orch.stop()
-            plain.stop()
-        console.print(f"stopped both servers; logs in {work_dir}")
+        overhead.stop_both(orch, plain, work_dir)
 
 
 if __name__ == "__main__":

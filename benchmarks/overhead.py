@@ -152,8 +152,56 @@ def tail(path: Path, lines: int = 20) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-class PlainVLLM:
-    """`python -m vllm.entrypoints.openai.api_server` in a session of its own, so it and its children stop together."""
+class PlainServer:
+    """An engine's server alone (`argv`), in a session of its own, so it and its children stop together."""
+
+    name = "plain server"
+    argv: list[str]
+    url: str
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> float:
+        with open(self.log_path, "ab") as log:
+            started = time.monotonic()
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+
+        def exited() -> str | None:
+            code = self.proc.poll()
+            return None if code is None else f"{self.name} exited with {code}:\n{tail(self.log_path)}"
+
+        return wait_for_first_completion(self.url, started, exited)
+
+    def processes(self) -> list[psutil.Process]:
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        root = psutil.Process(self.proc.pid)
+        return [root, *root.children(recursive=True)]
+
+    def stop(self) -> None:
+        """SIGTERM the process group of the session we created (server and its children), SIGKILL what is
+        left after a grace period."""
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        group = self.proc.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(30)
+        deadline = time.monotonic() + 10
+        while group_alive(group) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+        self.proc.wait()
+
+
+class PlainVLLM(PlainServer):
+    """`python -m vllm.entrypoints.openai.api_server` with the engine args the orchestrator's replica gets."""
+
+    name = "plain vLLM"
 
     def __init__(self, model_dir: Path, port: int, work_dir: Path, engine_args: dict[str, Any] | None = None):
         from flagscale.engines.vllm_args import to_argv
@@ -172,41 +220,6 @@ class PlainVLLM:
             "--port",
             str(port),
         ]
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> float:
-        with open(self.log_path, "ab") as log:
-            started = time.monotonic()
-            self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
-
-        def exited() -> str | None:
-            code = self.proc.poll()
-            return None if code is None else f"plain vLLM exited with {code}:\n{tail(self.log_path)}"
-
-        return wait_for_first_completion(self.url, started, exited)
-
-    def processes(self) -> list[psutil.Process]:
-        root = psutil.Process(self.proc.pid)
-        return [root, *root.children(recursive=True)]
-
-    def stop(self) -> None:
-        """SIGTERM the process group of the session we created (server and its engine core), SIGKILL what is
-        left after a grace period."""
-        if self.proc is None or self.proc.returncode is not None:
-            return
-        group = self.proc.pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(30)
-        deadline = time.monotonic() + 10
-        while group_alive(group) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signal.SIGKILL)
-        self.proc.wait()
 
 
 def group_alive(group: int) -> bool:
@@ -410,6 +423,32 @@ def run_pass(
     return row
 
 
+def save_report(report: dict, output: Path, render) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2))
+    render(report)
+    console.print(f"results: {output}")
+
+
+def stop_both(orchestrator, plain, work_dir: Path) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the clean-up finish
+    with console.status("stopping both servers ..."):
+        orchestrator.stop()
+        plain.stop()
+    console.print(f"stopped both servers; logs in {work_dir}")
+
+
+def ratios_over_plain(medians: dict) -> dict:
+    """Per concurrency: each metric's orchestrator median over plain's (None where plain has no value)."""
+    return {
+        c: {
+            label: (m["orchestrator"][label] / m["plain"][label] if m["plain"][label] else None)
+            for label, _, _ in METRICS
+        }
+        for c, m in medians.items()
+    }
+
+
 def median_rows(rounds: list[dict[str, Any]], system: str, concurrency: int) -> dict[str, float]:
     passes = [r[system][str(concurrency)] for r in rounds]
     medians = {}
@@ -591,33 +630,20 @@ def main() -> int:
             "startup_s": startup,
             "memory": memory,
             "medians": medians,
-            "ratios_orchestrator_over_plain": {
-                c: {
-                    label: (m["orchestrator"][label] / m["plain"][label] if m["plain"][label] else None)
-                    for label, _, _ in METRICS
-                }
-                for c, m in medians.items()
-            },
+            "ratios_orchestrator_over_plain": ratios_over_plain(medians),
             "servers": servers,
             "rounds": rounds,
             "plain_argv": plain.argv,
             "orchestrator_argv": orchestrator.cli("run"),
             "work_dir": str(work_dir),
         }
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(report, indent=2))
-        render(report)
-        console.print(f"results: {output}")
+        save_report(report, output, render)
         return 0
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")
         return 130
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the clean-up finish
-        with console.status("stopping both servers ..."):
-            orchestrator.stop()
-            plain.stop()
-        console.print(f"stopped both servers; logs in {work_dir}")
+        stop_both(orchestrator, plain, work_dir)
 
 
 if __name__ == "__main__":

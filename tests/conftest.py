@@ -76,6 +76,18 @@ def write_config(conf_dir: Path, nodes, exp_dir: Path, port: int, experiment: di
     return conf_dir
 
 
+def streamed_chat_chunks(client, model: str, max_tokens: int = 12) -> list:
+    """A streamed chat completion through the openai SDK: its chunks that carry text."""
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    return [c for c in stream if c.choices and c.choices[0].delta.content]
+
+
 def run_cli(
     conf_dir: Path, *overrides: str, timeout: float = 900, name: str = "serve", columns: int = 200
 ) -> CliResult:

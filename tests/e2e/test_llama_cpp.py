@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from flagscale.demo_model import ensure_demo_model_gguf
-from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
+from tests.conftest import demo_engine_args, run_cli, streamed_chat_chunks, wait_for, write_config
 
 PORT = 19271
 KEY_ENV, API_KEY = "FS_E2E_LLAMA_KEY", "e2e-llama-key"
@@ -165,14 +165,7 @@ def test_completion(client, model):
 
 @pytest.mark.parametrize("model", [LLAMA, VLLM])
 def test_streamed_chat_arrives_in_several_chunks(client, model):
-    stream = client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=12,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
+    chunks = streamed_chat_chunks(client, model)
     assert len(chunks) >= 3, chunks
 
 

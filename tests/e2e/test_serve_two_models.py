@@ -23,7 +23,7 @@ import pytest
 
 from flagscale.cluster.processes import session_members
 from flagscale.serve.cpu_layout import affinity, process_tree
-from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
+from tests.conftest import demo_engine_args, run_cli, streamed_chat_chunks, wait_for, write_config
 
 PORT = 18411
 MODELS = ("alpha", "beta")
@@ -90,14 +90,7 @@ def test_completion(client, model):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_streamed_chat_arrives_in_several_chunks(client, model):
-    stream = client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=12,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
+    chunks = streamed_chat_chunks(client, model)
     assert len(chunks) >= 3
     assert all(c.model == model for c in chunks)
 
