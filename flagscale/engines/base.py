@@ -103,11 +103,6 @@ class EngineKind(ABC):
         names = args.get("served_model_name") or [default]
         return [names] if isinstance(names, str) else list(names)
 
-    def cache_key(self, args: dict[str, Any]) -> str | None:
-        """The model's weights (path or id): replicas with equal keys share a prefix cache layout."""
-        model = args.get("model")
-        return model if isinstance(model, str) else None
-
     # ---- prefill/decode disaggregation (engines with capabilities.kv_transfer) ----
 
     def check_kv_transfer(self, pd: Any, args: dict[str, Any], where: str) -> None:
