@@ -144,7 +144,8 @@ def test_logs_of_a_running_then_stopped_deployment(tmp_path):
         wait_for(lambda: '"POST /v1/completions HTTP/1.1" 200' in follow.stdout, 60, "the request's line")
         assert header(b) not in follow.stdout
         interrupted.proc.send_signal(signal.SIGINT)
-        assert interrupted.wait(timeout=30) == 0, interrupted.stderr
+        # bounded generously: on the fresh CI machine (2026-11-25) one follower had not exited 30 s after Ctrl-C
+        assert interrupted.wait(timeout=90) == 0, interrupted.stderr
 
         # stop: the follower sees the deployment go and ends by itself
         stopped = run_cli(conf, "action=stop", timeout=300)
