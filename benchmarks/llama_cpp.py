@@ -30,7 +30,6 @@ import overhead  # noqa: E402  (benchmarks/overhead.py: the orchestrator's run/s
 from rich.table import Table  # noqa: E402
 
 from flagscale.actions.bench import vllm_bench_worker  # noqa: E402
-from flagscale.config.schema import BenchConfig  # noqa: E402
 from flagscale.engines import llama_cpp, llama_cpp_build  # noqa: E402
 from flagscale.net import port_is_free  # noqa: E402
 
@@ -148,12 +147,7 @@ def main() -> int:
                 results: dict[str, Any] = {system: {} for system in servers}
                 for concurrency in args.concurrency:
                     # A fresh prompt set per pass, the same for both systems; the order alternates per round.
-                    settings = BenchConfig(
-                        input_len=args.input_len,
-                        output_len=args.output_len,
-                        num_prompts=args.num_prompts,
-                        seed=1000 * round_index + concurrency,
-                    )
+                    settings = overhead.pass_settings(args, round_index, concurrency)
                     order = list(servers) if round_index % 2 == 0 else list(reversed(servers))
                     for system in order:
                         with console.status(f"round {round_index + 1}/{args.rounds}: {system}, c={concurrency} ..."):

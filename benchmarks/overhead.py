@@ -69,6 +69,11 @@ METRICS = (
 console = Console(highlight=False)
 
 
+def pass_settings(args: argparse.Namespace, round_index: int, concurrency: int) -> BenchConfig:
+    """One pass's load: a fresh prompt set per round and concurrency, the same for every system compared."""
+    return pass_settings(args, round_index, concurrency)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=None, help="A/B rounds (default 3; 1 with --quick)")
@@ -565,12 +570,7 @@ def main() -> int:
                     results[system] = {}
                     for concurrency in args.concurrency:
                         # A fresh prompt set per pass (no prefix-cache hits from earlier passes), the same for both systems.
-                        settings = BenchConfig(
-                            input_len=args.input_len,
-                            output_len=args.output_len,
-                            num_prompts=args.num_prompts,
-                            seed=1000 * round_index + concurrency,
-                        )
+                        settings = pass_settings(args, round_index, concurrency)
                         with console.status(
                             f"round {round_index + 1}/{args.rounds}: {system}, concurrency {concurrency} ..."
                         ):

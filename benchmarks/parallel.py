@@ -35,11 +35,11 @@ from benchmarks.overhead import (  # noqa: E402
     Orchestrator,
     PlainVLLM,
     installed_version,
+    pass_settings,
     pick_ports,
     run_pass,
 )
 from flagscale.actions.bench import vllm_bench_worker  # noqa: E402
-from flagscale.config.schema import BenchConfig  # noqa: E402
 
 SYSTEMS = ("plain-tp1", "plain-tp2", "orch-tp1", "orch-tp2")
 console = Console(highlight=False, width=160)
@@ -157,12 +157,7 @@ def main() -> int:
                         startup[system].append(server.start())
                     results[system] = {}
                     for concurrency in args.concurrency:
-                        settings = BenchConfig(
-                            input_len=args.input_len,
-                            output_len=args.output_len,
-                            num_prompts=args.num_prompts,
-                            seed=1000 * round_index + concurrency,
-                        )
+                        settings = pass_settings(args, round_index, concurrency)
                         with console.status(f"round {round_index + 1}: {system}, concurrency {concurrency} ..."):
                             row = run_pass(
                                 run_bench, server.url, model_dir, settings, concurrency, server_processes(server)
