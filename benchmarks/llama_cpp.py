@@ -169,11 +169,7 @@ def main() -> int:
         medians = {str(c): {s: overhead.median_rows(rounds, s, c) for s in servers} for c in args.concurrency}
         report = {
             "settings": {
-                "rounds": args.rounds,
-                "num_prompts": args.num_prompts,
-                "concurrency": args.concurrency,
-                "input_len": args.input_len,
-                "output_len": args.output_len,
+                **overhead.load_settings(args),
                 "parallel": args.parallel,
                 "threads": args.threads,
                 "model": str(gguf),

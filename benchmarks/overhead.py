@@ -69,6 +69,12 @@ METRICS = (
 console = Console(highlight=False)
 
 
+def load_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The load every pass of a run shares, for its report."""
+    keys = ("rounds", "num_prompts", "concurrency", "input_len", "output_len")
+    return {key: getattr(args, key) for key in keys}
+
+
 def pass_settings(args: argparse.Namespace, round_index: int, concurrency: int) -> BenchConfig:
     """One pass's load: a fresh prompt set per round and concurrency, the same for every system compared."""
     return pass_settings(args, round_index, concurrency)
@@ -608,11 +614,7 @@ def main() -> int:
         medians = {str(c): {s: median_rows(rounds, s, c) for s in servers} for c in args.concurrency}
         report = {
             "settings": {
-                "rounds": args.rounds,
-                "num_prompts": args.num_prompts,
-                "concurrency": args.concurrency,
-                "input_len": args.input_len,
-                "output_len": args.output_len,
+                **load_settings(args),
                 "engine_args": ENGINE_ARGS,
                 "orchestrator_overrides": args.orchestrator_override,
                 "orchestrator_cpu_layout": not layout_off,

@@ -35,6 +35,7 @@ from benchmarks.overhead import (  # noqa: E402
     Orchestrator,
     PlainVLLM,
     installed_version,
+    load_settings,
     pass_settings,
     pick_ports,
     run_pass,
@@ -172,11 +173,7 @@ def main() -> int:
             rounds.append(results)
     report = {
         "settings": {
-            "rounds": args.rounds,
-            "num_prompts": args.num_prompts,
-            "concurrency": args.concurrency,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
+            **load_settings(args),
             "engine_args": ENGINE_ARGS,
             "model": str(model_dir),
         },
