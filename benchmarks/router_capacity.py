@@ -310,19 +310,23 @@ class Processes:
                 proc.wait()
 
 
-def load(args, url: str, procs: Processes, router_pids: list[int], upstream_pids: list[int]) -> dict[str, Any]:
-    """One measured pass: the clients' events and the CPU each side used in the measured window."""
+def load(
+    args, url: str, procs: Processes, router_pids: list[int], upstream_pids: list[int], shape: tuple[int, int]
+) -> dict[str, Any]:
+    """One measured pass of `shape` (client processes, streams each): the clients' events and the CPU each side
+    used in the measured window."""
+    client_count, concurrency = shape
     clients = [
         procs.start(
             "--run-client",
             url,
-            str(args.concurrency),
+            str(concurrency),
             str(args.duration),
             str(args.warmup),
             str(args.tokens),
             stdout=subprocess.PIPE,
         )
-        for _ in range(args.clients)
+        for _ in range(client_count)
     ]
     time.sleep(args.warmup)
     client_pids = [c.pid for c in clients]
@@ -344,7 +348,7 @@ def load(args, url: str, procs: Processes, router_pids: list[int], upstream_pids
     tokens = counts["events"] - counts["requests"]
     return {
         "router_processes": len(router_pids),
-        "streams": args.clients * args.concurrency,
+        "streams": client_count * concurrency,
         "tokens_per_s": round(tokens / elapsed),
         "requests": counts["requests"],
         "failed": counts["failed"],
@@ -430,11 +434,23 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=10.0, help="replay: time between a stream's tokens")
     parser.add_argument("--clients", type=int, default=2, help="client processes")
     parser.add_argument("--concurrency", type=int, default=64, help="streams per client process")
+    parser.add_argument(
+        "--loads",
+        nargs="+",
+        metavar="CLIENTSxSTREAMS",
+        help="several loads, each measured per --processes count (e.g. 1x16 6x128); default: --clients x --concurrency",
+    )
     parser.add_argument("--tokens", type=int, default=128, help="tokens per stream (max_tokens)")
     parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per pass")
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
+    try:
+        shapes = [
+            tuple(int(n) for n in load.split("x")) for load in args.loads or [f"{args.clients}x{args.concurrency}"]
+        ]
+    except ValueError:
+        parser.error(f"--loads takes CLIENTSxSTREAMS, e.g. 1x16; got {args.loads}")
 
     procs = Processes()
     rows = []
@@ -446,9 +462,10 @@ def main() -> None:
             routers = listening_pids(port)
             if not routers:
                 raise SystemExit(f"no process of this user listens on port {port}")
-            row = load(args, args.url, procs, routers, [])
-            rows.append({"upstream": "endpoint (real engines)", **row})
-            print(json.dumps(rows[-1]), flush=True)
+            for shape in shapes:
+                row = load(args, args.url, procs, routers, [], shape)
+                rows.append({"upstream": "endpoint (real engines)", **row})
+                print(json.dumps(rows[-1]), flush=True)
         elif args.upstream == "deployment":
             import tempfile
 
@@ -459,9 +476,10 @@ def main() -> None:
                     deployment.configure(count)
                     deployment.cli("run", 1500 if index == 0 else 600)  # the first starts it, then updates
                     routers = deployment.routers(count)
-                    row = load(args, url, procs, routers, [])
-                    rows.append({"upstream": f"deployment ({args.replicas} real engine replicas)", **row})
-                    print(json.dumps(rows[-1]), flush=True)
+                    for shape in shapes:
+                        row = load(args, url, procs, routers, [], shape)
+                        rows.append({"upstream": f"deployment ({args.replicas} real engine replicas)", **row})
+                        print(json.dumps(rows[-1]), flush=True)
             finally:
                 deployment.cli("stop", 600)
         else:
@@ -478,9 +496,10 @@ def main() -> None:
                 deadline = time.monotonic() + STARTUP_TIMEOUT_S
                 while len(listening_pids(port)) < count and time.monotonic() < deadline:
                     time.sleep(0.2)
-                row = load(args, url, procs, [r.pid for r in routers], [u.pid for u in upstreams])
-                rows.append({"upstream": "replay (not an engine)", **row})
-                print(json.dumps(rows[-1]), flush=True)
+                for shape in shapes:
+                    row = load(args, url, procs, [r.pid for r in routers], [u.pid for u in upstreams], shape)
+                    rows.append({"upstream": "replay (not an engine)", **row})
+                    print(json.dumps(rows[-1]), flush=True)
                 procs.stop(routers)
     finally:
         procs.stop()
