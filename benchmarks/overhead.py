@@ -376,7 +376,6 @@ def process_role(proc: psutil.Process) -> str:
         ("runtime_env/agent", "ray runtime-env agent"),
         ("ray.util.client.server", "ray client server"),
         ("ServeController", "serve controller"),
-        ("flagscale::router", "router process"),  # its title (flagscale/serve/router_process.py)
         (":router", "router replica"),
         ("ServeReplica", "engine replica actor"),
         ("flagscale.serve.engine_proc", "engine watchdog"),
@@ -411,9 +410,7 @@ def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, f
 def router_cpu_us_per_token(cpu_s: dict[str, float], output_tokens: int, group: str | None) -> float | None:
     """The CPU of `group`'s router processes per streamed output token in a pass (None: no router carried it;
     the idle system's router still uses some CPU, which is not counted against the other's tokens)."""
-    # the router's cost is its processes' CPU and their Serve replicas' (which only pass control calls on)
-    roles = ("router process", "router replica")
-    seconds = sum(cpu_s.get(f"{group}: {role}", 0.0) for role in roles) if group else 0.0
+    seconds = cpu_s.get(f"{group}: router replica", 0.0) if group else 0.0
     return round(seconds / output_tokens * 1e6, 1) if seconds and output_tokens else None
 
 

@@ -38,6 +38,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -146,7 +147,7 @@ def serve_router(port: int, upstream_urls: list[str]) -> None:
     """One router process: the project's Router, its replica list fixed to the replay upstreams (instead of
     Ray's registry), listening on `port` beside the others (SO_REUSEPORT)."""
     from flagscale.serve import registry
-    from flagscale.serve.router import Router, RouterSpec, new_event_loop
+    from flagscale.serve.router import Router, RouterSpec
     from flagscale.serve.routing import RoutingSpec
 
     records = [
@@ -176,9 +177,8 @@ def serve_router(port: int, upstream_urls: list[str]) -> None:
         refresh_s=3600,
         share_with_peers=False,  # no Ray here: no shared reports or routing hints (per request, not per token)
     )
-    loop = new_event_loop()
-    loop.run_until_complete(Router(spec).start())
-    loop.run_forever()  # until SIGTERM
+    Router(spec)
+    threading.Event().wait()  # serving on the router's own thread until SIGTERM
 
 
 # ---- the clients ------------------------------------------------------------------------------------------
@@ -273,18 +273,6 @@ def listening_pids(port: int) -> list[int]:
     return sorted(pids)
 
 
-def with_serve_replicas(router_pids: list[int]) -> list[int]:
-    """A deployment's router processes and their Serve replicas (flagscale/serve/router_replica.py, which only
-    pass control calls on): the router's CPU is both's."""
-    pids = list(router_pids)
-    for pid in router_pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            parent = psutil.Process(pid).parent()
-            if parent is not None and "ServeReplica" in " ".join(parent.cmdline()):
-                pids.append(parent.pid)
-    return pids
-
-
 class Processes:
     """Processes this benchmark started, each in a session of its own; all stopped at the end (by pid)."""
 
@@ -330,13 +318,12 @@ def load(
     ]
     time.sleep(args.warmup)
     client_pids = [c.pid for c in clients]
-    sides = (("router", with_serve_replicas(router_pids)), ("upstream", upstream_pids))
-    before = {side: cpu_of(pids) for side, pids in sides}
+    before = {side: cpu_of(pids) for side, pids in (("router", router_pids), ("upstream", upstream_pids))}
     before["clients"] = cpu_of(client_pids)
     started = time.monotonic()
     time.sleep(args.duration)
     elapsed = time.monotonic() - started
-    used = {side: cpu_of(pids) for side, pids in sides}
+    used = {side: cpu_of(pids) for side, pids in (("router", router_pids), ("upstream", upstream_pids))}
     used["clients"] = cpu_of(client_pids)
     counts = {"events": 0, "requests": 0, "failed": 0}
     for client in clients:

@@ -14,8 +14,7 @@ from flagscale.plan import ROUTER_DEPLOYMENT, EnginePlan, Plan
 from flagscale.serve.autoscaling import with_engine_load_policy
 from flagscale.serve.engine import NODE_LOG_DIR, EngineReplica, EngineSpec
 from flagscale.serve.registry import version_of
-from flagscale.serve.router import RouterSpec
-from flagscale.serve.router_replica import RouterReplica
+from flagscale.serve.router import Router, RouterSpec
 
 HEALTH_CHECK_PERIOD_S = 5
 HEALTH_CHECK_TIMEOUT_S = 30
@@ -43,7 +42,7 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
         engines.append(with_version(deployment, spec.version).bind(spec))
     spec = router_spec(plan)
     router = serve.deployment(
-        RouterReplica,
+        Router,
         name=ROUTER_DEPLOYMENT,
         # deploy.router_processes: all on the head, sharing the port (flagscale/serve/router_peers.py); changing
         # the count is a scale of this deployment, not a restart of its replicas

@@ -1,8 +1,7 @@
 """The OpenAI-compatible entry point: a lean byte-streaming router in front of the engines' own servers.
 
-It runs in a process of its own (flagscale/serve/router_process.py), started and watched by a Ray Serve
-replica (flagscale/serve/router_replica.py: Serve places, health-checks, updates and restarts it), and serves HTTP
-itself with aiohttp on that process's event loop. Per request it reads the body, asks the requested
+It runs inside a Ray Serve replica (so Serve places, health-checks and restarts it) but serves HTTP
+itself with aiohttp on its own event loop thread. Per request it reads the body, asks the requested
 `model`'s routing policy (flagscale/serve/routing.py: cache_aware, least_load, session, round_robin) for the
 order to try its replicas in, and streams the upstream response back chunk by chunk.
 
@@ -32,6 +31,7 @@ import itertools
 import json
 import logging
 import os
+import threading
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
@@ -118,20 +118,10 @@ class RouterSpec:
         return {key: value for key, value in asdict(self).items() if key in self.RECONFIGURABLE}
 
     def reconfigured(self, config: dict[str, Any]) -> RouterSpec:
-        return replace(self, **_with_routing_specs(config))
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RouterSpec:
-        """The spec from its asdict() (how the router replica hands it to its process)."""
-        return cls(**_with_routing_specs(data))
-
-
-def _with_routing_specs(data: dict[str, Any]) -> dict[str, Any]:
-    data = dict(data)
-    for key in ("routing", "prefill_routing"):
-        if key in data:
-            data[key] = {model: RoutingSpec(**spec) for model, spec in data[key].items()}
-    return data
+        config = dict(config)
+        for key in ("routing", "prefill_routing"):
+            config[key] = {model: RoutingSpec(**spec) for model, spec in config.get(key, {}).items()}
+        return replace(self, **config)
 
 
 _Upstream = Upstream  # the name the tests and older code use
@@ -153,16 +143,6 @@ REMOTE_DECODE = {
     "remote_host": None,
     "remote_port": None,
 }
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """The loop a router process serves on (uvloop where it is installed)."""
-    try:
-        import uvloop
-
-        return uvloop.new_event_loop()
-    except ImportError:
-        return asyncio.new_event_loop()
 
 
 def upstream_session():
@@ -262,23 +242,40 @@ class _Overloaded(Exception):
 
 
 class Router:
-    """One router process's router (flagscale/serve/router_process.py runs it; the Serve replica of the router
-    deployment, flagscale/serve/router_replica.py, starts that process)."""
-
-    def __init__(self, spec: RouterSpec, graph=None, pin_node_id: str | None = None):
+    def __init__(self, spec: RouterSpec, *engines, graph=None):
         self.spec = spec
-        # the graph's entry, when the config has custom nodes: async (payload, with_trace) -> the driver's reply
-        self._graph = graph
+        self._engines = engines  # handles keep the engine deployments part of this application
+        self._graph = graph  # DeploymentHandle of the graph driver, when the config has custom nodes
         self._init_state()
-        self._pinning = RouterPinning(pin_node_id) if spec.pin_cpus and pin_node_id else None
+        self._pinning = None
         self._started_at = time.time()
+        if spec.pin_cpus:
+            import ray
+
+            self._pinning = RouterPinning(ray.get_runtime_context().get_node_id())
+        self._started = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve_forever, name="flagscale-router", daemon=True)
+        self._thread.start()
+        if not self._started.wait(30):
+            raise RuntimeError(f"router did not start listening on {spec.host}:{spec.port} within 30s")
+        if self._failure is not None:
+            raise RuntimeError(f"router cannot listen on {spec.host}:{spec.port}: {self._failure}")
 
     def reconfigure(self, config: dict[str, Any]) -> None:
-        """A new spec from an update (models added or removed, routing policies), keeping the policies (and their
-        prefix tables) of models whose routing did not change. On the event loop: follow it with refresh()."""
-        self._apply_spec(self.spec.reconfigured(config))
+        """Serve calls this after __init__ and on every update whose router spec changed (models added or
+        removed, routing policies): applied on the router's event loop, keeping the policies (and their prefix
+        tables) of models whose routing did not change."""
+        spec = self.spec.reconfigured(config)
+        loop = getattr(self, "_loop", None)
+        if loop is None or not loop.is_running():
+            self._apply_spec(spec)
+            return
+        done = asyncio.run_coroutine_threadsafe(self._apply_spec_and_refresh(spec), loop)
+        done.result(timeout=30)
 
-    async def refresh(self) -> None:
+    async def _apply_spec_and_refresh(self, spec: RouterSpec) -> None:
+        self._apply_spec(spec)
         await self._refresh()
 
     def _apply_spec(self, spec: RouterSpec) -> None:
@@ -326,16 +323,31 @@ class Router:
         self._peer_reports: list[router_peers.PeerReport] = []  # the other processes' last reports
         self._hints = None  # the datagram endpoint routing hints come in on (router_peers.RoutingHints)
 
-    # ---- the event loop -------------------------------------------------------------------------
+    # ---- event loop thread -------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Listen on spec.host:spec.port (beside the deployment's other router processes) and keep the replica
-        table fresh. Runs on the event loop the router serves on (new_event_loop) until the process ends."""
+    def _serve_forever(self) -> None:
+        try:
+            import uvloop
+
+            loop = uvloop.new_event_loop()
+        except ImportError:
+            loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._start())
+        except BaseException as exc:  # port in use, bad host...
+            self._failure = exc
+            self._started.set()
+            return
+        self._started.set()
+        loop.run_forever()
+
+    async def _start(self) -> None:
         from aiohttp import web
 
         self._session = upstream_session()
-        # (kept: a runner nothing refers to is collected, and its listening socket closed with it)
-        self._runner = runner = web.AppRunner(self.web_app(), **RUNNER_OPTIONS)
+        runner = web.AppRunner(self.web_app(), **RUNNER_OPTIONS)
         await runner.setup()
         # every router process of the deployment listens on the same port; the kernel spreads connections
         site = web.TCPSite(runner, self.spec.host, self.spec.port, backlog=1024, reuse_address=True, reuse_port=True)
@@ -849,7 +861,7 @@ class Router:
         with_trace = request.query.get("trace", "").lower() in ("1", "true", "yes")
         self._inflight += 1
         try:
-            reply = await self._graph(payload, with_trace)
+            reply = await self._graph.run.remote(payload, with_trace)
         except Exception as exc:
             log.exception("graph request failed")
             return _error(500, f"graph driver failed: {exc}", "InternalServerError")
@@ -857,8 +869,7 @@ class Router:
             self._inflight -= 1
         status = reply.pop("status")
         if status != 200:
-            kind = reply.get("kind") or ("BadRequestError" if status == 400 else "GraphNodeError")
-            return _error(status, reply["error"], kind)
+            return _error(status, reply["error"], "BadRequestError" if status == 400 else "GraphNodeError")
         try:
             return web.json_response(reply if with_trace else reply["result"])
         except TypeError as exc:
@@ -984,7 +995,11 @@ class Router:
         await response.write_eof()
         return response
 
-    # ---- asked by the router replica (router_process.py's control routes) -------------------------
+    # ---- Serve-side methods (called through deployment handles) ------------------------------
+
+    def check_health(self) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("router event loop thread died")
 
     async def drain(self, timeout_s: float) -> int:
         """Refuse new requests and wait (bounded) for in-flight ones, in every router process of the deployment
@@ -1017,14 +1032,24 @@ class Router:
             left += report.stats.get("inflight", 0) if drained else max(1, report.stats.get("inflight", 0))
         return left
 
-    async def stats(self) -> dict:
+    def stats(self) -> dict:
         """Per replica: served, in-flight, circuit, the routing policy's table, summed over every router process
         of the deployment (router_peers.merge_stats; the others' as of their last report, at most refresh_s
-        old), and each process's own load under "processes"."""
-        by_process = {self._process: self._collect_stats()}
+        old), and each process's own load under "processes". This process's part is read on its event loop
+        thread, which is the one changing the policies' tables."""
+        loop = getattr(self, "_loop", None)
+        if loop is not None and loop.is_running() and threading.current_thread() is not self._thread:
+
+            async def collect() -> dict:
+                return self._collect_stats()
+
+            own = asyncio.run_coroutine_threadsafe(collect(), loop).result(timeout=10)
+        else:
+            own = self._collect_stats()
+        by_process = {self._process: own}
         if self._hints is not None:
             try:
-                others = await asyncio.to_thread(router_peers.reports, self.spec.app)
+                others = router_peers.reports(self.spec.app)
             except Exception:
                 others = self._peer_reports
             by_process.update({r.process: r.stats for r in others if r.process != self._process})

@@ -12,7 +12,7 @@ first tokens) get their requests aborted in the engines (vLLM counts them as fin
 
 The deployment runs 2 router processes (deploy.router_processes); last, one of them is SIGKILLed under streaming
 load on new connections: only requests begun before the kill may fail (those it held), Serve starts it again, and
-the new process takes requests; and a router process whose Serve replica is killed exits with it.
+the new process takes requests.
 """
 
 from __future__ import annotations
@@ -253,20 +253,3 @@ def test_killing_a_router_process_loses_only_the_requests_it_held(deployment):
         30,
         "the restarted router process to serve",
     )
-
-
-def test_a_router_process_ends_with_its_serve_replica(deployment):
-    """The router process's Serve replica is SIGKILLed (as Ray does to a replica that fails its health check):
-    the process exits by itself (no orphan keeps the port), and Serve starts both again."""
-    conf = deployment
-    processes = wait_for(lambda: two_router_processes(conf), 180, "two router processes")
-    orphan = psutil.Process(processes[sorted(processes)[0]]["pid"])
-    replica = orphan.parent()
-    assert "ServeReplica" in " ".join(replica.cmdline()) and "flagscale::router" in " ".join(orphan.cmdline())
-    replica.kill()
-    wait_for(
-        lambda: not orphan.is_running() or orphan.status() == psutil.STATUS_ZOMBIE, 30, "the router process to exit"
-    )
-    wait_for(lambda: two_router_processes(conf, without_pid=orphan.pid), 180, "Serve to start the router again")
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
-    assert client.completions.create(model="demo", prompt="after the replica died", max_tokens=2).choices

@@ -202,7 +202,7 @@ def test_stats_show_circuit_and_routing_table_per_replica():
             async with RouterUnderTest([up]) as router:
                 router.router._policies["m"] = make_policy(RoutingSpec(policy="cache_aware", prefix_block_chars=1))
                 assert (await router.complete())[0] == 200
-                return await router.router.stats()
+                return router.router.stats()
         finally:
             await healthy.runner.cleanup()
 
