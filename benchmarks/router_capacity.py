@@ -13,7 +13,9 @@ Two upstreams:
   (flagscale/serve/router.py: the real request path, resumable streams, keys, metrics), started as plain
   processes sharing one port with SO_REUSEPORT, each reading a fixed replica list instead of Ray's registry.
   This measures the router alone, with nothing else on the machine limiting it but the cores. (Without Ray
-  the processes share no reports or routing hints: a cost per request, not per token.)
+  the processes share no reports or routing hints: a cost per request, not per token.) `--router floor` puts
+  a bare pass-through relay in its place (serve_floor: asyncio protocols, no framework, no parsing), the floor
+  that the kernel and the event loop set for any Python router on the host.
 - `--upstream deployment`: real engines. Starts the project (`run.py action=run`) with `--replicas` engine
   replicas (on a GPU: the random-weight Llama of benchmarks/gpu/model.py, `--size`, the replicas sharing the GPU;
   without one: the demo model on CPU), measures each `--processes` count after an in-place update of
@@ -24,6 +26,7 @@ The clients are `--clients` processes of `--concurrency` streams each (aiohttp, 
 parsing them), for `--duration` seconds after a warm-up.
 
   .venv/bin/python benchmarks/router_capacity.py --processes 1 2 --duration 10         # this machine (2 cores)
+  .venv/bin/python benchmarks/router_capacity.py --router floor --processes 1 --loads 1x16 6x64 --upstreams 1
   .venv/bin/python benchmarks/router_capacity.py --processes 1 2 4 --upstreams 4 --clients 6 --concurrency 128
   python3 benchmarks/router_capacity.py --upstream deployment --size 1b --replicas 2 --processes 1 2 4   # a GPU
 """
@@ -179,6 +182,64 @@ def serve_router(port: int, upstream_urls: list[str]) -> None:
     )
     Router(spec)
     threading.Event().wait()  # serving on the router's own thread until SIGTERM
+
+
+def serve_floor(port: int, upstream_urls: list[str]) -> None:
+    """The floor any Python router on this host stands on: a pass-through relay on bare asyncio protocols (uvloop)
+    that forwards each request to an upstream (round robin, a new connection per request) and writes every byte
+    of the answer to the client from the upstream's data_received - no HTTP framework, no task woken per chunk,
+    no parsing of events, no retries, keys or metrics. Not a router: it only shows what the kernel and the event
+    loop cost per streamed token, against which the project's router is measured."""
+    import itertools
+
+    import uvloop
+
+    targets = itertools.cycle([url.removeprefix("http://").split(":") for url in upstream_urls])
+
+    class Upstream(asyncio.Protocol):
+        def __init__(self, client: asyncio.Transport) -> None:
+            self.client = client
+
+        def connection_made(self, transport) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.client.write(data)  # head and chunked body as they come: the client's parser frames them
+            if data.endswith(b"0\r\n\r\n"):
+                self.transport.close()
+
+    class Client(asyncio.Protocol):
+        def connection_made(self, transport) -> None:
+            self.transport, self.buffer = transport, b""
+
+        def data_received(self, data: bytes) -> None:
+            self.buffer += data
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buffer[:end].decode("latin1").split("\r\n")
+            length = next((int(h.split(":")[1]) for h in head[1:] if h.lower().startswith("content-length:")), 0)
+            if len(self.buffer) < end + 4 + length:
+                return
+            body, self.buffer = self.buffer[end + 4 : end + 4 + length], self.buffer[end + 4 + length :]
+            request = f"{head[0]}\r\nHost: upstream\r\nContent-Type: application/json\r\n"
+            request += f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            asyncio.get_running_loop().create_task(self.forward(request.encode() + body))
+
+        async def forward(self, request: bytes) -> None:
+            host, port = next(targets)
+            transport, _ = await asyncio.get_running_loop().create_connection(
+                lambda: Upstream(self.transport), host, int(port)
+            )
+            transport.write(request)
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(
+            Client, "127.0.0.1", port, backlog=1024, reuse_port=True
+        )
+        await server.serve_forever()
+
+    uvloop.run(main())
 
 
 # ---- the clients ------------------------------------------------------------------------------------------
@@ -417,6 +478,12 @@ def main() -> None:
     parser.add_argument("--size", default=None, help="deployment on a GPU: the model size (benchmarks/gpu/model.py)")
     parser.add_argument("--url", help="endpoint: the deployment's URL (its router processes listen on its port)")
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4], help="replay: router processes")
+    parser.add_argument(
+        "--router",
+        choices=["project", "floor"],
+        default="project",
+        help="replay: the project's Router, or the floor relay (serve_floor: what the kernel and event loop cost)",
+    )
     parser.add_argument("--upstreams", type=int, default=2, help="replay: upstream processes")
     parser.add_argument("--step-ms", type=float, default=10.0, help="replay: time between a stream's tokens")
     parser.add_argument("--clients", type=int, default=2, help="client processes")
@@ -477,7 +544,8 @@ def main() -> None:
                 wait_listening(url)
             for count in args.processes:
                 port = free_port()
-                routers = [procs.start("--serve-router", str(port), ",".join(urls)) for _ in range(count)]
+                serve = "--serve-floor" if args.router == "floor" else "--serve-router"
+                routers = [procs.start(serve, str(port), ",".join(urls)) for _ in range(count)]
                 url = f"http://127.0.0.1:{port}"
                 wait_listening(url)
                 deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -485,7 +553,8 @@ def main() -> None:
                     time.sleep(0.2)
                 for shape in shapes:
                     row = load(args, url, procs, [r.pid for r in routers], [u.pid for u in upstreams], shape)
-                    rows.append({"upstream": "replay (not an engine)", **row})
+                    router = {"router": "floor relay (not a router)"} if args.router == "floor" else {}
+                    rows.append({"upstream": "replay (not an engine)", **router, **row})
                     print(json.dumps(rows[-1]), flush=True)
                 procs.stop(routers)
     finally:
@@ -501,6 +570,8 @@ if __name__ == "__main__":
         serve_replay(int(sys.argv[2]), float(sys.argv[3]))
     elif len(sys.argv) > 1 and sys.argv[1] == "--serve-router":
         serve_router(int(sys.argv[2]), sys.argv[3].split(","))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--serve-floor":
+        serve_floor(int(sys.argv[2]), sys.argv[3].split(","))
     elif len(sys.argv) > 1 and sys.argv[1] == "--run-client":
         _, _, url, c, seconds, warmup, tokens = sys.argv
         run_client(url, int(c), float(seconds), float(warmup), int(tokens), os.environ.get("ROUTER_API_KEY"))
