@@ -1,0 +1,26 @@
+"""benchmarks/router_capacity.py keeps working: its replay mode, with the project's Router and with the floor relay,
+streams every token through and reports the router's CPU per token (no Ray; a few seconds)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_replay_through_the_router_and_the_floor(tmp_path):
+    rows = []
+    for router in ("project", "floor"):
+        output = tmp_path / f"{router}.json"
+        argv = [sys.executable, str(REPO / "benchmarks" / "router_capacity.py"), "--router", router]
+        argv += ["--processes", "1", "--loads", "1x4", "--upstreams", "1", "--step-ms", "5", "--tokens", "16"]
+        argv += ["--duration", "2", "--warmup", "1", "--output", str(output)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=REPO)
+        assert done.returncode == 0, done.stdout + done.stderr
+        rows += json.loads(output.read_text())["rows"]
+    assert len(rows) == 2 and rows[1]["router"] == "floor relay (not a router)"
+    for row in rows:
+        assert row["failed"] == 0 and row["requests"] > 0 and row["tokens_per_s"] > 0, row
+        assert row["router_cpu_us_per_token"] > 0, row
