@@ -23,7 +23,7 @@ from pathlib import Path
 from rich.console import Console
 
 from flagscale.cluster import ssh
-from flagscale.cluster.ray_node import cluster_alive, connect
+from flagscale.cluster.ray_node import cluster_alive, connect, connect_kv
 from flagscale.cluster.runner import CommandRunner, runner_for
 from flagscale.cluster.state import HostRecord, RunState
 from flagscale.errors import ClusterError, ConfigError, FlagScaleError
@@ -269,10 +269,14 @@ def discover(exp_dir: str, state: RunState | None, note: Callable[[str], None]) 
 
     from flagscale.serve import registry
 
+    existing_cluster = state.extra.get("cluster") == "ray"  # its nodes' logs are read through Ray: a driver
     try:
-        connect(state)
+        if existing_cluster:
+            connect(state)
+        else:  # the registry only: no driver, so that Ctrl-C or the end of follow leaves nothing of Ray to tear down
+            connect_kv(state)
         live = registry_sources(state, registry.list_replicas(state.app_name, include_stale=True))
-        if state.extra.get("cluster") == "ray":
+        if existing_cluster:
             known = {s.replica_id for s in live}
             extra = [s for s in ray_cluster_engine_logs(state, state.started_at) if s.replica_id not in known]
             return sources + live + extra
@@ -280,7 +284,8 @@ def discover(exp_dir: str, state: RunState | None, note: Callable[[str], None]) 
         note(f"cannot read the replica registry ({exc}); showing the engine logs under {log_dir}")
         return sources + [replace(s, unlisted=False) for s in engine_log_files(log_dir, since=state.started_at)]
     finally:
-        ray.shutdown()
+        if existing_cluster:
+            ray.shutdown()
     known = {s.replica_id for s in live}
     extra = [s for s in engine_log_files(log_dir, since=state.started_at) if s.replica_id not in known]
     return sources + live + extra

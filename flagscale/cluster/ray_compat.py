@@ -20,6 +20,9 @@ this file. What each wraps, and why the public API does not do:
 - kv_put / kv_get / kv_del / kv_list: `ray.experimental.internal_kv._internal_kv_*`, the GCS key-value store
   (the replica registry, flagscale/serve/registry.py). Signatures: put(key, value, overwrite, *, namespace),
   get(key, *, namespace), del(key, *, namespace), list(prefix, *, namespace) -> list[bytes].
+- connect_kv: `ray.experimental.internal_kv._initialize_internal_kv(ray._raylet.GcsClient(address=))`: the same
+  key-value store for a process that is not a Ray driver (`logs` reads the replica registry so): a GCS client
+  only, without a core worker, its threads and Python gRPC channels, so nothing of Ray is left to tear down at exit.
 - reload_ray_config: `ray._raylet.Config.initialize("")`, which re-reads RAY_* env settings (RAY_AUTH_MODE)
   that Ray read at import, as Ray itself does after setting them.
 - node_ip_init_kwargs: `ray.init(_node_ip_address=...)`, which attaches a driver to the Ray node of that IP.
@@ -103,6 +106,15 @@ def kv_list(prefix: bytes, namespace: str) -> list[bytes]:
     from ray.experimental.internal_kv import _internal_kv_list
 
     return _internal_kv_list(prefix, namespace=namespace)
+
+
+def connect_kv(gcs_address: str) -> None:
+    """Make kv_put/kv_get/kv_del/kv_list work in this process, which is not a Ray driver, against that GCS (token
+    auth as Ray reads it from the environment)."""
+    from ray._raylet import GcsClient
+    from ray.experimental.internal_kv import _initialize_internal_kv
+
+    _initialize_internal_kv(GcsClient(address=gcs_address))
 
 
 def reload_ray_config() -> None:

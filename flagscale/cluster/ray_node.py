@@ -235,6 +235,26 @@ def _wait_for_port(host: str, port: int, timeout_s: float, what: str) -> None:
         raise ClusterError(f"{what} at {host}:{port} did not accept connections within {timeout_s:.0f}s", host)
 
 
+def _use_token(state: RunState) -> None:
+    """This process authenticates to the run's cluster with the run's token."""
+    env = auth_env(state.token_path)
+    if env and os.environ.get("RAY_AUTH_TOKEN_PATH") != env["RAY_AUTH_TOKEN_PATH"]:
+        os.environ.update(env)
+        reload_ray_config()  # Ray reads RAY_AUTH_MODE into its config when imported
+
+
+def connect_kv(state: RunState) -> None:
+    """Read the run's GCS key-value store (the replica registry) without becoming a Ray driver: nothing of Ray is
+    left in this process to tear down when it exits. (A cluster the run did not start: connect() instead.)"""
+    from flagscale.cluster.ray_compat import connect_kv as connect_gcs
+
+    _use_token(state)
+    try:
+        connect_gcs(state.ray_address)
+    except Exception as exc:  # noqa: BLE001 - AuthenticationError, RpcError, ...
+        raise ClusterError(f"cannot reach Ray's GCS at {state.ray_address}: {exc}", state.ray_address) from None
+
+
 def connect(state: RunState) -> None:
     """Connect this process as a Ray driver to the run's cluster (token auth from the state)."""
     import ray
@@ -246,10 +266,7 @@ def connect(state: RunState) -> None:
 
         connect_existing(state.ray_address)
         return
-    env = auth_env(state.token_path)
-    if env and os.environ.get("RAY_AUTH_TOKEN_PATH") != env["RAY_AUTH_TOKEN_PATH"]:
-        os.environ.update(env)
-        reload_ray_config()  # Ray reads RAY_AUTH_MODE into its config when imported
+    _use_token(state)
     # Multi-host: attach to the run's Ray node on this machine, whose IP is on the route to the head.
     node_ip = node_ip_init_kwargs(state.extra.get("driver_ip"))
     try:
