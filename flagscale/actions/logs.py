@@ -273,7 +273,7 @@ def discover(exp_dir: str, state: RunState | None, note: Callable[[str], None]) 
     try:
         if existing_cluster:
             connect(state)
-        else:  # the registry only: no driver, so that Ctrl-C or the end of follow leaves nothing of Ray to tear down
+        else:  # the registry only: no driver to tear down on Ctrl-C or at the end of follow
             connect_kv(state)
         live = registry_sources(state, registry.list_replicas(state.app_name, include_stale=True))
         if existing_cluster:

@@ -22,7 +22,7 @@ this file. What each wraps, and why the public API does not do:
   get(key, *, namespace), del(key, *, namespace), list(prefix, *, namespace) -> list[bytes].
 - connect_kv: `ray.experimental.internal_kv._initialize_internal_kv(ray._raylet.GcsClient(address=))`: the same
   key-value store for a process that is not a Ray driver (`logs` reads the replica registry so): a GCS client
-  only, without a core worker, its threads and Python gRPC channels, so nothing of Ray is left to tear down at exit.
+  only, without a core worker, its threads or Python gRPC channels, and no ray.shutdown at exit.
 - reload_ray_config: `ray._raylet.Config.initialize("")`, which re-reads RAY_* env settings (RAY_AUTH_MODE)
   that Ray read at import, as Ray itself does after setting them.
 - node_ip_init_kwargs: `ray.init(_node_ip_address=...)`, which attaches a driver to the Ray node of that IP.

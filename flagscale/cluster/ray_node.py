@@ -244,8 +244,8 @@ def _use_token(state: RunState) -> None:
 
 
 def connect_kv(state: RunState) -> None:
-    """Read the run's GCS key-value store (the replica registry) without becoming a Ray driver: nothing of Ray is
-    left in this process to tear down when it exits. (A cluster the run did not start: connect() instead.)"""
+    """Read the run's GCS key-value store (the replica registry) without becoming a Ray driver: no core worker,
+    no driver to tear down when the process exits. (A cluster the run did not start: connect() instead.)"""
     from flagscale.cluster.ray_compat import connect_kv as connect_gcs
 
     _use_token(state)
