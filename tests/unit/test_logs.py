@@ -264,9 +264,9 @@ def test_an_unreadable_registry_falls_back_to_this_runs_log_files(tmp_path, monk
     (exp_dir / "serve_logs" / "engine-alpha-n3wr3p1c.log").write_text("this run's\n")
 
     def refuse(state):
-        raise lg.ClusterError("cannot connect to Ray at x")
+        raise lg.ClusterError("cannot reach Ray's GCS at x")
 
-    monkeypatch.setattr(lg, "connect", refuse)
+    monkeypatch.setattr(lg, "connect_kv", refuse)  # a run's own cluster: the registry is read without a driver
     notes: list[str] = []
     found = lg.discover(str(exp_dir), state, notes.append)
     assert names(found) == ["runner", "alpha/n3wr3p1c"]  # not the earlier runs' logs
