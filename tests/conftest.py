@@ -176,3 +176,4 @@ async def router_listening(router):
     finally:
         await router._session.close()
         await runner.cleanup()
+        router._upstream.close()

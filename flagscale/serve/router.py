@@ -55,6 +55,7 @@ from flagscale.serve.routing import (  # noqa: F401 - LOAD_SLACK, rank_replicas:
     make_policy,
     rank_replicas,
 )
+from flagscale.serve.upstream_http import ConnectFailed, Disconnected, UpstreamClient
 
 log = logging.getLogger("flagscale.router")
 
@@ -63,6 +64,10 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length",
 # VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so the router does not send a request on a connection being closed.
 UPSTREAM_KEEPALIVE_S = 4.0
 HEALTH_PROBE_TIMEOUT_S = 2.0
+UPSTREAM_CONNECT_TIMEOUT_S = 5.0
+# A client's unsent bytes beyond which its replica is not read until the client takes them (uvloop's and
+# asyncio's default high-water mark for a transport, at which aiohttp's writer waits too).
+CLIENT_BUFFER_BYTES = 64 * 1024
 # Deeper request bodies are refused: vLLM's server parses with Python's json, whose recursion gives out near 1000
 # levels (a 500 there would count against the replica), and no OpenAI request nests anywhere near this.
 MAX_JSON_DEPTH = 64
@@ -146,7 +151,8 @@ REMOTE_DECODE = {
 
 
 def upstream_session():
-    """The router's one HTTP client to the replicas (call inside its event loop)."""
+    """The router's aiohttp client for its own calls to the replicas: health probes, /metrics, /v1/models,
+    prefill (the requests it relays go through upstream_http). Call inside its event loop."""
     import aiohttp
 
     return aiohttp.ClientSession(
@@ -312,6 +318,8 @@ class Router:
             model: make_policy(spec) for model, spec in self.spec.prefill_routing.items()
         }
         self.metrics = RouterMetrics()
+        # the relayed requests' client (upstream_http); self._session, aiohttp's, does the router's own calls
+        self._upstream = UpstreamClient(UPSTREAM_KEEPALIVE_S, UPSTREAM_CONNECT_TIMEOUT_S)
         self._inflight = 0
         self._moved = 0  # requests moved to another replica after theirs failed them
         self._resumed = 0  # of them, streams resumed mid-way
@@ -879,7 +887,6 @@ class Router:
         """Send the request to one replica and relay its answer. Raises _Unreachable (nothing was sent) or
         _Failed (the replica failed before the client got its answer, or mid-stream where the stream can go
         on elsewhere); a stream that cannot go on ends with an error event."""
-        import aiohttp
         from aiohttp import web
 
         stream = exchange.stream
@@ -895,76 +902,70 @@ class Router:
         self._send_hint("serve", exchange.model, upstream, exchange.info)
         upstream.inflight += 1
         upstream.sent += 1
+        answer = None
         try:
             try:
-                headers = exchange.headers
-                if not engines.get(upstream.record.engine).capabilities.keeps_connections:
-                    headers = {**headers, "Connection": "close"}  # no pooled connection it may have closed
-                upstream_resp = await self._session.request(
-                    exchange.http.method, upstream.record.url + path, data=data, headers=headers
+                answer = await self._upstream.request(
+                    exchange.http.method,
+                    upstream.record.url + path,
+                    data,
+                    exchange.headers,
+                    # no pooled connection it may have closed
+                    keep_alive=engines.get(upstream.record.engine).capabilities.keeps_connections,
                 )
-            except aiohttp.ClientConnectorError as exc:  # no connection: nothing sent, the next replica may take it
+            except ConnectFailed as exc:  # no connection: nothing sent, the next replica may take it
                 ok = False  # the caller trips the circuit
                 raise _Unreachable(str(exc)) from exc
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            except Disconnected as exc:
                 ok = False
                 breaker.failure(time.monotonic())
                 raise _Failed(f"{name} dropped the connection before answering ({exc})", engine_died=True) from exc
             upstream.served += 1
-            ok = upstream_resp.status < 500  # a 4xx is the client's problem: passed on, the replica is fine
+            ok = answer.status < 500  # a 4xx is the client's problem: passed on, the replica is fine
             if ok:
                 breaker.success()
             else:
                 breaker.failure(time.monotonic())
-            async with upstream_resp:
-                out_headers = {k: v for k, v in upstream_resp.headers.items() if k.lower() not in HOP_BY_HOP}
-                if not ok or "text/event-stream" not in upstream_resp.headers.get("Content-Type", ""):
-                    try:
-                        answer = await upstream_resp.read()
-                    except aiohttp.ClientError as exc:
-                        ok = False
-                        breaker.failure(time.monotonic())
-                        raise _Failed(f"{name} broke off its answer ({exc!r})", engine_died=True) from exc
-                    reply = web.Response(status=upstream_resp.status, body=answer, headers=out_headers)
-                    if not ok:
-                        if exchange.response is None:
-                            exchange.last_answer = reply  # returned as is when no other replica can take it
-                        raise _Failed(f"{name} answered {upstream_resp.status}")
-                    if exchange.response is not None:  # a stream's continuation was refused (a 4xx)
-                        message = f"{name} refused to continue the stream: {answer[:500].decode(errors='replace')}"
-                        await exchange.write(error_event(message, upstream_resp.status, "BadRequestError"))
-                        await exchange.response.write_eof()
-                        return exchange.response
-                    exchange.first_byte_at = time.monotonic()
-                    exchange.sent_bytes += len(answer)
-                    return reply
-                if exchange.response is None:
-                    exchange.response = web.StreamResponse(status=upstream_resp.status, headers=out_headers)
-                    await exchange.response.prepare(exchange.http)
-                response = exchange.response
-                while True:
-                    try:
-                        chunk = await upstream_resp.content.readany()
-                    except (
-                        aiohttp.ClientError
-                    ) as exc:  # the replica broke off mid-stream (a client gone raises on write)
-                        ok = False
-                        breaker.failure(time.monotonic())
-                        if stream is None:  # not an OpenAI event stream: cut off as it is
-                            raise
-                        return await self._broken_stream(exchange, f"{name} broke off the stream ({exc!r})")
-                    if not chunk:
-                        break
-                    out = stream.feed(chunk) if stream is not None else chunk
-                    if out:
-                        await exchange.write(out)
-                if stream is not None and not stream.done:  # the connection closed before the stream's end
+            out_headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
+            if not ok or "text/event-stream" not in answer.headers.get("Content-Type", ""):
+                try:
+                    body = await answer.read()
+                except Disconnected as exc:
                     ok = False
                     breaker.failure(time.monotonic())
-                    return await self._broken_stream(exchange, f"{name} closed the stream before its end")
-                await response.write_eof()
-                return response
+                    raise _Failed(f"{name} broke off its answer ({exc})", engine_died=True) from exc
+                reply = web.Response(status=answer.status, body=body, headers=out_headers)
+                if not ok:
+                    if exchange.response is None:
+                        exchange.last_answer = reply  # returned as is when no other replica can take it
+                    raise _Failed(f"{name} answered {answer.status}")
+                if exchange.response is not None:  # a stream's continuation was refused (a 4xx)
+                    message = f"{name} refused to continue the stream: {body[:500].decode(errors='replace')}"
+                    await exchange.write(error_event(message, answer.status, "BadRequestError"))
+                    await exchange.response.write_eof()
+                    return exchange.response
+                exchange.first_byte_at = time.monotonic()
+                exchange.sent_bytes += len(body)
+                return reply
+            if exchange.response is None:
+                await exchange.begin_stream(web.StreamResponse(status=answer.status, headers=out_headers))
+            try:
+                await answer.relay(exchange.relay_piece, exchange.drain)
+            except Disconnected as exc:  # the replica broke off mid-stream (a client gone raises in drain)
+                ok = False
+                breaker.failure(time.monotonic())
+                if stream is None:  # not an OpenAI event stream: cut off as it is
+                    raise
+                return await self._broken_stream(exchange, f"{name} broke off the stream ({exc})")
+            if stream is not None and not stream.done:  # the connection closed before the stream's end
+                ok = False
+                breaker.failure(time.monotonic())
+                return await self._broken_stream(exchange, f"{name} closed the stream before its end")
+            await exchange.response.write_eof()
+            return exchange.response
         finally:
+            if answer is not None:
+                answer.close()
             upstream.inflight -= 1
             self._slot_freed(upstream)
             if ok is None and breaker.probing:  # cancelled before the replica answered: let another probe
@@ -1103,10 +1104,41 @@ class _Exchange:
     failure: str = ""  # why the last replica that had it failed
     last_answer: Any = None  # the last 5xx answer, returned as is when no replica is left
     response: Any = None  # the client's stream response, once begun
+    writer: Any = None  # its aiohttp writer
+    chunked: bool = True  # its body is framed in chunks
     plain_body: bytes | None = None  # disaggregated: the request without the KV transfer parameters
     started: float = field(default_factory=time.monotonic)
     first_byte_at: float | None = None  # when the client got the first byte of its answer
     sent_bytes: int = 0
+
+    async def begin_stream(self, response) -> None:
+        """Sends the client the head of its streamed answer; the body follows through relay_piece and write."""
+        self.response = response
+        self.writer = await response.prepare(self.http)
+        self.chunked = self.http.version >= (1, 1)  # aiohttp frames the body in chunks for HTTP/1.1 clients
+
+    def relay_piece(self, data: bytes) -> bool:
+        """A piece of the replica's streamed body, straight from its connection (upstream_http): the events
+        for the client (ClientStream.feed) are written to the client's connection here, framed as aiohttp
+        frames the rest of the answer. False: the client's buffer is full or the client is gone."""
+        out = self.stream.feed(data) if self.stream is not None else data
+        transport = self.http.transport
+        if transport is None or transport.is_closing():
+            return False
+        if not out:
+            return True
+        if self.first_byte_at is None:
+            self.first_byte_at = time.monotonic()
+        self.sent_bytes += len(out)
+        transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self.chunked else out)
+        return transport.get_write_buffer_size() <= CLIENT_BUFFER_BYTES
+
+    async def drain(self) -> None:
+        """Waits for the client to take what it was sent (relay_piece said it was full)."""
+        transport = self.http.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        await self.writer.drain()
 
     async def write(self, data: bytes) -> None:
         """Bytes of a streamed answer to the client."""

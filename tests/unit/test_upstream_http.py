@@ -1,0 +1,236 @@
+"""The router's own HTTP/1.1 client (flagscale/serve/upstream_http.py) against real aiohttp servers on loopback:
+answers read whole and relayed piece by piece, kept-alive connections reused, the replica not read while the
+sink is full, and every way an answer can fail named as ConnectFailed or Disconnected."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from flagscale.net import free_port
+from flagscale.serve.upstream_http import ConnectFailed, Disconnected, UpstreamClient
+from tests.conftest import serve
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class Replica:
+    """An aiohttp server that remembers which connection (peer port) each request came on."""
+
+    def __init__(self) -> None:
+        self.peers: list[int] = []
+        self.written = 0
+        self.finished = asyncio.Event()
+
+    async def start(self, big_bytes: int = 0) -> str:
+        async def echo(request):
+            self.peers.append(request.transport.get_extra_info("peername")[1])
+            body = await request.read()
+            return web.json_response({"method": request.method, "query": request.query_string, "body": body.decode()})
+
+        async def stream(request):
+            self.peers.append(request.transport.get_extra_info("peername")[1])
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(int(request.query.get("n", "5"))):
+                await resp.write(f"data: {i}\n\n".encode())
+            await resp.write_eof()
+            return resp
+
+        async def big(request):
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            piece = b"x" * 65536
+            while self.written < big_bytes:
+                await resp.write(piece)
+                self.written += len(piece)
+            await resp.write_eof()
+            self.finished.set()
+            return resp
+
+        async def broken(request):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b"data: 0\n\n")
+            request.transport.close()
+            return resp
+
+        app = web.Application()
+        app.router.add_route("*", "/echo", echo)
+        app.router.add_get("/stream", stream)
+        app.router.add_get("/big", big)
+        app.router.add_get("/broken", broken)
+        self.runner, port = await serve(app)
+        return f"http://127.0.0.1:{port}"
+
+
+def client() -> UpstreamClient:
+    return UpstreamClient(keepalive_s=4.0, connect_timeout_s=2.0)
+
+
+def test_answers_read_whole_and_kept_alive_connections_reused():
+    async def main():
+        replica, upstream = Replica(), client()
+        url = await replica.start()
+        for i in range(3):
+            answer = await upstream.request("POST", f"{url}/echo?i={i}", b"hello", {"Content-Type": "text/plain"})
+            assert answer.status == 200 and answer.headers["content-type"].startswith("application/json")
+            assert b'"body": "hello"' in await answer.read() and b'"query": "i=' in (await answer.read())
+            answer.close()
+        answer = await upstream.request("GET", f"{url}/echo", b"", {})
+        assert b'"method": "GET"' in await answer.read()
+        answer.close()
+        assert len(set(replica.peers)) == 1, replica.peers  # one connection for all four
+        answer = await upstream.request("GET", f"{url}/echo", b"", {}, keep_alive=False)
+        await answer.read()
+        answer.close()
+        answer = await upstream.request("GET", f"{url}/echo", b"", {})
+        await answer.read()
+        assert len(set(replica.peers)) == 2, replica.peers  # the one asked to close was not reused
+        upstream.close()
+        await replica.runner.cleanup()
+
+    run(main())
+
+
+def test_idle_connections_older_than_keepalive_are_not_reused():
+    async def main():
+        replica, upstream = Replica(), UpstreamClient(keepalive_s=0.2, connect_timeout_s=2.0)
+        url = await replica.start()
+        for _ in range(2):
+            answer = await upstream.request("GET", f"{url}/echo", b"", {})
+            await answer.read()
+            answer.close()
+            await asyncio.sleep(0.4)
+        assert len(set(replica.peers)) == 2
+        upstream.close()
+        await replica.runner.cleanup()
+
+    run(main())
+
+
+def test_a_stream_is_relayed_piece_by_piece_and_its_connection_reused():
+    async def main():
+        replica, upstream = Replica(), client()
+        url = await replica.start()
+        for _ in range(2):
+            pieces: list[bytes] = []
+            answer = await upstream.request("GET", f"{url}/stream?n=50", b"", {})
+            assert answer.headers["Content-Type"] == "text/event-stream"
+
+            async def drain():
+                raise AssertionError("the sink never said it was full")
+
+            await answer.relay(lambda piece: pieces.append(piece) or True, drain)
+            answer.close()
+            assert b"".join(pieces) == b"".join(f"data: {i}\n\n".encode() for i in range(50))
+        assert len(set(replica.peers)) == 1
+        upstream.close()
+        await replica.runner.cleanup()
+
+    run(main())
+
+
+def test_the_replica_is_not_read_while_the_sink_is_full():
+    total = 64 * 1024 * 1024  # far beyond what the sockets' buffers hold between the replica and the client
+
+    async def main():
+        replica, upstream = Replica(), client()
+        url = await replica.start(big_bytes=total)
+        received = 0
+        full = True
+        released = asyncio.Event()
+        drained = asyncio.Event()
+
+        def sink(piece: bytes) -> bool:
+            nonlocal received
+            received += len(piece)
+            return not full
+
+        async def drain():
+            drained.set()
+            await released.wait()
+
+        answer = await upstream.request("GET", f"{url}/big", b"", {})
+        relaying = asyncio.create_task(answer.relay(sink, drain))
+        await asyncio.wait_for(drained.wait(), 10)
+        await asyncio.sleep(1.0)  # unpaused, loopback would carry all 64 MiB in far less
+        assert not replica.finished.is_set() and received < total // 4, (received, replica.written)
+        full = False
+        released.set()
+        await asyncio.wait_for(relaying, 60)
+        assert received == total and replica.finished.is_set()
+        answer.close()
+        upstream.close()
+        await replica.runner.cleanup()
+
+    run(main())
+
+
+def test_failures_are_named():
+    async def main():
+        upstream = client()
+        with pytest.raises(ConnectFailed, match="cannot connect to 127.0.0.1"):
+            await upstream.request("GET", f"http://127.0.0.1:{free_port()}/x", b"", {})
+
+        async def not_http(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"SPDY/9 nonsense\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(5)
+
+        async def silent_close(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.close()
+
+        for handler, match in ((not_http, "not valid HTTP"), (silent_close, "connection closed")):
+            server = await asyncio.start_server(handler, "127.0.0.1", 0)
+            port = server.sockets[0].getsockname()[1]
+            with pytest.raises(Disconnected, match=match):
+                await upstream.request("GET", f"http://127.0.0.1:{port}/x", b"", {})
+            server.close()
+
+        replica = Replica()
+        url = await replica.start()
+        answer = await upstream.request("GET", f"{url}/broken", b"", {})
+        pieces: list[bytes] = []
+
+        async def drain():
+            pass
+
+        with pytest.raises(Disconnected):
+            await answer.relay(lambda piece: pieces.append(piece) or True, drain)
+        assert pieces == [b"data: 0\n\n"]
+        answer.close()
+        upstream.close()
+        await replica.runner.cleanup()
+
+    run(main())
+
+
+def test_a_failing_sink_fails_the_relay_and_the_connection_is_not_reused():
+    async def main():
+        replica, upstream = Replica(), client()
+        url = await replica.start()
+        answer = await upstream.request("GET", f"{url}/stream?n=200", b"", {})
+
+        def sink(piece: bytes) -> bool:
+            raise ValueError("relay bug")
+
+        async def drain():
+            pass
+
+        with pytest.raises(ValueError, match="relay bug"):
+            await answer.relay(sink, drain)
+        answer.close()
+        answer = await upstream.request("GET", f"{url}/echo", b"", {})
+        await answer.read()
+        assert len(set(replica.peers)) == 2
+        upstream.close()
+        await replica.runner.cleanup()
+
+    run(main())
