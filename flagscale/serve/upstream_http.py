@@ -57,7 +57,7 @@ class UpstreamClient:
         conn = self._idle_connection((host, port))
         if conn is None:
             conn = await self._connect(host, port)
-        head = [f"{method} {target} HTTP/1.1", f"Host: {host}:{port}"]
+        head = [f"{method} {target} HTTP/1.1", f"Host: [{host}]:{port}" if ":" in host else f"Host: {host}:{port}"]
         head += [f"{name}: {value}" for name, value in headers.items()]
         if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
             head.append(f"Content-Length: {len(body)}")
@@ -145,9 +145,11 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
     def done(self, keep_alive: bool) -> None:
-        """The answer is in whole: the connection goes back to the pool, or is closed."""
+        """The answer is in whole: the connection goes back to the pool (reading, even if its answer's relay
+        paused it), or is closed."""
         self.answer, self.parser = None, None
         if keep_alive and self.usable():
+            self.transport.resume_reading()
             self.client._release(self)
         else:
             self.abort()
@@ -216,7 +218,7 @@ class Answer:
             if self._paused:
                 await drain()
                 self._paused = False
-                if self._conn.transport is not None:
+                if self._conn.answer is self:  # (once the answer is in, the connection is no longer this one's)
                     self._conn.transport.resume_reading()
             if self.complete:
                 return
@@ -246,7 +248,7 @@ class Answer:
     def _pause(self) -> None:
         if not self._paused:
             self._paused = True
-            if self._conn.transport is not None:
+            if self._conn.answer is self:  # not once the answer is in: the connection may carry another
                 self._conn.transport.pause_reading()
             self._wake_handler()
 

@@ -68,6 +68,16 @@ class Replica:
         return f"http://127.0.0.1:{port}"
 
 
+def collecting(pieces: list[bytes]):
+    """A sink that keeps every piece and never says it is full."""
+
+    def sink(piece: bytes) -> bool:
+        pieces.append(piece)
+        return True
+
+    return sink
+
+
 def client() -> UpstreamClient:
     return UpstreamClient(keepalive_s=4.0, connect_timeout_s=2.0)
 
@@ -117,15 +127,15 @@ def test_a_stream_is_relayed_piece_by_piece_and_its_connection_reused():
     async def main():
         replica, upstream = Replica(), client()
         url = await replica.start()
+
+        async def drain():
+            raise AssertionError("the sink never said it was full")
+
         for _ in range(2):
             pieces: list[bytes] = []
             answer = await upstream.request("GET", f"{url}/stream?n=50", b"", {})
             assert answer.headers["Content-Type"] == "text/event-stream"
-
-            async def drain():
-                raise AssertionError("the sink never said it was full")
-
-            await answer.relay(lambda piece: pieces.append(piece) or True, drain)
+            await answer.relay(collecting(pieces), drain)
             answer.close()
             assert b"".join(pieces) == b"".join(f"data: {i}\n\n".encode() for i in range(50))
         assert len(set(replica.peers)) == 1
@@ -203,7 +213,7 @@ def test_failures_are_named():
             pass
 
         with pytest.raises(Disconnected):
-            await answer.relay(lambda piece: pieces.append(piece) or True, drain)
+            await answer.relay(collecting(pieces), drain)
         assert pieces == [b"data: 0\n\n"]
         answer.close()
         upstream.close()
@@ -230,6 +240,37 @@ def test_a_failing_sink_fails_the_relay_and_the_connection_is_not_reused():
         answer = await upstream.request("GET", f"{url}/echo", b"", {})
         await answer.read()
         assert len(set(replica.peers)) == 2
+        upstream.close()
+        await replica.runner.cleanup()
+
+    run(main())
+
+
+def test_a_connection_whose_answer_came_in_while_its_relay_waited_serves_the_next_request():
+    """The relay of a finished answer still waits for its client (drain): the connection, back in the pool,
+    must not stay paused for the next request on it."""
+
+    async def main():
+        replica, upstream = Replica(), client()
+        url = await replica.start()
+        released = asyncio.Event()
+
+        async def drain():
+            await released.wait()
+
+        answer = await upstream.request("GET", f"{url}/stream?n=3", b"", {})
+        await asyncio.sleep(0.2)  # the whole (small) answer is in before the relay starts
+        relaying = asyncio.create_task(answer.relay(lambda piece: False, drain))
+        await asyncio.sleep(0.1)
+        while not answer.complete:
+            await asyncio.sleep(0.05)
+        second = await asyncio.wait_for(upstream.request("GET", f"{url}/stream?n=3", b"", {}), 5)
+        pieces: list[bytes] = []
+        await asyncio.wait_for(second.relay(collecting(pieces), drain), 5)
+        assert b"".join(pieces) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+        assert len(set(replica.peers)) == 1  # the same connection carried both
+        released.set()
+        await asyncio.wait_for(relaying, 5)
         upstream.close()
         await replica.runner.cleanup()
 
