@@ -77,7 +77,12 @@ def load_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def pass_settings(args: argparse.Namespace, round_index: int, concurrency: int) -> BenchConfig:
     """One pass's load: a fresh prompt set per round and concurrency, the same for every system compared."""
-    return pass_settings(args, round_index, concurrency)
+    return BenchConfig(
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_prompts=args.num_prompts,
+        seed=1000 * round_index + concurrency,
+    )
 
 
 def parse_args() -> argparse.Namespace:

@@ -3,7 +3,9 @@
 It runs inside a Ray Serve replica (so Serve places, health-checks and restarts it) but serves HTTP
 itself with aiohttp on its own event loop thread. Per request it reads the body, asks the requested
 `model`'s routing policy (flagscale/serve/routing.py: cache_aware, least_load, session, round_robin) for the
-order to try its replicas in, and streams the upstream response back chunk by chunk.
+order to try its replicas in, and streams the upstream response back chunk by chunk: the request goes to the
+replica through the router's own HTTP/1.1 client (upstream_http), whose connection writes each piece of a
+streamed answer on to the client as it arrives (_Exchange.relay_piece), with no task woken per piece.
 
 A request whose replica fails it moves to another replica (docs/routing.md), each at most once and at most
 `max_migrations` times: a refused connection (nothing was sent; not counted), a dropped connection or a 5xx

@@ -106,3 +106,16 @@ def test_plot_is_written(tmp_path):
     rows = [report_row(c, vllm_result()) for c in (1, 4, 16)]
     write_plot(rows, tmp_path / "p.png", "t")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_each_benchmark_pass_gets_its_own_prompt_set_and_every_system_the_same_one():
+    """benchmarks/overhead.py's pass_settings (parallel.py and llama_cpp.py use it too)."""
+    import argparse
+
+    from benchmarks.overhead import pass_settings
+
+    args = argparse.Namespace(input_len=128, output_len=64, num_prompts=20)
+    first = pass_settings(args, 0, 16)
+    assert (first.input_len, first.output_len, first.num_prompts) == (128, 64, 20)
+    assert pass_settings(args, 0, 16) == first
+    assert len({pass_settings(args, r, c).seed for r in range(3) for c in (1, 16)}) == 6

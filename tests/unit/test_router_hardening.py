@@ -92,6 +92,55 @@ def test_a_client_that_hangs_up_closes_the_engines_request(streamed):
     asyncio.run(main())
 
 
+def test_a_client_that_reads_slowly_holds_back_the_engine_not_the_routers_memory():
+    """The router stops reading a replica's stream while its client's buffer is full (upstream_http), so the
+    replica's own writes wait: a client that stalls costs the router one buffer, not the whole answer."""
+    total = 64 * 1024 * 1024  # far beyond the sockets' buffers between the engine and the client
+
+    async def main():
+        finished = asyncio.Event()
+        written = got = 0
+        event = b"data: " + b"x" * 65530 + b"\n\n"
+
+        async def big(request):
+            nonlocal written
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            while written < total:
+                await response.write(event)
+                written += len(event)
+            await response.write_eof()
+            finished.set()
+            return response
+
+        app = web.Application()
+        app.router.add_post("/v1/big", big)
+        runner, port = await serve(app)
+        up = upstream("a", port, sent=0)
+        try:
+            async with router_listening(bare_router([up], "least_load")) as url:
+                body = json.dumps({"model": "m"}).encode()
+                reader, writer = await raw_request(url, post_head("/v1/big", body), body)
+                await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                deadline = asyncio.get_running_loop().time() + 10
+                while written < 4 * 1024 * 1024 and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(1.0)  # unthrottled, loopback would carry all 64 MiB in far less
+                assert not finished.is_set() and written < total // 4, written
+                tail = b""
+                while tail != b"0\r\n\r\n":  # the end of the chunked answer
+                    chunk = await asyncio.wait_for(reader.read(1 << 20), 30)
+                    assert chunk, "the router closed the connection before the answer's end"
+                    got += chunk.count(b"x")
+                    tail = (tail + chunk)[-5:]
+                assert finished.is_set() and got == written // len(event) * 65530
+                writer.close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
 class StrictEngine:
     """Answers every well-formed completion; refuses with 400 what vLLM's own validation refuses."""
 
