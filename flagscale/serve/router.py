@@ -61,7 +61,9 @@ from flagscale.serve.upstream_http import ConnectFailed, Disconnected, UpstreamC
 
 log = logging.getLogger("flagscale.router")
 
-HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
+# Headers not passed on (either way). "expect": the router has the whole body before it sends the request.
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te"}
+HOP_BY_HOP |= {"trailer", "expect"}
 # Idle upstream connections are closed before vLLM's server closes them (uvicorn keep-alive, 5 s by default:
 # VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so the router does not send a request on a connection being closed.
 UPSTREAM_KEEPALIVE_S = 4.0

@@ -196,6 +196,7 @@ class Answer:
         self._wake: asyncio.Future | None = None  # what the handler waits on during read/relay
         self._paused = False
         self.complete = False
+        self._interim = False
         self._error: BaseException | None = None
 
     # ---- the handler's side ----
@@ -266,7 +267,12 @@ class Answer:
         self._header_pairs.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
-        self.status = self._conn.parser.get_status_code()
+        status = self._conn.parser.get_status_code()
+        if 100 <= status < 200:  # an interim answer (100 Continue, 103 Early Hints): the answer follows it
+            self._interim = True
+            self._header_pairs = []
+            return
+        self.status = status
         self.headers = CIMultiDictProxy(CIMultiDict(self._header_pairs))
         if not self.head.done():
             self.head.set_result(None)
@@ -291,6 +297,9 @@ class Answer:
             self._pause()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         if self.complete:
             return
         self.complete = True

@@ -275,3 +275,24 @@ def test_a_connection_whose_answer_came_in_while_its_relay_waited_serves_the_nex
         await replica.runner.cleanup()
 
     run(main())
+
+
+def test_an_interim_answer_is_skipped():
+    async def main():
+        async def continue_first(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+            await asyncio.sleep(1)
+            writer.close()
+
+        server = await asyncio.start_server(continue_first, "127.0.0.1", 0)
+        upstream = client()
+        answer = await upstream.request("POST", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x", b"{}", {})
+        assert (answer.status, answer.headers["Content-Type"], await answer.read()) == (200, "text/plain", b"ok")
+        answer.close()
+        upstream.close()
+        server.close()
+
+    run(main())
