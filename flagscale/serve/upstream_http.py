@@ -176,7 +176,7 @@ class _Connection(asyncio.Protocol):
         self.client._forget(self)
         answer, self.answer = self.answer, None
         if answer is not None:
-            answer.broken(Disconnected(f"the connection closed ({exc})" if exc else "the connection closed"))
+            answer.connection_closed(exc)
 
 
 class Answer:
@@ -197,6 +197,7 @@ class Answer:
         self._paused = False
         self.complete = False
         self._interim = False
+        self._until_close = False  # the body lasts until the connection closes
         self._error: BaseException | None = None
 
     # ---- the handler's side ----
@@ -253,6 +254,15 @@ class Answer:
                 self._conn.transport.pause_reading()
             self._wake_handler()
 
+    def connection_closed(self, exc: Exception | None) -> None:
+        """The end of an answer whose length is its connection's (neither Content-Length nor chunked), or
+        of a broken one."""
+        if exc is None and self._until_close:
+            self.complete = True
+            self._wake_handler()
+        else:
+            self.broken(Disconnected(f"the connection closed ({exc})" if exc else "the connection closed"))
+
     def broken(self, error: BaseException) -> None:
         if self.complete or self._error is not None:
             return
@@ -274,6 +284,8 @@ class Answer:
             return
         self.status = status
         self.headers = CIMultiDictProxy(CIMultiDict(self._header_pairs))
+        framed = "Content-Length" in self.headers or "chunked" in self.headers.get("Transfer-Encoding", "").lower()
+        self._until_close = not framed and status not in (204, 304)
         if not self.head.done():
             self.head.set_result(None)
         if self._head_only:

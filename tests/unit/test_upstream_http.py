@@ -296,3 +296,25 @@ def test_an_interim_answer_is_skipped():
         server.close()
 
     run(main())
+
+
+def test_an_answer_that_lasts_until_its_connection_closes_is_whole_then():
+    async def main():
+        async def until_close(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello ")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.write(b"world")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(until_close, "127.0.0.1", 0)
+        upstream = client()
+        answer = await upstream.request("GET", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x", b"", {})
+        assert await asyncio.wait_for(answer.read(), 5) == b"hello world"
+        answer.close()
+        upstream.close()
+        server.close()
+
+    run(main())
