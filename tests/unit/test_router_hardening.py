@@ -416,3 +416,34 @@ def test_client_kv_transfer_params_never_reach_an_engine():
         assert seen == [{"model": "m", "prompt": "x"}]
 
     asyncio.run(main())
+
+
+def test_a_clients_expect_100_continue_is_answered_by_the_router_not_passed_on():
+    """The router has the whole body before it sends the request: an engine asked to say 100 Continue would
+    answer twice."""
+
+    async def main():
+        heard: list[dict] = []
+
+        async def complete(request):
+            heard.append({k.lower(): v for k, v in request.headers.items()})
+            await request.read()
+            return web.json_response({"choices": [{"text": "ok"}]})
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", complete)
+        runner, port = await serve(app)
+        try:
+            async with router_listening(bare_router([upstream("a", port, sent=0)], "least_load")) as url:
+                body = json.dumps({"model": "m", "prompt": "x"}).encode()
+                reader, writer = await raw_request(url, post_head("/v1/completions", body, b"Expect: 100-continue"))
+                assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"HTTP/1.1 100")
+                writer.write(body)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"\r\nHTTP/1.1 200") or head.startswith(b"HTTP/1.1 200"), head
+                writer.close()
+        finally:
+            await runner.cleanup()
+        assert heard and "expect" not in heard[0]
+
+    asyncio.run(main())
