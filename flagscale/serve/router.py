@@ -62,8 +62,7 @@ from flagscale.serve.upstream_http import ConnectFailed, Disconnected, UpstreamC
 log = logging.getLogger("flagscale.router")
 
 # Headers not passed on (either way). "expect": the router has the whole body before it sends the request.
-HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te"}
-HOP_BY_HOP |= {"trailer", "expect"}
+HOP_BY_HOP = frozenset("connection keep-alive transfer-encoding content-length host upgrade te trailer expect".split())
 # Idle upstream connections are closed before vLLM's server closes them (uvicorn keep-alive, 5 s by default:
 # VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so the router does not send a request on a connection being closed.
 UPSTREAM_KEEPALIVE_S = 4.0
@@ -1109,6 +1108,7 @@ class _Exchange:
     last_answer: Any = None  # the last 5xx answer, returned as is when no replica is left
     response: Any = None  # the client's stream response, once begun
     writer: Any = None  # its aiohttp writer
+    client: Any = None  # the client's connection (asyncio transport) the stream is written to
     chunked: bool = True  # its body is framed in chunks
     plain_body: bytes | None = None  # disaggregated: the request without the KV transfer parameters
     started: float = field(default_factory=time.monotonic)
@@ -1119,6 +1119,7 @@ class _Exchange:
         """Sends the client the head of its streamed answer; the body follows through relay_piece and write."""
         self.response = response
         self.writer = await response.prepare(self.http)
+        self.client = self.http.transport
         self.chunked = self.http.version >= (1, 1)  # aiohttp frames the body in chunks for HTTP/1.1 clients
 
     def relay_piece(self, data: bytes) -> bool:
@@ -1126,7 +1127,7 @@ class _Exchange:
         for the client (ClientStream.feed) are written to the client's connection here, framed as aiohttp
         frames the rest of the answer. False: the client's buffer is full or the client is gone."""
         out = self.stream.feed(data) if self.stream is not None else data
-        transport = self.http.transport
+        transport = self.client
         if transport is None or transport.is_closing():
             return False
         if not out:
@@ -1139,8 +1140,7 @@ class _Exchange:
 
     async def drain(self) -> None:
         """Waits for the client to take what it was sent (relay_piece said it was full)."""
-        transport = self.http.transport
-        if transport is None or transport.is_closing():
+        if self.client is None or self.client.is_closing():
             raise ConnectionResetError("the client went away")
         await self.writer.drain()
 

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
 import httptools
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 
 class UpstreamError(Exception):
@@ -189,7 +189,7 @@ class Answer:
         self._loop = asyncio.get_running_loop()
         self.head: asyncio.Future = self._loop.create_future()
         self.status = 0
-        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+        self.headers: CIMultiDict[str] = CIMultiDict()
         self._header_pairs: list[tuple[str, str]] = []
         self._parts: list[bytes] = []  # the body that came before a sink was given
         self._sink: Sink | None = None
@@ -283,7 +283,7 @@ class Answer:
             self._header_pairs = []
             return
         self.status = status
-        self.headers = CIMultiDictProxy(CIMultiDict(self._header_pairs))
+        self.headers = CIMultiDict(self._header_pairs)
         framed = "Content-Length" in self.headers or "chunked" in self.headers.get("Transfer-Encoding", "").lower()
         self._until_close = not framed and status not in (204, 304)
         if not self.head.done():
