@@ -5,6 +5,7 @@ sink is full, and every way an answer can fail named as ConnectFailed or Disconn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from aiohttp import web
@@ -78,69 +79,83 @@ def collecting(pieces: list[bytes]):
     return sink
 
 
-def client() -> UpstreamClient:
-    return UpstreamClient(keepalive_s=4.0, connect_timeout_s=2.0)
+async def no_drain() -> None:
+    pass
+
+
+@contextlib.asynccontextmanager
+async def replica_and_client(big_bytes: int = 0, keepalive_s: float = 4.0):
+    """A Replica and a client for it: (replica, its URL, client); both closed at the end."""
+    replica, upstream = Replica(), UpstreamClient(keepalive_s=keepalive_s, connect_timeout_s=2.0)
+    url = await replica.start(big_bytes)
+    try:
+        yield replica, url, upstream
+    finally:
+        upstream.close()
+        await replica.runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def raw_server(handler):
+    """An asyncio server answering with `handler(reader, writer)` byte for byte: its URL, and a client for it."""
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    upstream = UpstreamClient(keepalive_s=4.0, connect_timeout_s=2.0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", upstream
+    finally:
+        upstream.close()
+        server.close()
 
 
 def test_answers_read_whole_and_kept_alive_connections_reused():
     async def main():
-        replica, upstream = Replica(), client()
-        url = await replica.start()
-        for i in range(3):
-            answer = await upstream.request("POST", f"{url}/echo?i={i}", b"hello", {"Content-Type": "text/plain"})
-            assert answer.status == 200 and answer.headers["content-type"].startswith("application/json")
-            assert b'"body": "hello"' in await answer.read() and b'"query": "i=' in (await answer.read())
+        async with replica_and_client() as (replica, url, upstream):
+            for i in range(3):
+                answer = await upstream.request("POST", f"{url}/echo?i={i}", b"hello", {"Content-Type": "text/plain"})
+                assert answer.status == 200 and answer.headers["content-type"].startswith("application/json")
+                assert b'"body": "hello"' in await answer.read() and b'"query": "i=' in (await answer.read())
+                answer.close()
+            answer = await upstream.request("GET", f"{url}/echo", b"", {})
+            assert b'"method": "GET"' in await answer.read()
             answer.close()
-        answer = await upstream.request("GET", f"{url}/echo", b"", {})
-        assert b'"method": "GET"' in await answer.read()
-        answer.close()
-        assert len(set(replica.peers)) == 1, replica.peers  # one connection for all four
-        answer = await upstream.request("GET", f"{url}/echo", b"", {}, keep_alive=False)
-        await answer.read()
-        answer.close()
-        answer = await upstream.request("GET", f"{url}/echo", b"", {})
-        await answer.read()
-        assert len(set(replica.peers)) == 2, replica.peers  # the one asked to close was not reused
-        upstream.close()
-        await replica.runner.cleanup()
+            assert len(set(replica.peers)) == 1, replica.peers  # one connection for all four
+            answer = await upstream.request("GET", f"{url}/echo", b"", {}, keep_alive=False)
+            await answer.read()
+            answer.close()
+            answer = await upstream.request("GET", f"{url}/echo", b"", {})
+            await answer.read()
+            assert len(set(replica.peers)) == 2, replica.peers  # the one asked to close was not reused
 
     run(main())
 
 
 def test_idle_connections_older_than_keepalive_are_not_reused():
     async def main():
-        replica, upstream = Replica(), UpstreamClient(keepalive_s=0.2, connect_timeout_s=2.0)
-        url = await replica.start()
-        for _ in range(2):
-            answer = await upstream.request("GET", f"{url}/echo", b"", {})
-            await answer.read()
-            answer.close()
-            await asyncio.sleep(0.4)
-        assert len(set(replica.peers)) == 2
-        upstream.close()
-        await replica.runner.cleanup()
+        async with replica_and_client(keepalive_s=0.2) as (replica, url, upstream):
+            for _ in range(2):
+                answer = await upstream.request("GET", f"{url}/echo", b"", {})
+                await answer.read()
+                answer.close()
+                await asyncio.sleep(0.4)
+            assert len(set(replica.peers)) == 2
 
     run(main())
 
 
 def test_a_stream_is_relayed_piece_by_piece_and_its_connection_reused():
     async def main():
-        replica, upstream = Replica(), client()
-        url = await replica.start()
-
         async def drain():
             raise AssertionError("the sink never said it was full")
 
-        for _ in range(2):
-            pieces: list[bytes] = []
-            answer = await upstream.request("GET", f"{url}/stream?n=50", b"", {})
-            assert answer.headers["Content-Type"] == "text/event-stream"
-            await answer.relay(collecting(pieces), drain)
-            answer.close()
-            assert b"".join(pieces) == b"".join(f"data: {i}\n\n".encode() for i in range(50))
-        assert len(set(replica.peers)) == 1
-        upstream.close()
-        await replica.runner.cleanup()
+        async with replica_and_client() as (replica, url, upstream):
+            for _ in range(2):
+                pieces: list[bytes] = []
+                answer = await upstream.request("GET", f"{url}/stream?n=50", b"", {})
+                assert answer.headers["Content-Type"] == "text/event-stream"
+                await answer.relay(collecting(pieces), drain)
+                answer.close()
+                assert b"".join(pieces) == b"".join(f"data: {i}\n\n".encode() for i in range(50))
+            assert len(set(replica.peers)) == 1
 
     run(main())
 
@@ -149,8 +164,6 @@ def test_the_replica_is_not_read_while_the_sink_is_full():
     total = 64 * 1024 * 1024  # far beyond what the sockets' buffers hold between the replica and the client
 
     async def main():
-        replica, upstream = Replica(), client()
-        url = await replica.start(big_bytes=total)
         received = 0
         full = True
         released = asyncio.Event()
@@ -165,27 +178,25 @@ def test_the_replica_is_not_read_while_the_sink_is_full():
             drained.set()
             await released.wait()
 
-        answer = await upstream.request("GET", f"{url}/big", b"", {})
-        relaying = asyncio.create_task(answer.relay(sink, drain))
-        await asyncio.wait_for(drained.wait(), 10)
-        await asyncio.sleep(1.0)  # unpaused, loopback would carry all 64 MiB in far less
-        assert not replica.finished.is_set() and received < total // 4, (received, replica.written)
-        full = False
-        released.set()
-        await asyncio.wait_for(relaying, 60)
-        assert received == total and replica.finished.is_set()
-        answer.close()
-        upstream.close()
-        await replica.runner.cleanup()
+        async with replica_and_client(big_bytes=total) as (replica, url, upstream):
+            answer = await upstream.request("GET", f"{url}/big", b"", {})
+            relaying = asyncio.create_task(answer.relay(sink, drain))
+            await asyncio.wait_for(drained.wait(), 10)
+            await asyncio.sleep(1.0)  # unpaused, loopback would carry all 64 MiB in far less
+            assert not replica.finished.is_set() and received < total // 4, (received, replica.written)
+            full = False
+            released.set()
+            await asyncio.wait_for(relaying, 60)
+            assert received == total and replica.finished.is_set()
+            answer.close()
 
     run(main())
 
 
 def test_failures_are_named():
     async def main():
-        upstream = client()
         with pytest.raises(ConnectFailed, match="cannot connect to 127.0.0.1"):
-            await upstream.request("GET", f"http://127.0.0.1:{free_port()}/x", b"", {})
+            await UpstreamClient(4.0, 2.0).request("GET", f"http://127.0.0.1:{free_port()}/x", b"", {})
 
         async def not_http(reader, writer):
             await reader.readuntil(b"\r\n\r\n")
@@ -198,50 +209,34 @@ def test_failures_are_named():
             writer.close()
 
         for handler, match in ((not_http, "not valid HTTP"), (silent_close, "connection closed")):
-            server = await asyncio.start_server(handler, "127.0.0.1", 0)
-            port = server.sockets[0].getsockname()[1]
-            with pytest.raises(Disconnected, match=match):
-                await upstream.request("GET", f"http://127.0.0.1:{port}/x", b"", {})
-            server.close()
+            async with raw_server(handler) as (url, upstream):
+                with pytest.raises(Disconnected, match=match):
+                    await upstream.request("GET", f"{url}/x", b"", {})
 
-        replica = Replica()
-        url = await replica.start()
-        answer = await upstream.request("GET", f"{url}/broken", b"", {})
-        pieces: list[bytes] = []
-
-        async def drain():
-            pass
-
-        with pytest.raises(Disconnected):
-            await answer.relay(collecting(pieces), drain)
-        assert pieces == [b"data: 0\n\n"]
-        answer.close()
-        upstream.close()
-        await replica.runner.cleanup()
+        async with replica_and_client() as (replica, url, upstream):
+            answer = await upstream.request("GET", f"{url}/broken", b"", {})
+            pieces: list[bytes] = []
+            with pytest.raises(Disconnected):
+                await answer.relay(collecting(pieces), no_drain)
+            assert pieces == [b"data: 0\n\n"]
+            answer.close()
 
     run(main())
 
 
 def test_a_failing_sink_fails_the_relay_and_the_connection_is_not_reused():
     async def main():
-        replica, upstream = Replica(), client()
-        url = await replica.start()
-        answer = await upstream.request("GET", f"{url}/stream?n=200", b"", {})
-
         def sink(piece: bytes) -> bool:
             raise ValueError("relay bug")
 
-        async def drain():
-            pass
-
-        with pytest.raises(ValueError, match="relay bug"):
-            await answer.relay(sink, drain)
-        answer.close()
-        answer = await upstream.request("GET", f"{url}/echo", b"", {})
-        await answer.read()
-        assert len(set(replica.peers)) == 2
-        upstream.close()
-        await replica.runner.cleanup()
+        async with replica_and_client() as (replica, url, upstream):
+            answer = await upstream.request("GET", f"{url}/stream?n=200", b"", {})
+            with pytest.raises(ValueError, match="relay bug"):
+                await answer.relay(sink, no_drain)
+            answer.close()
+            answer = await upstream.request("GET", f"{url}/echo", b"", {})
+            await answer.read()
+            assert len(set(replica.peers)) == 2
 
     run(main())
 
@@ -251,28 +246,25 @@ def test_a_connection_whose_answer_came_in_while_its_relay_waited_serves_the_nex
     must not stay paused for the next request on it."""
 
     async def main():
-        replica, upstream = Replica(), client()
-        url = await replica.start()
         released = asyncio.Event()
 
         async def drain():
             await released.wait()
 
-        answer = await upstream.request("GET", f"{url}/stream?n=3", b"", {})
-        await asyncio.sleep(0.2)  # the whole (small) answer is in before the relay starts
-        relaying = asyncio.create_task(answer.relay(lambda piece: False, drain))
-        await asyncio.sleep(0.1)
-        while not answer.complete:
-            await asyncio.sleep(0.05)
-        second = await asyncio.wait_for(upstream.request("GET", f"{url}/stream?n=3", b"", {}), 5)
-        pieces: list[bytes] = []
-        await asyncio.wait_for(second.relay(collecting(pieces), drain), 5)
-        assert b"".join(pieces) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
-        assert len(set(replica.peers)) == 1  # the same connection carried both
-        released.set()
-        await asyncio.wait_for(relaying, 5)
-        upstream.close()
-        await replica.runner.cleanup()
+        async with replica_and_client() as (replica, url, upstream):
+            answer = await upstream.request("GET", f"{url}/stream?n=3", b"", {})
+            await asyncio.sleep(0.2)  # the whole (small) answer is in before the relay starts
+            relaying = asyncio.create_task(answer.relay(lambda piece: False, drain))
+            await asyncio.sleep(0.1)
+            while not answer.complete:
+                await asyncio.sleep(0.05)
+            second = await asyncio.wait_for(upstream.request("GET", f"{url}/stream?n=3", b"", {}), 5)
+            pieces: list[bytes] = []
+            await asyncio.wait_for(second.relay(collecting(pieces), drain), 5)
+            assert b"".join(pieces) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+            assert len(set(replica.peers)) == 1  # the same connection carried both
+            released.set()
+            await asyncio.wait_for(relaying, 5)
 
     run(main())
 
@@ -287,13 +279,10 @@ def test_an_interim_answer_is_skipped():
             await asyncio.sleep(1)
             writer.close()
 
-        server = await asyncio.start_server(continue_first, "127.0.0.1", 0)
-        upstream = client()
-        answer = await upstream.request("POST", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x", b"{}", {})
-        assert (answer.status, answer.headers["Content-Type"], await answer.read()) == (200, "text/plain", b"ok")
-        answer.close()
-        upstream.close()
-        server.close()
+        async with raw_server(continue_first) as (url, upstream):
+            answer = await upstream.request("POST", f"{url}/x", b"{}", {})
+            assert (answer.status, answer.headers["Content-Type"], await answer.read()) == (200, "text/plain", b"ok")
+            answer.close()
 
     run(main())
 
@@ -309,12 +298,9 @@ def test_an_answer_that_lasts_until_its_connection_closes_is_whole_then():
             await writer.drain()
             writer.close()
 
-        server = await asyncio.start_server(until_close, "127.0.0.1", 0)
-        upstream = client()
-        answer = await upstream.request("GET", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x", b"", {})
-        assert await asyncio.wait_for(answer.read(), 5) == b"hello world"
-        answer.close()
-        upstream.close()
-        server.close()
+        async with raw_server(until_close) as (url, upstream):
+            answer = await upstream.request("GET", f"{url}/x", b"", {})
+            assert await asyncio.wait_for(answer.read(), 5) == b"hello world"
+            answer.close()
 
     run(main())
