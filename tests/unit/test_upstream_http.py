@@ -255,9 +255,12 @@ def test_a_connection_whose_answer_came_in_while_its_relay_waited_serves_the_nex
             answer = await upstream.request("GET", f"{url}/stream?n=3", b"", {})
             await asyncio.sleep(0.2)  # the whole (small) answer is in before the relay starts
             relaying = asyncio.create_task(answer.relay(lambda piece: False, drain))
-            await asyncio.sleep(0.1)
-            while not answer.complete:
-                await asyncio.sleep(0.05)
+
+            async def answer_in() -> None:
+                while not answer.complete:
+                    await asyncio.sleep(0.05)
+
+            await asyncio.wait_for(answer_in(), 10)
             second = await asyncio.wait_for(upstream.request("GET", f"{url}/stream?n=3", b"", {}), 5)
             pieces: list[bytes] = []
             await asyncio.wait_for(second.relay(collecting(pieces), drain), 5)
