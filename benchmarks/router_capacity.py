@@ -20,7 +20,10 @@ Two upstreams:
   replicas (on a GPU: the random-weight Llama of benchmarks/gpu/model.py, `--size`, the replicas sharing the GPU;
   without one: the demo model on CPU), measures each `--processes` count after an in-place update of
   deploy.router_processes, and stops it. The router processes are the ones listening on the endpoint's port.
-- `--upstream endpoint --url URL`: a deployment already running; its router processes likewise.
+  `--floor`: each load again straight after, through the floor relay (above) in front of the same engine
+  replicas: what the router costs beyond the kernel and the event loop, on the engines' own streams.
+- `--upstream endpoint --url URL`: a deployment already running; its router processes likewise (`--floor` with
+  `--exp-dir`, the deployment's, to find its engine replicas).
 
 The clients are `--clients` processes of `--concurrency` streams each (aiohttp, counting `data:` events without
 parsing them), for `--duration` seconds after a warm-up.
@@ -407,6 +410,34 @@ def load(
     }
 
 
+def replica_urls(exp_dir: Path) -> list[str]:
+    """The engine replicas' own URLs, from the replica registry of the run in `exp_dir` (for the floor relay in
+    front of them)."""
+    from flagscale.cluster.ray_node import connect_kv
+    from flagscale.cluster.state import RunState
+    from flagscale.serve import registry
+
+    state = RunState.load(exp_dir)
+    if state is None:
+        raise SystemExit(f"no run state in {exp_dir}: no deployment of this exp_dir is running")
+    connect_kv(state)
+    urls = [record.url for record in registry.list_replicas(state.app_name)]
+    if not urls:
+        raise SystemExit(f"the replica registry of {state.app_name} ({exp_dir}) lists no engine replica")
+    return urls
+
+
+def floor_pass(args, procs: Processes, upstream_urls: list[str], shape: tuple[int, int]) -> dict[str, Any]:
+    """One pass of `shape` through one floor relay process (serve_floor) in front of `upstream_urls`."""
+    port = free_port()
+    floor = procs.start("--serve-floor", str(port), ",".join(upstream_urls))
+    try:
+        wait_listening(f"http://127.0.0.1:{port}")  # (the floor passes /health on to an upstream)
+        return load(args, f"http://127.0.0.1:{port}", procs, [floor.pid], [], shape)
+    finally:
+        procs.stop([floor])
+
+
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -484,6 +515,12 @@ def main() -> None:
         default="project",
         help="replay: the project's Router, or the floor relay (serve_floor: what the kernel and event loop cost)",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="deployment, endpoint: after each pass, the same load through the floor relay in front of the same engines",
+    )
+    parser.add_argument("--exp-dir", type=Path, help="endpoint with --floor: the deployment's exp_dir")
     parser.add_argument("--upstreams", type=int, default=2, help="replay: upstream processes")
     parser.add_argument("--step-ms", type=float, default=10.0, help="replay: time between a stream's tokens")
     parser.add_argument("--clients", type=int, default=2, help="client processes")
@@ -516,10 +553,17 @@ def main() -> None:
             routers = listening_pids(port)
             if not routers:
                 raise SystemExit(f"no process of this user listens on port {port}")
+            if args.floor and not args.exp_dir:
+                raise SystemExit("--upstream endpoint --floor needs --exp-dir (the deployment's, to find its replicas)")
+            engines = replica_urls(args.exp_dir) if args.floor else []
             for shape in shapes:
                 row = load(args, args.url, procs, routers, [], shape)
                 rows.append({"upstream": "endpoint (real engines)", **row})
                 print(json.dumps(rows[-1]), flush=True)
+                if args.floor:
+                    row = floor_pass(args, procs, engines, shape)
+                    rows.append({"upstream": "endpoint (real engines)", "router": "floor relay (not a router)", **row})
+                    print(json.dumps(rows[-1]), flush=True)
         elif args.upstream == "deployment":
             import tempfile
 
@@ -530,10 +574,15 @@ def main() -> None:
                     deployment.configure(count)
                     deployment.cli("run", 1500 if index == 0 else 600)  # the first starts it, then updates
                     routers = deployment.routers(count)
+                    upstream = f"deployment ({args.replicas} real engine replicas)"
                     for shape in shapes:
                         row = load(args, url, procs, routers, [], shape)
-                        rows.append({"upstream": f"deployment ({args.replicas} real engine replicas)", **row})
+                        rows.append({"upstream": upstream, **row})
                         print(json.dumps(rows[-1]), flush=True)
+                        if args.floor:  # the same load through the floor relay, straight after
+                            row = floor_pass(args, procs, replica_urls(deployment.exp_dir), shape)
+                            rows.append({"upstream": upstream, "router": "floor relay (not a router)", **row})
+                            print(json.dumps(rows[-1]), flush=True)
             finally:
                 deployment.cli("stop", 600)
         else:
@@ -561,7 +610,7 @@ def main() -> None:
         procs.stop()
     output = args.output or REPO / "benchmarks" / "results" / f"router_capacity-{time.strftime('%Y%m%d-%H%M%S')}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"args": vars(args) | {"output": str(output)}, "rows": rows}, indent=1))
+    output.write_text(json.dumps({"args": vars(args) | {"output": str(output)}, "rows": rows}, indent=1, default=str))
     print(f"wrote {output}")
 
 

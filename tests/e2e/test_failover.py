@@ -22,6 +22,8 @@ import http.client
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -33,7 +35,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flagscale.serve.metrics import engine_metrics
-from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
+from tests.conftest import REPO, demo_engine_args, run_cli, wait_for, write_config
 
 PORT = 19131
 TOKENS = 160
@@ -122,6 +124,24 @@ def long_request(stream: bool) -> http.client.HTTPConnection:
     payload = json.dumps({**body, "stream": stream})
     connection.request("POST", "/v1/completions", body=payload, headers={"Content-Type": "application/json"})
     return connection
+
+
+def test_router_capacity_measures_the_floor_in_front_of_the_same_engines(deployment, tmp_path):
+    """benchmarks/router_capacity.py --upstream endpoint --floor (here: it needs a running deployment): a pass through
+    the deployment's router processes, then the same through the floor relay in front of the engine replicas it
+    finds in the run's registry."""
+    wait_for(lambda: two_routed(deployment), 120, "two routed replicas")
+    output = tmp_path / "capacity.json"
+    argv = [sys.executable, str(REPO / "benchmarks" / "router_capacity.py"), "--upstream", "endpoint"]
+    argv += ["--url", f"http://127.0.0.1:{PORT}", "--floor", "--exp-dir", str(deployment.parent / "exp")]
+    argv += ["--loads", "1x2", "--tokens", "8", "--duration", "2", "--warmup", "1", "--output", str(output)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    router, floor = json.loads(output.read_text())["rows"]
+    assert router["router_processes"] == 2 and "router" not in router, router
+    assert floor["router"] == "floor relay (not a router)", floor
+    for row in (router, floor):
+        assert row["failed"] == 0 and row["requests"] > 0 and row["router_cpu_us_per_token"] > 0, row
 
 
 def test_clients_that_hang_up_get_their_requests_aborted_in_the_engines(deployment):
