@@ -542,6 +542,12 @@ def main() -> None:
         ]
     except ValueError:
         parser.error(f"--loads takes CLIENTSxSTREAMS, e.g. 1x16; got {args.loads}")
+    if args.floor and args.upstream == "replay":
+        parser.error("--floor is for real engines (--upstream deployment or endpoint); on the replay: --router floor")
+    if args.floor and args.upstream == "endpoint" and not args.exp_dir:
+        parser.error(
+            "--upstream endpoint --floor needs --exp-dir, the deployment's (its engine replicas are found there)"
+        )
 
     procs = Processes()
     rows = []
@@ -553,8 +559,6 @@ def main() -> None:
             routers = listening_pids(port)
             if not routers:
                 raise SystemExit(f"no process of this user listens on port {port}")
-            if args.floor and not args.exp_dir:
-                raise SystemExit("--upstream endpoint --floor needs --exp-dir (the deployment's, to find its replicas)")
             engines = replica_urls(args.exp_dir) if args.floor else []
             for shape in shapes:
                 row = load(args, args.url, procs, routers, [], shape)

@@ -24,3 +24,13 @@ def test_replay_through_the_router_and_the_floor(tmp_path):
     for row in rows:
         assert row["failed"] == 0 and row["requests"] > 0 and row["tokens_per_s"] > 0, row
         assert row["router_cpu_us_per_token"] > 0, row
+
+
+def test_floor_in_front_of_engines_asks_for_what_it_needs_before_starting_anything():
+    script = [sys.executable, str(REPO / "benchmarks" / "router_capacity.py")]
+    for args, culprit in (
+        (["--floor"], "--router floor"),  # the replay: the floor has its own switch there
+        (["--upstream", "endpoint", "--url", "http://127.0.0.1:1", "--floor"], "--exp-dir"),
+    ):
+        done = subprocess.run([*script, *args], capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert done.returncode == 2 and culprit in done.stderr, done.stderr
