@@ -141,7 +141,9 @@ def test_router_capacity_measures_the_floor_in_front_of_the_same_engines(deploym
     assert router["router_processes"] == 2 and "router" not in router, router
     assert floor["router"] == "floor relay (not a router)", floor
     for row in (router, floor):
-        assert row["failed"] == 0 and row["requests"] > 0 and row["router_cpu_us_per_token"] > 0, row
+        assert row["failed"] == 0 and row["requests"] > 0 and row["tokens_per_s"] > 0, row
+    # (the floor's CPU in 2 s of 2 streams can be under the clock's 10 ms tick: only the column is checked)
+    assert router["router_cpu_us_per_token"] > 0 and floor["router_cpu_us_per_token"] >= 0, (router, floor)
 
 
 def test_clients_that_hang_up_get_their_requests_aborted_in_the_engines(deployment):
