@@ -58,6 +58,7 @@ MODEL = "demo"
 PROMPT_IDS = list(range(1, 129))  # a 128-token prompt, as the replay upstream reports it
 WORDS = [" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", "."]
 STARTUP_TIMEOUT_S = 60
+FLOOR_ROW = {"router": "floor relay (not a router)"}  # the label of a row measured through serve_floor
 
 
 # ---- the replay upstream (not an engine) ------------------------------------------------------------------
@@ -566,7 +567,7 @@ def main() -> None:
                 print(json.dumps(rows[-1]), flush=True)
                 if args.floor:
                     row = floor_pass(args, procs, engines, shape)
-                    rows.append({"upstream": "endpoint (real engines)", "router": "floor relay (not a router)", **row})
+                    rows.append({"upstream": "endpoint (real engines)", **FLOOR_ROW, **row})
                     print(json.dumps(rows[-1]), flush=True)
         elif args.upstream == "deployment":
             import tempfile
@@ -585,7 +586,7 @@ def main() -> None:
                         print(json.dumps(rows[-1]), flush=True)
                         if args.floor:  # the same load through the floor relay, straight after
                             row = floor_pass(args, procs, replica_urls(deployment.exp_dir), shape)
-                            rows.append({"upstream": upstream, "router": "floor relay (not a router)", **row})
+                            rows.append({"upstream": upstream, **FLOOR_ROW, **row})
                             print(json.dumps(rows[-1]), flush=True)
             finally:
                 deployment.cli("stop", 600)
@@ -606,7 +607,7 @@ def main() -> None:
                     time.sleep(0.2)
                 for shape in shapes:
                     row = load(args, url, procs, [r.pid for r in routers], [u.pid for u in upstreams], shape)
-                    router = {"router": "floor relay (not a router)"} if args.router == "floor" else {}
+                    router = FLOOR_ROW if args.router == "floor" else {}
                     rows.append({"upstream": "replay (not an engine)", **router, **row})
                     print(json.dumps(rows[-1]), flush=True)
                 procs.stop(routers)
