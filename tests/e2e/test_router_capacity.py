@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -34,3 +36,10 @@ def test_floor_in_front_of_engines_asks_for_what_it_needs_before_starting_anythi
     ):
         done = subprocess.run([*script, *args], capture_output=True, text=True, timeout=60, cwd=REPO)
         assert done.returncode == 2 and culprit in done.stderr, done.stderr
+
+
+def test_floor_without_a_running_deployment_names_the_exp_dir(tmp_path):
+    from benchmarks.router_capacity import replica_urls
+
+    with pytest.raises(SystemExit, match=f"no run state in {tmp_path}"):
+        replica_urls(tmp_path)

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from flagscale.cluster.processes import session_members
-from flagscale.serve.cpu_layout import affinity, process_tree
+from flagscale.serve.cpu_layout import affinity, parent_pids, process_tree
 from tests.conftest import demo_engine_args, run_cli, streamed_chat_chunks, wait_for, write_config
 
 PORT = 18411
@@ -140,14 +140,15 @@ def test_cpu_engines_keep_their_cores(deployment, client):
     host_cpus = os.sched_getaffinity(0)
 
     def engine_layout(replica: dict) -> set[int]:
-        tree = process_tree(replica["engine_pid"])  # watchdog, API server, ...
+        parents = parent_pids()
+        tree = process_tree(replica["engine_pid"], parents)  # watchdog, API server, ...
         by_name: dict[str, list[int]] = {}
         for pid in tree:
             by_name.setdefault(process_name(pid), []).append(pid)
         # vLLM titles its worker VLLM::Worker; two fresh-clone runs saw every process of one replica keep the title
         # `python` for minutes while it served. Then the worker is the API server's (tree[1]) only grandchild:
         # vLLM's API server starts the engine core, which starts the worker.
-        grandchildren = [pid for pid in tree[2:] if ppid_of(ppid_of(pid)) == tree[1]]
+        grandchildren = [pid for pid in tree[2:] if parents.get(parents[pid]) == tree[1]]
         workers = by_name.get("VLLM::Worker") or (grandchildren if len(grandchildren) == 1 else [])
         assert workers, (replica, by_name, grandchildren)
         worker = workers[0]
@@ -179,13 +180,6 @@ def test_cpu_engines_keep_their_cores(deployment, client):
 
     # Bounded by a replica replacement (as in test_killed_engine_fails_over_and_is_replaced).
     wait_for(layout_holds, 300, "every engine replica's CPU layout and the router's cores", interval=2)
-
-
-def ppid_of(pid: int | None) -> int | None:
-    try:
-        return psutil.Process(pid).ppid() if pid is not None else None
-    except psutil.Error:
-        return None
 
 
 def process_name(pid: int, cmdline: bool = False) -> str:
