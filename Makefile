@@ -1,18 +1,23 @@
-# `make serve`: set up what is missing, then serve the embedded demo model.
+# `make serve`: set up what is missing, then serve the embedded demo model (`flagscale serve demo`).
 # `make test`:  set up what is missing, then run the whole test suite.
 # `make llama-cpp`: build llama.cpp's llama-server (engine: llama_cpp) once per version into the cache.
 VENV    ?= .venv
 PYTHON  ?= python3
 FLAVOR  := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 PY      := $(VENV)/bin/python
-STAMP   := $(VENV)/.installed-$(FLAVOR)
 LOCK    := $(wildcard requirements/$(FLAVOR).lock)
+# Named by the requirements' content, not their dates: a venv that outlives the checkout (CI's, .ci/run) is
+# reinstalled only when the pins change, not each time a fresh clone gives the files new dates.
+REQS    := requirements/base.txt requirements/$(FLAVOR).txt requirements/nixl.txt $(LOCK)
+STAMP   := $(VENV)/.installed-$(FLAVOR)-$(shell cat $(REQS) | sha256sum | cut -c1-12)
+PROJECT := $(VENV)/.installed-project
+FLAGSCALE := $(VENV)/bin/flagscale
 
-.PHONY: setup sshd llama-cpp serve status stop test unit lint format bench clean-venv
+.PHONY: setup sshd llama-cpp serve status stop test unit test-gpu lint format bench clean-venv
 
-setup: $(STAMP)
+setup: $(STAMP) $(PROJECT)
 
-$(STAMP): requirements/base.txt requirements/$(FLAVOR).txt requirements/nixl.txt $(LOCK)
+$(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements/$(FLAVOR).txt $(if $(LOCK),-c $(LOCK))
@@ -23,14 +28,20 @@ $(STAMP): requirements/base.txt requirements/$(FLAVOR).txt requirements/nixl.txt
 	$(PY) -c "import vllm, ray.serve, hydra, paramiko, nixl"
 	touch $@
 
+# The project itself (the `flagscale` command), editable, after the pinned requirements: --no-deps, so that pip does
+# not resolve vLLM again (an unconstrained resolve can swap the CPU torch for a multi-GB CUDA one).
+$(PROJECT): pyproject.toml $(STAMP)
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
 serve: setup
-	$(PY) run.py --config-name serve action=run
+	$(FLAGSCALE) serve demo
 
 status: setup
-	$(PY) run.py --config-name serve action=status
+	$(FLAGSCALE) serve demo --status
 
 stop: setup
-	$(PY) run.py --config-name serve action=stop
+	$(FLAGSCALE) serve demo --stop
 
 test: setup sshd lint llama-cpp
 	$(PY) -m pytest tests
@@ -56,6 +67,10 @@ llama-cpp: setup
 
 unit: setup
 	$(PY) -m pytest tests/unit
+
+# On a GPU machine after ../shared/gpu/README.md's install (python3 with /tmp/site): placement and env checks (issue 31)
+test-gpu:
+	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 $(PYTHON) -m pytest tests/gpu -v -p no:cacheprovider
 
 bench: setup
 	$(PY) benchmarks/overhead.py

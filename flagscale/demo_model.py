@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from flagscale.engines import llama_cpp_build
+from flagscale.paths import default_cache_dir
+from flagscale.progress import waiting
 
 DEMO_SEED = 1234
 # head_dim = hidden / heads = 64: vLLM's CPU attention does not support head_dim 16.
@@ -49,13 +52,6 @@ def _training_corpus() -> list[str]:
         lines.append(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(12)))
     lines.append("".join(chr(c) for c in range(32, 127)))
     return lines
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("FLAGSCALE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "flagscale"
-    )
-    return Path(root)
 
 
 def demo_model_dir(seed: int = DEMO_SEED, cache_dir: Path | None = None) -> Path:
@@ -105,15 +101,17 @@ def _write_weights(out_dir: Path, seed: int) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
-def materialize(target: Path, build: Callable[[Path], None]) -> Path:
+def materialize(target: Path, build: Callable[[Path], None], what: str = "building a model (once)") -> Path:
     """A model directory built once: `build` fills a staging directory, which is renamed into place when complete
-    (marked by `.complete`); when another process finishes first, its directory is kept."""
+    (marked by `.complete`); when another process finishes first, its directory is kept. `what` is shown while
+    `build` runs (on a terminal: flagscale/progress.py)."""
     if (target / ".complete").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        build(staging)
+        with waiting(what):
+            build(staging)
         (staging / ".complete").write_text("ok\n")
         try:
             staging.rename(target)
@@ -132,7 +130,7 @@ def ensure_demo_model(seed: int = DEMO_SEED, cache_dir: Path | None = None) -> P
         _train_tokenizer(staging)
         _write_weights(staging, seed)
 
-    return materialize(demo_model_dir(seed, cache_dir), build)
+    return materialize(demo_model_dir(seed, cache_dir), build, "generating the demo model (tokenizer + weights, once)")
 
 
 # The demo tokenizer's pre-tokenizer is byte-level BPE with GPT-2's split pattern (pre_tokenizers.ByteLevel), which
@@ -148,8 +146,6 @@ def demo_model_gguf_path(seed: int = DEMO_SEED, cache_dir: Path | None = None) -
 
 def ensure_demo_model_gguf(seed: int = DEMO_SEED, cache_dir: Path | None = None) -> Path:
     """The demo model as one GGUF file (float32), converted on first use; needs llama.cpp built (make llama-cpp)."""
-    from flagscale.engines import llama_cpp_build
-
     hf_dir = ensure_demo_model(seed, cache_dir)
     converter = llama_cpp_build.converter_dir()
     if not (converter / "convert_hf_to_gguf.py").is_file():
@@ -162,7 +158,7 @@ def ensure_demo_model_gguf(seed: int = DEMO_SEED, cache_dir: Path | None = None)
         argv = [sys.executable, "-m", "flagscale.demo_model", "to-gguf", str(converter), str(hf_dir)]
         subprocess.run([*argv, str(staging / target.name)], check=True, timeout=GGUF_CONVERT_TIMEOUT_S)
 
-    return materialize(target.parent, build) / target.name
+    return materialize(target.parent, build, "converting the demo model to GGUF (once)") / target.name
 
 
 def _convert_to_gguf(converter: Path, hf_dir: Path, out: Path) -> None:

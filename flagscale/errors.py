@@ -3,6 +3,7 @@ or traceback that says why something failed."""
 
 from __future__ import annotations
 
+import errno
 import re
 
 
@@ -57,3 +58,13 @@ def error_excerpt(text: str, after: int = 2, fallback: int = 10) -> str:
         said = [i for i in errors if i < start and not _POINTER.search(lines[i])]
         start = said[-1] if said else start
     return "\n".join(lines[start : start + 1 + after])
+
+
+class WriteError(FlagScaleError):
+    """A file the runner records its work in could not be written (a full disk, most often)."""
+
+
+def write_error(path: object, exc: OSError) -> WriteError:
+    """One clear error for a failed write of `path`, the disk full case said in words."""
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return WriteError(f"cannot write it: {'the disk is full (' + exc.strerror + ')' if full else exc}", str(path))

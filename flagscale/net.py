@@ -7,10 +7,21 @@ Two port questions with different answers, kept apart on purpose:
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import time
 import urllib.error
 import urllib.request
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine's loopback: reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def port_open(host: str, port: int, timeout_s: float = 1.0) -> bool:
@@ -69,3 +80,5 @@ def health_problem(base_url: str, timeout_s: float, path: str = "/health") -> st
         return f"HTTP {exc.code}: {body}"
     except OSError as exc:
         return f"unreachable ({exc})"
+    except ValueError as exc:  # not a URL (a state file's endpoint without host or port)
+        return f"not a URL: {base_url!r} ({exc})"

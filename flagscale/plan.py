@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flagscale import engines
+from flagscale import engines, launchers
 from flagscale.cluster.placement import (
-    VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
     ClusterPlan,
     Reservation,
     Target,
@@ -22,12 +21,11 @@ from flagscale.cluster.placement import (
     check_gpu_share,
     check_shared_gpus_across_nodes,
     check_weights_fit,
-    plan_cluster,
     reserve,
 )
 from flagscale.cluster.state import resolve_exp_dir
 from flagscale.config.graph import CustomNodePlan, GraphPlan, build_graph_plan
-from flagscale.config.load import ConfigSources
+from flagscale.config.load import ConfigSources, resolve_api_key
 from flagscale.config.replicas import ReplicaSettings, replica_settings
 from flagscale.config.routing import DEFAULT_POLICY, Admission, RoutingSpec
 from flagscale.config.schema import Disaggregation, NodeConfig, PoolConfig, Resources, ServeConfig
@@ -35,6 +33,8 @@ from flagscale.engines.base import EngineKind
 from flagscale.errors import ConfigError
 from flagscale.facts import TargetFacts, endpoint_port
 from flagscale.facts import gather as gather_facts
+from flagscale.launchers.base import CpuDemand
+from flagscale.net import is_loopback
 
 ROUTER_DEPLOYMENT = "router"
 
@@ -91,9 +91,13 @@ class Plan:
     admission: Admission = field(default_factory=Admission)  # the router's body cap and queue bounds (deploy.*)
     router_processes: int = 1  # deploy.router_processes, or default_router_processes
     graph: GraphPlan | None = None  # custom nodes and the graph's HTTP entry, when the config has any
+    launcher: str = "local"  # where the Ray cluster comes from (flagscale/launchers/: LAUNCHERS)
+    # the launcher's part of the plan, read by the launcher only:
     cluster: ClusterPlan | None = None  # hosts of the hostfile, when runner.hostfile is set
     ray_cluster: Any = None  # an existing Ray cluster's ClusterFacts (runner.type: ray), read before planning
     placement: Any = None  # ray_cluster only: where each replica would go (ray_cluster.Placement)
+    # where the launcher moved deploy.host to, and why (a Ray cluster: loopback -> the head's address); None: as set
+    endpoint_moved: str | None = None
 
     @property
     def model_ids(self) -> list[str]:
@@ -101,14 +105,32 @@ class Plan:
 
     @property
     def endpoint(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
-        if self.ray_cluster is not None:  # the router runs on the cluster's head node
-            host = self.ray_cluster.head.ip
-        return f"http://{host}:{self.port}"
+        return f"http://{launchers.get(self.launcher).endpoint_host(self)}:{self.port}"
 
     @property
     def log_dir(self) -> Path:
         return Path(self.exp_dir) / "serve_logs"
+
+
+def open_without_key(plan: Plan) -> str | None:
+    """The warning for a deployment that listens beyond loopback with no API key (what listens where), or None:
+    anyone who reaches those addresses can use the models, and the engines' own admin paths."""
+    if plan.api_key:
+        return None
+    launcher = launchers.get(plan.launcher)
+    listening = []
+    if not is_loopback(plan.host):
+        listening.append(f"the router on {plan.host}:{plan.port}")
+    if plan.engines and not is_loopback(launcher.engine_bind_host):
+        hosts = launcher.engine_hosts(plan)
+        where = f" ({', '.join(hosts)})" if hosts else ""
+        listening.append(f"every engine server on its node's address{where}, on a port of its own")
+    if not listening:
+        return None
+    return (
+        f"no API key, and {' and '.join(listening)} listen beyond loopback: anyone who can reach those addresses "
+        "can use them without a key; set experiment.runner.deploy.api_key_env (docs/operations.md)"
+    )
 
 
 def default_router_processes(engines: list[EnginePlan], head_cpus: int) -> int:
@@ -122,6 +144,14 @@ def default_router_processes(engines: list[EnginePlan], head_cpus: int) -> int:
 def engine_args_of(node: NodeConfig, config: ServeConfig) -> dict[str, Any]:
     """What one engine node hands to vLLM: runner.cli_args, then engine_args, then engine_args_specific.<engine>."""
     return {**config.experiment.runner.cli_args, **node.merged_engine_args()}
+
+
+def checked_engine_args(node: NodeConfig, config: ServeConfig, where: str) -> dict[str, Any]:
+    """engine_args_of, refused (naming the key) where it turns on an engine arg the node has not opted into
+    (EngineKind.unsafe_args, allow_engine_args)."""
+    args = engine_args_of(node, config)
+    engines.get(node.engine).check_unsafe_args(args, node.allow_engine_args, where)
+    return args
 
 
 def served_names(node: NodeConfig, engine_args: dict[str, Any]) -> list[str]:
@@ -254,7 +284,7 @@ def _engine_plan(
     where = f"{node_where}.engine_args"
     kind = engines.get(node.engine)
     kind.check_available(f"{node_where}.engine" if node.engine else node_where)
-    args = engine_args_of(node, config)
+    args = checked_engine_args(node, config, where)
     args["model"] = kind.check_model(args.get("model"), where)
     names = args["served_model_name"] = served_names(node, args)
     argv = kind.argv(kind.map_common_args(args), where)
@@ -266,17 +296,10 @@ def _engine_plan(
     kind.check_parallel(parallel, reservation.device != "gpu", where)
     host_argv = _host_argv(node, config, names, reservation, target, sources)
     scaling = replica_settings(node.resources, reservation.ray_actor_options, reservation.auto_replicas)
-    utilization = args.get("gpu_memory_utilization", VLLM_DEFAULT_GPU_MEMORY_UTILIZATION)
+    utilization = args.get("gpu_memory_utilization", kind.default_gpu_memory_utilization)
     if reservation.device == "gpu":
-        most = scaling.most_replicas
-        check_gpu_share(
-            node.serve_id,
-            reservation.ray_actor_options.get("num_gpus", 0),
-            math.prod(parallel),
-            most,
-            utilization,
-            f"{node_where}.resources",
-        )
+        share = (node.serve_id, reservation.ray_actor_options.get("num_gpus", 0), math.prod(parallel))
+        check_gpu_share(*share, scaling.most_replicas, utilization, f"{node_where}.resources")
         check_weights_fit(model_weight_bytes(args["model"]), parallel[0], parallel[1], utilization, target, where)
     return EnginePlan(
         serve_id=node.serve_id,
@@ -364,6 +387,7 @@ def _host_argv(
         if not extra.engine_args:
             continue
         args = {**engine_args_of(node, config), **extra.engine_args}
+        kind.check_unsafe_args(args, node.allow_engine_args, host_where)
         args["model"] = kind.check_model(args.get("model"), host_where)
         args["served_model_name"] = names
         # The replica finds its argv by its node IP (facts.host_ips: resolved as `ray start` does).
@@ -402,22 +426,14 @@ def build_plan(
     return _plan(config, sources, target_facts)
 
 
-def _plan(config: ServeConfig, sources: ConfigSources, target_facts: TargetFacts) -> Plan:
+def _engine_pools(config: ServeConfig, sources: ConfigSources, target: Target):
+    """Every engine node's plan (a disaggregated node: its pools), with the ids and served names checked unique:
+    (engine plans, each with its node, notes for dryrun, serve_id -> index in serve)."""
     serve_file = sources.file_for(("serve",))
     seen_ids: dict[str, int] = {}
     seen_names: dict[str, str] = {}
     engines: list[EnginePlan] = []
     notes: list[str] = []
-    facts = target_facts.ray_cluster
-    gpus = target_facts.gpus
-    hostfile = target_facts.hostfile
-    cpus = target_facts.cpus
-    if facts is not None:
-        target = Target.ray_cluster(facts)
-    elif hostfile:
-        target = Target.hosts_of(hostfile, target_facts.host_ips)
-    else:
-        target = Target.this_machine(len(gpus), cpus, min((g.memory_mib for g in gpus), default=None))
     on_hosts: list[tuple[EnginePlan, NodeConfig]] = []
     for index, node in enumerate(config.serve):
         if node.serve_id in seen_ids:
@@ -430,8 +446,7 @@ def _plan(config: ServeConfig, sources: ConfigSources, target_facts: TargetFacts
             continue  # custom nodes: build_graph_plan below
         pools = _engine_plans(node, index, config, target, sources)
         for engine in pools:
-            if hostfile is not None:
-                on_hosts.append((engine, node))
+            on_hosts.append((engine, node))
             if engine.num_replicas is not None and node.resources.num_replicas == "auto":
                 notes.append(
                     f"serve '{engine.serve_id}': num_replicas auto -> {engine.num_replicas} "
@@ -452,20 +467,16 @@ def _plan(config: ServeConfig, sources: ConfigSources, target_facts: TargetFacts
                 )
             seen_names[name] = node.serve_id
         engines.extend(pools)
+    return engines, on_hosts, notes, seen_ids
 
-    runner = config.experiment.runner
-    deploy = runner.deploy
-    port = endpoint_port(config)
-    router_host = deploy.host if facts is None else _router_host(deploy.host, facts, sources)
-    if target_facts.port_taken:
-        raise ConfigError(target_facts.port_taken, f"{sources.main}: experiment.runner.deploy.port")
 
-    graph = build_graph_plan(config, sources, {e.group: e.model_names[0] for e in engines})
+def _check_gpus(engines: list[EnginePlan], graph: GraphPlan | None, target: Target, serve_file: str) -> None:
+    """The GPUs every replica asks for exist on the target; replicas sharing a GPU fit its memory together."""
     groups = [*engines, *(graph.nodes if graph else [])]
     check_gpu_demand(
         [(g.serve_id, g.initial_replicas, g.ray_actor_options.get("num_gpus", 0)) for g in groups], target, serve_file
     )
-    if hostfile is None:
+    if target.hostfile is None:
         check_shared_gpus_across_nodes(
             [
                 (e.serve_id, e.ray_actor_options.get("num_gpus", 0), e.gpu_memory_utilization, e.initial_replicas)
@@ -474,43 +485,66 @@ def _plan(config: ServeConfig, sources: ConfigSources, target_facts: TargetFacts
             ],
             serve_file,
         )
-    if graph is not None and hostfile is None and facts is None and not gpus:
-        for node in graph.nodes:
-            if node.ray_actor_options.get("num_gpus"):
-                raise ConfigError(
-                    f"num_gpus={node.ray_actor_options['num_gpus']:g} per replica, but this machine has no GPU",
-                    f"{serve_file}: serve[{seen_ids[node.serve_id]}]({node.serve_id}).resources",
-                )
-    replica_groups = [*engines, *(graph.nodes if graph else [])]
+
+
+def _cpu_demand(engines: list[EnginePlan], replica_groups: list) -> CpuDemand:
+    """The logical CPUs the replicas reserve at start, and the room they may need later."""
     required_cpus = sum(e.initial_replicas * e.ray_actor_options["num_cpus"] for e in replica_groups)
-    required = int(-(-required_cpus // 1))
     # Room for the most replicas autoscaling may start, and for one spare engine replica: an in-place update
     # starts each new replica before the old one drains (flagscale/serve/app.py).
     most_cpus = sum(e.most_replicas * e.ray_actor_options["num_cpus"] for e in replica_groups)
     spare_cpus = max((e.ray_actor_options["num_cpus"] for e in engines), default=0)
     room = int(-(-(most_cpus + spare_cpus) // 1))
-    cluster = plan_cluster(config, sources, hostfile, on_hosts) if hostfile is not None else None
-    if runner.num_cpus is not None and cluster is None:
-        if runner.num_cpus < required:
-            raise ConfigError(
-                f"num_cpus={runner.num_cpus}, but the graph's replicas reserve {required_cpus:g} CPUs "
-                f"({_cpu_sum(replica_groups)})",
-                f"{sources.main}: experiment.runner.num_cpus",
-            )
-        head_cpus = runner.num_cpus
-    else:
-        head_cpus = max(cpus, room)
-    placement = None
-    if facts is not None:
-        placement = _place_on(facts, config.experiment.exp_name, replica_groups, sources)
-    elif cluster is None and required > cpus:
-        notes.append(f"replicas reserve {required} logical CPUs on a {cpus}-core machine: oversubscribed")
+    return CpuDemand(required_cpus, room, _cpu_sum(replica_groups))
+
+
+def _api_key(config: ServeConfig, sources: ConfigSources, engines: list[EnginePlan]) -> str | None:
+    """The deployment's key, resolved once and checked by every engine kind that serves behind it."""
+    api_key = resolve_api_key(config, sources)
+    if api_key is not None:
+        entry = "api_key_env" if config.experiment.runner.deploy.api_key_env else "api_key"
+        for kind in {engine.kind.name: engine.kind for engine in engines}.values():
+            kind.check_api_key(api_key, f"{sources.main}: experiment.runner.deploy.{entry}")
+    return api_key
+
+
+def _moved(host: str, router_host: str, because: str) -> str | None:
+    return f"deploy.host {host} is served at {router_host}: {because}" if router_host != host else None
+
+
+def _plan(config: ServeConfig, sources: ConfigSources, target_facts: TargetFacts) -> Plan:
+    serve_file = sources.file_for(("serve",))
+    cpus = target_facts.cpus
+    launcher = launchers.select(config.experiment.runner, sources.main)
+    target = launcher.target(target_facts)
+    engines, on_hosts, notes, seen_ids = _engine_pools(config, sources, target)
+
+    runner = config.experiment.runner
+    deploy = runner.deploy
+    port = endpoint_port(config)
+    router_host = launcher.router_host(deploy.host, target_facts, f"{sources.main}: experiment.runner.deploy.host")
+    if target_facts.port_taken:
+        raise ConfigError(target_facts.port_taken, f"{sources.main}: experiment.runner.deploy.port")
+
+    graph = build_graph_plan(config, sources, {e.group: e.model_names[0] for e in engines})
+    _check_gpus(engines, graph, target, serve_file)
+    if graph is not None:
+        launcher.check_custom_nodes(
+            target_facts,
+            graph.nodes,
+            lambda serve_id: f"{serve_file}: serve[{seen_ids[serve_id]}]({serve_id}).resources",
+        )
+    replica_groups = [*engines, *(graph.nodes if graph else [])]
+    cluster = launcher.plan_hosts(config, sources, target_facts, on_hosts)
+    demand = _cpu_demand(engines, replica_groups)
+    head_cpus, head_notes = launcher.head_cpus(
+        runner, target_facts, demand, f"{sources.main}: experiment.runner.num_cpus"
+    )
+    placement = launcher.place(target_facts, config.experiment.exp_name, replica_groups, f"{serve_file}: serve")
+    notes += head_notes
 
     exp_dir = resolve_exp_dir(config.experiment.exp_dir)
-    try:
-        api_key = deploy.resolved_api_key()
-    except ValueError as exc:
-        raise ConfigError(str(exc), f"{sources.main}: experiment.runner.deploy.api_key_env") from None
+    api_key = _api_key(config, sources, engines)
     return Plan(
         app_name=config.experiment.exp_name,
         exp_dir=exp_dir,
@@ -532,42 +566,9 @@ def _plan(config: ServeConfig, sources: ConfigSources, target_facts: TargetFacts
         admission=Admission.of(deploy),
         router_processes=deploy.router_processes or default_router_processes(engines, cpus),
         graph=graph,
+        launcher=launcher.name,
         cluster=cluster,
-        ray_cluster=facts,
+        ray_cluster=target_facts.ray_cluster,
         placement=placement,
-    )
-
-
-def _router_host(host: str, facts, sources: ConfigSources) -> str:
-    """What the router binds on the cluster's head node: its IP (deploy.host left at loopback, or that IP), or
-    every interface (0.0.0.0 / ::)."""
-    if host in ("0.0.0.0", "::", facts.head.ip):
-        return host
-    if host in ("127.0.0.1", "localhost"):
-        return facts.head.ip
-    raise ConfigError(
-        f"deploy.host {host!r}: on a Ray cluster the router runs on the head node ({facts.head.ip}); set "
-        "deploy.host to that IP, or 0.0.0.0",
-        f"{sources.main}: experiment.runner.deploy.host",
-    )
-
-
-def _place_on(facts, app_name: str, groups: list, sources: ConfigSources):
-    """Where each replica would go on the cluster: a new deployment on what the nodes have free now, an update (the
-    application runs there already, holding its share) on their totals."""
-    from flagscale.cluster.ray_cluster import demand_of, place
-
-    return place(
-        [
-            (
-                g.serve_id,
-                g.initial_replicas,
-                demand_of(g.ray_actor_options),
-                g.ray_actor_options.get("label_selector", {}),
-            )
-            for g in groups
-        ],
-        facts,
-        free=app_name not in facts.applications,
-        where=f"{sources.file_for(('serve',))}: serve",
+        endpoint_moved=_moved(deploy.host, router_host, launcher.router_host_moved_because),
     )

@@ -119,7 +119,7 @@ def demo_model_path() -> Path:
 
 def replica_record(name: str, url: str):
     """A registry record of a replica serving model "m" of deployment "s" (router and policy unit tests)."""
-    from flagscale.serve.registry import ReplicaRecord
+    from flagscale.replica.registry import ReplicaRecord
 
     return ReplicaRecord(
         app="a",
@@ -138,16 +138,18 @@ def replica_record(name: str, url: str):
 
 def bare_router(upstreams: list, policy: str):
     """The router's request path only (no Ray, no refresh thread), routing model "m" over `upstreams`."""
-    from flagscale.serve.router import Router, RouterSpec, _Table
-    from flagscale.serve.routing import RoutingSpec
+    from flagscale.config.routing import RoutingSpec
+    from flagscale.router.replicas import ReplicaTable
+    from flagscale.router.router import Router
+    from flagscale.router.spec import RouterSpec
 
     router = Router.__new__(Router)
-    router._graph = None
+    router.graph = None
     router.spec = RouterSpec(
         app="a", host="127.0.0.1", port=0, models={"m": "s"}, pin_cpus=False, routing={"m": RoutingSpec(policy=policy)}
     )
     router._init_state()
-    router._table = _Table(by_model={"m": upstreams}, by_replica={u.record.replica_id: u for u in upstreams})
+    router.table = ReplicaTable(by_model={"m": upstreams}, by_replica={u.record.replica_id: u for u in upstreams})
     return router
 
 
@@ -167,13 +169,30 @@ async def serve(app, **runner_options):
 @contextlib.asynccontextmanager
 async def router_listening(router):
     """A bare router (bare_router) serving its real HTTP surface (Router.web_app) on a free port: its URL."""
-    from flagscale.serve.router import RUNNER_OPTIONS, upstream_session
+    from flagscale.router.frontend import RUNNER_OPTIONS
+    from flagscale.router.router import upstream_session
 
-    router._session = upstream_session()
+    router.session = upstream_session()
     runner, port = await serve(router.web_app(), **RUNNER_OPTIONS)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        await router._session.close()
+        await router.session.close()
         await runner.cleanup()
-        router._upstream.close()
+        router.upstream_client.close()
+
+
+def flagscale_command() -> list[str]:
+    """The installed `flagscale` console script beside this interpreter (`make setup` installs it); where the project
+    was not installed into this environment, the same entry as `python -m flagscale.cli`."""
+    script = Path(sys.executable).with_name("flagscale")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "flagscale.cli"]
+
+
+def run_flagscale(*args: str, cwd: Path, timeout: float = 900, columns: int = 200) -> CliResult:
+    """`flagscale ...` run for real from `cwd` (outside the checkout: the shipped configs are found from anywhere)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": str(columns)}
+    proc = subprocess.run(
+        [*flagscale_command(), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+    )
+    return CliResult(proc.returncode, proc.stdout, proc.stderr)

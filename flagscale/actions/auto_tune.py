@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from rich.console import Console
 
+from flagscale.actions.context import ActionContext
+from flagscale.cluster.lock import ExpDirLock
 from flagscale.config.load import ConfigSources
 from flagscale.config.schema import ServeConfig
+from flagscale.tune.search import dryrun, prepare, run_search
 
 
 def auto_tune(config: ServeConfig, sources: ConfigSources, exp_dir: str, console: Console) -> int:
-    from flagscale.cluster.lock import ExpDirLock
-    from flagscale.tune.search import prepare, run_search
-
     for notice in config.notices:
         console.print(f"[yellow]notice:[/] {notice}", soft_wrap=True)
     with console.status("checking the space and pruning ..."):
@@ -25,6 +25,9 @@ def auto_tune(config: ServeConfig, sources: ConfigSources, exp_dir: str, console
 
 def auto_tune_dryrun(config: ServeConfig, sources: ConfigSources, exp_dir: str, console: Console) -> int:
     """dryrun of a config with an auto_tuner block: the candidates and what pruning skips; nothing starts."""
-    from flagscale.tune.search import dryrun, prepare
 
     return dryrun(prepare(config, sources, exp_dir), console)
+
+
+def act(ctx: ActionContext) -> int:
+    return auto_tune(ctx.config, ctx.sources, ctx.exp_dir, ctx.console)

@@ -24,8 +24,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from flagscale.actions.context import ActionContext
 from flagscale.cluster.state import RunState
 from flagscale.config.schema import BenchConfig, NodeConfig, ServeConfig
+from flagscale.engines.vllm_args import BENCH_MODULES, flexible_argument_parser, vllm_attr
 from flagscale.errors import FlagScaleError
 from flagscale.net import health_problem
 from flagscale.plan import engine_args_of, served_names
@@ -33,6 +35,7 @@ from flagscale.plan import engine_args_of, served_names
 PERCENTILES = (50, 90, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 CHAT_ENDPOINT = "/v1/chat/completions"
+BENCH_KEY_ENV = "OPENAI_API_KEY"  # vLLM's benchmark sends it as the bearer token
 
 
 def vllm_bench_argv(
@@ -89,7 +92,6 @@ def vllm_bench_argv(
 
 def run_vllm_bench(argv: list[str]) -> dict[str, Any]:
     """vLLM's serving benchmark, called in this process with a Namespace from its own parser."""
-    from flagscale.engines.vllm_args import BENCH_MODULES, flexible_argument_parser, vllm_attr
 
     add_cli_args, main = vllm_attr(BENCH_MODULES, "add_cli_args"), vllm_attr(BENCH_MODULES, "main")
     parser = flexible_argument_parser()()
@@ -97,9 +99,13 @@ def run_vllm_bench(argv: list[str]) -> dict[str, Any]:
     return main(parser.parse_args(argv))
 
 
-def _run_logged(argv: list[str], log_path: str) -> dict[str, Any]:
+def _run_logged(argv: list[str], log_path: str, api_key: str | None = None) -> dict[str, Any]:
     # Worker side: fds 1 and 2, not just sys.stdout, so vLLM's logging and the exit-time noise of the
-    # libraries it imports land in the log as well.
+    # libraries it imports land in the log as well. The key goes into this worker's environment only (vLLM's
+    # benchmark sends OPENAI_API_KEY as the bearer token): set in the caller's, every process started after it
+    # (Ray's among them) would carry it.
+    if api_key:
+        os.environ[BENCH_KEY_ENV] = api_key
     with open(log_path, "ab") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
@@ -111,12 +117,12 @@ def _run_logged(argv: list[str], log_path: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def vllm_bench_worker(log_path: Path) -> Iterator[Callable[[list[str]], dict[str, Any]]]:
+def vllm_bench_worker(log_path: Path, api_key: str | None = None) -> Iterator[Callable[[list[str]], dict[str, Any]]]:
     """A worker process that runs benchmark passes one at a time and returns vLLM's result dicts.
 
     vLLM and its imports stay out of the caller, and everything they print goes to `log_path`."""
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield lambda argv: pool.submit(_run_logged, argv, str(log_path)).result()
+        yield lambda argv: pool.submit(_run_logged, argv, str(log_path), api_key).result()
 
 
 def report_row(concurrency: int, result: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +153,7 @@ def scalar_fields(result: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.item() if hasattr(v, "item") else v) for k, v in result.items() if not isinstance(v, list)}
 
 
-def bench(config: ServeConfig, exp_dir: str, console: Console) -> int:
+def bench(config: ServeConfig, exp_dir: str, console: Console, api_key: str | None = None) -> int:
     state = RunState.load(exp_dir)
     if state is None:
         raise FlagScaleError(f"nothing is running for exp_dir {exp_dir}; start it with action=run first")
@@ -158,35 +164,17 @@ def bench(config: ServeConfig, exp_dir: str, console: Console) -> int:
         )
     settings = bench_settings(config, model)
     _check_healthy(state.endpoint)
-    tokenizer = tokenizer_for(config, model) or _model_root(state.endpoint, model)
+    tokenizer = tokenizer_for(config, model) or _model_root(state.endpoint, model, api_key)
 
     out_dir = Path(exp_dir) / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
     log_path = stem.with_suffix(".log")
-    rows, raw_results, errors = [], [], []
     console.print(
         f"benchmarking {model} at {state.endpoint}{settings.endpoint}: random dataset, "
         f"{settings.num_prompts} prompts of {settings.input_len} -> {settings.output_len} tokens"
     )
-    with vllm_bench_worker(log_path) as run_pass:
-        for concurrency in settings.concurrency:
-            console.print(f"  concurrency {concurrency} ...", end="")
-            t0 = time.monotonic()
-            argv = vllm_bench_argv(state.endpoint, model, tokenizer, settings, concurrency)
-            try:
-                result = run_pass(argv)
-            except FlagScaleError:  # e.g. vLLM's benchmark not found in the installed release
-                raise
-            except Exception as exc:
-                raise FlagScaleError(
-                    f"vLLM's serving benchmark failed at concurrency {concurrency}: {exc}; its output is in {log_path}"
-                ) from exc
-            console.print(f" {time.monotonic() - t0:.0f}s")
-            rows.append(report_row(concurrency, result))
-            raw_results.append(scalar_fields(result))
-            if result["failed"]:
-                errors.append(f"concurrency {concurrency}: {result['failed']} failed, e.g. {first_error(result)}")
+    rows, raw_results, errors = _passes(state.endpoint, model, tokenizer, settings, log_path, console, api_key)
 
     report = {
         "exp_dir": exp_dir,
@@ -209,6 +197,39 @@ def bench(config: ServeConfig, exp_dir: str, console: Console) -> int:
         console.print("[red]some requests failed:[/]\n  " + "\n  ".join(errors))
         return 1
     return 0
+
+
+def _passes(
+    endpoint: str,
+    model: str,
+    tokenizer: str,
+    settings: BenchConfig,
+    log_path: Path,
+    console: Console,
+    api_key: str | None,
+):
+    """One pass of vLLM's serving benchmark per concurrency: (report rows, raw results, errors)."""
+    rows, raw_results, errors = [], [], []
+    with vllm_bench_worker(log_path, api_key) as run_pass:
+        for concurrency in settings.concurrency:
+            console.print(f"  concurrency {concurrency} ...", end="")
+            t0 = time.monotonic()
+            argv = vllm_bench_argv(endpoint, model, tokenizer, settings, concurrency)
+            try:
+                result = run_pass(argv)
+            except FlagScaleError:  # e.g. vLLM's benchmark not found in the installed release
+                raise
+            except Exception as exc:
+                raise FlagScaleError(
+                    f"vLLM's serving benchmark failed at concurrency {concurrency}: {exc}; its output is in {log_path}"
+                ) from exc
+            console.print(f" {time.monotonic() - t0:.0f}s")
+            rows.append(report_row(concurrency, result))
+            raw_results.append(scalar_fields(result))
+            if result["failed"]:
+                errors.append(f"concurrency {concurrency}: {result['failed']} failed, e.g. {first_error(result)}")
+
+    return rows, raw_results, errors
 
 
 def node_serving(config: ServeConfig, model: str) -> NodeConfig | None:
@@ -242,9 +263,10 @@ def tokenizer_for(config: ServeConfig, model: str) -> str | None:
     return args.get("tokenizer") or args.get("model")
 
 
-def _model_root(endpoint: str, model: str) -> str:
+def _model_root(endpoint: str, model: str, api_key: str | None = None) -> str:
     """The running server's own answer: vLLM's /v1/models lists each model's path as `root`."""
-    with urllib.request.urlopen(endpoint + "/v1/models", timeout=10) as resp:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(endpoint + "/v1/models", headers=headers), timeout=10) as resp:
         entries = json.load(resp)["data"]
     root = next((e.get("root") for e in entries if e["id"] == model), None)
     if not root:
@@ -316,3 +338,7 @@ def write_plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def act(ctx: ActionContext) -> int:
+    return bench(ctx.config, ctx.exp_dir, ctx.console, ctx.api_key)

@@ -6,26 +6,15 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from flagscale import launchers
+from flagscale.actions.auto_tune import auto_tune_dryrun
+from flagscale.actions.context import ActionContext
+from flagscale.actions.graph_view import describe, draw
+from flagscale.actions.run import running_state
 from flagscale.config.schema import ServeConfig
-from flagscale.engines.vllm_args import parsed
-from flagscale.plan import Plan
-from flagscale.update import MASK, SECRET_NAME, masked_config
-
-# Engine args worth showing with their defaults even when the config does not set them.
-SHOWN_ENGINE_ARGS = (
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "data_parallel_size",
-    "quantization",
-    "max_model_len",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "enable_chunked_prefill",
-    "gpu_memory_utilization",
-    "enforce_eager",
-    "dtype",
-    "served_model_name",
-)
+from flagscale.plan import Plan, open_without_key
+from flagscale.replica.ranks import preview
+from flagscale.update import MASK, SECRET_NAME, diff, masked_config
 
 
 def dryrun(
@@ -43,9 +32,7 @@ def dryrun(
     for column in ("node", "replicas", "per replica", "devices", "engine args (after defaults)"):
         table.add_column(column)
     for engine in plan.engines:
-        ns = vars(parsed(engine.argv))
-        args = {k: ns.get(k) for k in SHOWN_ENGINE_ARGS}
-        args.update({k: ns.get(k) for k in _set_keys(engine.argv)})
+        args = engine.kind.shown_args(engine.argv)
         replicas = f"{engine.describe_replicas()}\nrouting: {engine.routing.policy}"
         resources = ", ".join(f"{k}={v}" for k, v in engine.ray_actor_options.items())
         name = f"{engine.serve_id}\n({engine.role} pool of {engine.group})" if engine.role else engine.serve_id
@@ -69,19 +56,14 @@ def dryrun(
     if plan.graph:
         from pathlib import Path
 
-        from flagscale.actions.graph_view import describe, draw
-
         console.print("[bold]graph[/]")
         console.print("\n".join(describe(plan)), markup=False)
         console.print(f"graph picture: {draw(plan, Path(plan.exp_dir) / 'graph.png')}")
     console.print(f"endpoint: {plan.endpoint}/v1   models: {', '.join(dict.fromkeys(plan.model_ids))}")
     console.print(f"router: {plan.router_processes} process(es) sharing the endpoint's port")
-    if plan.ray_cluster is not None:
-        _print_ray_cluster(plan, console)
-    elif plan.cluster is None:
-        console.print(f"Ray head: local, {plan.head_num_cpus} logical CPUs   exp_dir: {plan.exp_dir}")
-    else:
-        _print_hosts(plan, console)
+    _print_exposure(plan, console)
+    for item in launchers.get(plan.launcher).describe(plan):
+        console.print(item, markup=False)
     for note in plan.notes:
         console.print(f"[yellow]note:[/] {note}")
     if running_config is not None and snapshot is not None:
@@ -90,9 +72,17 @@ def dryrun(
     return 0
 
 
-def _print_update(running_config: dict, snapshot: dict, console: Console) -> None:
-    from flagscale.update import diff
+def _print_exposure(plan: Plan, console: Console) -> None:
+    """Where the endpoint moved, and a warning when anything listens beyond loopback without a key (run says the
+    same)."""
+    if plan.endpoint_moved:
+        console.print(f"[yellow]note:[/] {plan.endpoint_moved}", soft_wrap=True)
+    warning = open_without_key(plan)
+    if warning:
+        console.print(f"[bold yellow]warning:[/] {warning}", soft_wrap=True)
 
+
+def _print_update(running_config: dict, snapshot: dict, console: Console) -> None:
     changes = diff(running_config, snapshot)
     if not changes:
         console.print("running from this exp_dir with this config: `run` would change nothing")
@@ -106,26 +96,19 @@ def _print_update(running_config: dict, snapshot: dict, console: Console) -> Non
 
 def _print_ranks(plan: Plan, engine, console: Console) -> None:
     """Each replica's ranks: which host (first fit over the hostfile's hosts, as Ray would) and devices, and the
-    command each host runs (serve/ranks.py, the engine kind's bind_ranks / headless_launch)."""
+    command each host runs (replica/ranks.py, the engine kind's bind_ranks / headless_launch)."""
     import math
     import shlex
     import sys
 
-    from flagscale.serve.ranks import preview
-
-    if plan.ray_cluster is not None:
-        hosts = [("a node of the Ray cluster", engine.devices_per_replica * engine.initial_replicas)]
-    elif plan.cluster is not None:
-        hosts = [(h.host, h.slots) for h in plan.cluster.hostfile.by_chip()[engine.chip]]
-    else:
-        hosts = [("this machine", engine.devices_per_replica * engine.initial_replicas)]
+    hosts = launchers.get(plan.launcher).rank_hosts(plan, engine)
     tp, pp, dp = engine.parallel
     on_gpu = engine.device == "gpu"
     planned = preview(engine.parallel, on_gpu, engine.ranks_per_host, hosts, engine.initial_replicas)
     nnodes = planned[0].share.nnodes if planned else 1
     console.print(
         f"[bold]ranks of '{engine.serve_id}'[/]: TP {tp} x PP {pp} x DP {dp} = {math.prod(engine.parallel)} per "
-        f"replica, {engine.ranks_per_host} per host over {nnodes} host(s), vLLM's mp executor"
+        f"replica, {engine.ranks_per_host} per host over {nnodes} host(s), {engine.kind.rank_runner}"
         + (" (placement group: one bundle per host)" if nnodes > 1 else "")
     )
     kind = engine.kind
@@ -154,35 +137,12 @@ def _print_ranks(plan: Plan, engine, console: Console) -> None:
         console.print(f"  (the hosts' free slots hold {len(planned) // max(1, nnodes)} such replica(s))")
 
 
-def _set_keys(argv: list[str]) -> list[str]:
-    return [a[2:].replace("-", "_").removeprefix("no_") for a in argv if a.startswith("--")]
-
-
-def _print_hosts(plan: Plan, console: Console) -> None:
-    cluster = plan.cluster
-    table = Table(title=f"hosts ({cluster.hostfile.path}, over SSH)", title_justify="left")
-    for column in ("host", "role", "chip", "slots"):
-        table.add_column(column)
-    for entry in cluster.hostfile.hosts:
-        role = "head + router" if entry is cluster.hostfile.head else "worker"
-        table.add_row(entry.host, role, entry.chip or "-", str(entry.slots))
-    console.print(table)
-    for chip, line in cluster.demand.items():
-        console.print(f"fits {chip}: {line}", markup=False)
-    console.print(f"exp_dir: {plan.exp_dir}")
-
-
-def _print_ray_cluster(plan: Plan, console: Console) -> None:
-    from flagscale.cluster.ray_cluster import describe
-
-    facts = plan.ray_cluster
-    console.print(
-        f"Ray cluster at {facts.address} (runner.type: ray; nothing is started or stopped but the deployment):"
-    )
-    for line in describe(facts):
-        console.print(f"  node {line}", markup=False)
-    console.print(f"router: on the head node {facts.head.ip}")
-    console.print("replicas would go (first fit on what the nodes have free):")
-    for line in plan.placement.lines():
-        console.print(f"  {line}", markup=False)
-    console.print(f"exp_dir: {plan.exp_dir}")
+def act(ctx: ActionContext) -> int:
+    ctx.print_notices()
+    plan = ctx.plan(check_port=False, quiet=True)
+    running = running_state(ctx.exp_dir)
+    running_config = running.extra.get("config") if running is not None else None
+    code = dryrun(ctx.config, plan, ctx.console, running_config, ctx.snapshot(plan))
+    if ctx.config.experiment.auto_tuner is not None:  # what action=auto_tune would run and skip
+        code = auto_tune_dryrun(ctx.config, ctx.sources, ctx.exp_dir, ctx.console) or code
+    return code

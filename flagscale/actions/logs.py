@@ -22,11 +22,15 @@ from pathlib import Path
 
 from rich.console import Console
 
+from flagscale import launchers
+from flagscale.actions.context import ActionContext
 from flagscale.cluster import ssh
-from flagscale.cluster.ray_node import cluster_alive, connect, connect_kv
+from flagscale.cluster.ray_node import cluster_alive
 from flagscale.cluster.runner import CommandRunner, runner_for
 from flagscale.cluster.state import HostRecord, RunState
 from flagscale.errors import ClusterError, ConfigError, FlagScaleError
+from flagscale.launchers.base import EngineLog, engine_logs_here
+from flagscale.replica import registry
 
 LOG_DIR = "serve_logs"  # <exp_dir>/serve_logs: where `run` writes runner.log and the engines their logs
 RUNNER_LOG = "runner.log"
@@ -60,7 +64,7 @@ class LogSource:
     ssh_host: str | None = None  # the hostfile host to read it over SSH when it is not readable here
     role: str = ""
     unlisted: bool = False  # a running deployment's engine log that its registry does not list (starting, or gone)
-    node_id: str | None = None  # runner.type: ray: the Ray node it is on, read there through a Ray task
+    node_id: str | None = None  # the Ray node it is on (its launcher may read it there: Launcher.node_runner)
 
     @property
     def name(self) -> str:
@@ -86,15 +90,17 @@ def parse_engine_log_name(name: str) -> tuple[str, str] | None:
 
 def engine_log_files(log_dir: Path, since: float | None = None) -> list[LogSource]:
     """The engine logs in log_dir (modified at or after `since`, when given), oldest first."""
+    return log_sources(engine_logs_here(log_dir), since)
+
+
+def log_sources(engine_logs: list[EngineLog], since: float | None = None) -> list[LogSource]:
+    """Engine logs as sources to read (modified at or after `since`, when given: unlisted), oldest first."""
     found = []
-    for path in log_dir.glob("engine-*.log"):
-        parsed = parse_engine_log_name(path.name)
-        try:
-            mtime = path.stat().st_mtime
-        except OSError:
-            continue
-        if parsed and (since is None or mtime >= since):
-            found.append((mtime, LogSource(str(path), parsed[0], parsed[1], unlisted=since is not None)))
+    for log in engine_logs:
+        parsed = parse_engine_log_name(os.path.basename(log.path))
+        if parsed and (since is None or log.mtime >= since):
+            unlisted = since is not None
+            found.append((log.mtime, LogSource(log.path, *parsed, log.host, unlisted=unlisted, node_id=log.node_id)))
     return [source for _, source in sorted(found, key=lambda item: item[0])]
 
 
@@ -102,7 +108,6 @@ def registry_sources(state: RunState, records) -> list[LogSource]:
     """The registry's replicas (ReplicaRecord), each with the hostfile host it runs on (multi-host: SSH reads)."""
     by_node = {h.node_id: h for h in state.hosts if h.node_id}
     by_ip = {h.node_ip: h for h in state.hosts if h.node_ip}
-    on_ray_cluster = state.extra.get("cluster") == "ray"
     sources = []
     for r in sorted(records, key=lambda r: (r.serve_id, r.replica_id)):
         host: HostRecord | None = by_node.get(r.node_id) or by_ip.get(r.node_ip)
@@ -116,7 +121,7 @@ def registry_sources(state: RunState, records) -> list[LogSource]:
                 shown,
                 host.host if remote else None,
                 r.role or "",
-                node_id=r.node_id if on_ray_cluster else None,
+                node_id=r.node_id,
             )
         )
     return sources
@@ -194,15 +199,14 @@ class Readers:
     """One CommandRunner per host, opened on first use (an SSH connection kept for follow's polls)."""
 
     settings: ssh.SshSettings = field(default_factory=ssh.SshSettings)
-    ray_address: str | None = None  # runner.type: ray: logs on the cluster's nodes are read through Ray tasks
+    # (node id, host) -> the runner of a Ray node (the run's Launcher.node_runner): logs read there, not here or over SSH
+    node_runner: Callable[[str, str], CommandRunner] | None = None
     _runners: dict[str, CommandRunner] = field(default_factory=dict)
 
     def runner(self, source: LogSource) -> CommandRunner:
-        if source.node_id and self.ray_address:
-            from flagscale.cluster.ray_cluster import NodeRunner
-
+        if source.node_id and self.node_runner:
             if source.node_id not in self._runners:
-                self._runners[source.node_id] = NodeRunner(source.node_id, self.ray_address, source.host)
+                self._runners[source.node_id] = self.node_runner(source.node_id, source.host)
             return self._runners[source.node_id]
         remote = source.ssh_host is not None and not os.access(source.path, os.R_OK)
         key = source.ssh_host if remote else "localhost"
@@ -265,44 +269,21 @@ def discover(exp_dir: str, state: RunState | None, note: Callable[[str], None]) 
     sources = [LogSource(str(runner_log))] if runner_log.is_file() else []
     if state is None:
         return sources + engine_log_files(log_dir)
-    import ray
-
-    from flagscale.serve import registry
-
-    existing_cluster = state.extra.get("cluster") == "ray"  # its nodes' logs are read through Ray: a driver
+    launcher = launchers.of_state(state)
     try:
-        if existing_cluster:
-            connect(state)
-        else:  # the registry only: no driver to tear down on Ctrl-C or at the end of follow
-            connect_kv(state)
-        live = registry_sources(state, registry.list_replicas(state.app_name, include_stale=True))
-        if existing_cluster:
+        with launcher.reading_registry(state):
+            live = registry_sources(state, registry.list_replicas(state.app_name, include_stale=True))
             known = {s.replica_id for s in live}
-            extra = [s for s in ray_cluster_engine_logs(state, state.started_at) if s.replica_id not in known]
-            return sources + live + extra
+            extra = [s for s in new_engine_logs(state, log_dir) if s.replica_id not in known]
     except Exception as exc:  # noqa: BLE001 - the log files are still worth showing
         note(f"cannot read the replica registry ({exc}); showing the engine logs under {log_dir}")
         return sources + [replace(s, unlisted=False) for s in engine_log_files(log_dir, since=state.started_at)]
-    finally:
-        if existing_cluster:
-            ray.shutdown()
-    known = {s.replica_id for s in live}
-    extra = [s for s in engine_log_files(log_dir, since=state.started_at) if s.replica_id not in known]
     return sources + live + extra
 
 
-def ray_cluster_engine_logs(state: RunState, since: float) -> list[LogSource]:
-    """runner.type: ray: the engine logs of this deployment on every node of the cluster (under each node's Ray
-    session log dir), modified at or after `since`, oldest first."""
-    from flagscale.cluster.ray_cluster import node_engine_logs
-
-    found = []
-    for node, path, mtime in node_engine_logs(state.app_name):
-        parsed = parse_engine_log_name(os.path.basename(path))
-        if parsed and mtime >= since:
-            source = LogSource(path, parsed[0], parsed[1], node.ip, unlisted=True, node_id=node.node_id)
-            found.append((mtime, source))
-    return [source for _, source in sorted(found, key=lambda item: item[0])]
+def new_engine_logs(state: RunState, log_dir: Path) -> list[LogSource]:
+    """The run's engine logs wherever its launcher keeps them, modified since the run started, oldest first."""
+    return log_sources(launchers.of_state(state).engine_logs(state, str(log_dir)), state.started_at)
 
 
 def logs(
@@ -326,7 +307,7 @@ def logs(
         chosen = select(sources, serve_id, replica) if filtered else sources
         readers = Readers(
             ssh.SshSettings(**(state.extra.get("ssh", {}) if state else {})),
-            ray_address=state.ray_address if state and state.extra.get("cluster") == "ray" else None,
+            node_runner=launchers.of_state(state).node_runner(state) if state else None,
         )
         try:
             return _show(exp_dir, state, chosen, readers, printer, lines, follow, replica is None, serve_id)
@@ -423,12 +404,12 @@ def _follow(
         next_check = time.monotonic() + ALIVE_EVERY_S
         if watch_new:
             known = {f.source.path for f in followers}
-            if state.extra.get("cluster") == "ray":
-                connect(state)
-                appeared = ray_cluster_engine_logs(state, state.started_at)
-            else:
-                appeared = engine_log_files(log_dir, since=state.started_at)
-            for source in appeared:
+            for source in new_engine_logs(state, log_dir):
                 if source.path not in known and (serve_id is None or _serve_id_matches(source, serve_id)):
                     printer.note(f"new engine log: {source.name}")
                     followers.append(Follower(source, offset=0))
+
+
+def act(ctx: ActionContext) -> int:
+    c = ctx.config
+    return logs(ctx.exp_dir, ctx.console, c.serve_id, c.replica, c.follow, c.lines)

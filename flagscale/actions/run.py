@@ -11,14 +11,18 @@ from pathlib import Path
 
 from rich.console import Console
 
+from flagscale import launchers
+from flagscale.actions.context import ActionContext
 from flagscale.actions.teardown import EnvFor, no_envs, teardown
-from flagscale.cluster.launch import launch_cluster
 from flagscale.cluster.ray_compat import SERVE_WAITING_FOR_RESOURCES, deploy_app, free_resources_per_node
-from flagscale.cluster.ray_node import cluster_alive, connect, write_token
+from flagscale.cluster.ray_node import cluster_alive
 from flagscale.cluster.state import RunState
 from flagscale.errors import ConfigError, DeployError, FlagScaleError, error_excerpt
+from flagscale.launchers import connect
 from flagscale.net import health_ok
-from flagscale.plan import Plan
+from flagscale.plan import Plan, open_without_key
+from flagscale.replica import registry
+from flagscale.update import changed_nodes, diff
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +44,7 @@ def refuse_if_running(exp_dir: str, console: Console, env_for: EnvFor = no_envs)
 
 
 def plan_env_for(plan: Plan) -> EnvFor:
-    host_envs = plan.cluster.host_envs if plan.cluster else {}
+    host_envs = launchers.get(plan.launcher).host_envs(plan)
     return lambda host: host_envs.get(host, plan.envs) if host else plan.envs
 
 
@@ -48,13 +52,13 @@ def run(plan: Plan, console: Console, foreground: bool = False, snapshot: dict |
     """`snapshot`: the validated config (flagscale/update.py), recorded so that a later `run` can update in place."""
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     _log_to_file(plan.log_dir / "runner.log")
+    launcher = launchers.get(plan.launcher)
     state = RunState(
         app_name=plan.app_name,
         exp_dir=plan.exp_dir,
         endpoint=plan.endpoint,
         ray_address="",
-        # an existing Ray cluster (runner.type: ray) has its own token, from the environment
-        token_path=None if plan.ray_cluster else str(write_token(Path(plan.exp_dir) / "ray_auth_token")),
+        token_path=launcher.auth_token(plan),
         models=plan.model_ids,
         started_at=time.time(),
         runner_pid=os.getpid(),
@@ -63,35 +67,26 @@ def run(plan: Plan, console: Console, foreground: bool = False, snapshot: dict |
         extra={"after_stop": {"snippet": plan.after_stop}} if plan.after_stop else {},
     )
     t0 = time.monotonic()
-    if plan.ray_cluster is not None and plan.app_name in plan.ray_cluster.applications:
-        raise FlagScaleError(
-            f"the Ray cluster at {plan.ray_cluster.address} already runs a Serve application '{plan.app_name}' "
-            "(another exp_dir's deployment, or one started elsewhere): give this one another experiment.exp_name",
-            "experiment.exp_name",
-        )
+    launcher.check_free(plan)
+    warning = open_without_key(plan)
+    if warning:
+        console.print(f"[bold yellow]warning:[/] {warning}", soft_wrap=True)
+    previous = _stop_on_termination()
     try:
-        started = launch_cluster(state, plan, console)
+        started = launcher.launch(state, plan, console)
         console.print(f"{started} ({time.monotonic() - t0:.1f}s)")
         connect(state)
         check_fits(plan)
         _deploy(plan, console)
         _wait_until_serving(plan, console, t0)
+        state.phase = "running"
+        if snapshot is not None:
+            state.extra["config"] = snapshot
+        state.save()
     except BaseException as exc:
-        if isinstance(exc, KeyboardInterrupt):
-            console.print("[yellow]interrupted; stopping what was started[/]")
-        log.exception("run failed")
-        teardown(state, console, drain_timeout_s=0, env_for=plan_env_for(plan))
-        RunState.remove(plan.exp_dir)
-        console.print("stopped everything this run started")
-        if isinstance(exc, FlagScaleError):
-            raise
-        if isinstance(exc, KeyboardInterrupt):
-            return 130
-        raise DeployError(str(exc)) from exc
-    state.phase = "running"
-    if snapshot is not None:
-        state.extra["config"] = snapshot
-    state.save()
+        return _stop_started(exc, state, plan, console)
+    finally:
+        _restore_handlers(previous)
     _print_ready(plan, console, time.monotonic() - t0)
     import ray
 
@@ -101,11 +96,84 @@ def run(plan: Plan, console: Console, foreground: bool = False, snapshot: dict |
     return 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP during a run's start: handled as Ctrl-C is (what was started is stopped)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _raise_terminated(signum: int, _frame) -> None:
+    raise Terminated(signum)
+
+
+def _stop_on_termination() -> dict:
+    """SIGTERM and SIGHUP raise Terminated while the run starts; the handlers they had, to restore. (Only the main
+    thread may install handlers: elsewhere nothing changes.)"""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {signum: signal.signal(signum, _raise_terminated) for signum in TERMINATING}
+
+
+def _restore_handlers(previous: dict) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+class _WritesOrNot:
+    """A console's file whose write errors (EIO from a terminal that hung up) are dropped."""
+
+    def __init__(self, file):
+        self._file = file
+
+    def write(self, text: str) -> int:
+        try:
+            return self._file.write(text)
+        except OSError:
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._file.flush()
+        except OSError:
+            pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._file, name)
+
+
+def _stop_started(exc: BaseException, state: RunState, plan: Plan, console: Console) -> int:
+    """A start that failed or was interrupted (Ctrl-C, SIGTERM, SIGHUP): stop what it started, remove the state
+    file, then the error again (a FlagScaleError as it was, anything else as a DeployError) or the exit code of
+    the signal (130 for Ctrl-C, 128 + its number for the others)."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in TERMINATING:  # a second one must not cut the teardown short
+            signal.signal(signum, signal.SIG_IGN)
+    if isinstance(exc, Terminated):
+        console.file = _WritesOrNot(console.file)  # after a hang-up the terminal may refuse writes: tear down anyway
+        console.print(f"[yellow]{exc} received; stopping what was started[/]")
+    elif isinstance(exc, KeyboardInterrupt):
+        console.print("[yellow]interrupted; stopping what was started[/]")
+    log.error("run failed", exc_info=exc)
+    teardown(state, console, drain_timeout_s=0, env_for=plan_env_for(plan))
+    RunState.remove(plan.exp_dir)
+    console.print("stopped everything this run started")
+    if isinstance(exc, FlagScaleError):
+        raise exc
+    if isinstance(exc, Terminated):
+        return 128 + exc.signum
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    raise DeployError(str(exc)) from exc
+
+
 def update(state: RunState, plan: Plan, snapshot: dict, console: Console, config_file: str) -> int:
     """`run` on a running deployment: apply what changed (flagscale/update.py) by redeploying the application;
     Serve replaces only the replicas whose spec changed, each new one healthy before the old one drains."""
-    from flagscale.update import changed_nodes, diff
-
     running = state.extra.get("config")
     if running is None:
         raise FlagScaleError(
@@ -132,20 +200,7 @@ def update(state: RunState, plan: Plan, snapshot: dict, console: Console, config
     connect(state)
     check_fits(plan)
     nodes = changed_nodes(changes)
-    no_spare = _without_room_for_a_spare(plan, nodes)
-    for engine in plan.engines:
-        if engine.serve_id in no_spare:
-            if engine.initial_replicas < 2:
-                raise DeployError(
-                    f"no node has room for a spare replica of '{engine.serve_id}' "
-                    f"({_fmt(_need(engine.ray_actor_options))}): replacing its only replica in place would stop "
-                    "serving it; nothing was changed. Free that much, or action=stop, then run",
-                    f"serve_id {engine.serve_id}",
-                )
-            console.print(
-                f"[yellow]no room for a spare replica of '{engine.serve_id}': its replicas are replaced one at a "
-                "time, one fewer serving meanwhile[/]"
-            )
+    no_spare = _spares(plan, nodes, console)
     _deploy(plan, console, no_spare)
     # Recorded at once: Serve now works toward this config, and a later `run` must diff against it.
     state.extra["config"] = snapshot
@@ -164,6 +219,26 @@ def update(state: RunState, plan: Plan, snapshot: dict, console: Console, config
         ray.shutdown()
     console.print(f"[green]updated[/] in {time.monotonic() - t0:.1f}s; serving at {plan.endpoint}/v1")
     return 0
+
+
+def _spares(plan: Plan, nodes: list[str], console: Console) -> frozenset[str]:
+    """The changed nodes whose replicas are replaced in place (no node has room for a spare): refused for a node of
+    one replica, which would stop serving; said for the others."""
+    no_spare = _without_room_for_a_spare(plan, nodes)
+    for engine in plan.engines:
+        if engine.serve_id in no_spare:
+            if engine.initial_replicas < 2:
+                raise DeployError(
+                    f"no node has room for a spare replica of '{engine.serve_id}' "
+                    f"({_fmt(_need(engine.ray_actor_options))}): replacing its only replica in place would stop "
+                    "serving it; nothing was changed. Free that much, or action=stop, then run",
+                    f"serve_id {engine.serve_id}",
+                )
+            console.print(
+                f"[yellow]no room for a spare replica of '{engine.serve_id}': its replicas are replaced one at a "
+                "time, one fewer serving meanwhile[/]"
+            )
+    return no_spare
 
 
 def _need(options: dict) -> dict:
@@ -205,9 +280,10 @@ def _fmt(resources: dict) -> str:
 
 
 def _deploy(plan: Plan, console: Console, no_spare: frozenset[str] = frozenset()) -> None:
+    # reason: ray.serve and the application's code take seconds to import; only a deploy needs them
     from ray import serve
 
-    from flagscale.serve.app import build_app
+    from flagscale.serve.app import build_app  # reason: as above
 
     serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
     deploy_app(build_app(plan, no_spare), plan.app_name)
@@ -254,8 +330,7 @@ def _wait_until_serving(plan: Plan, console: Console, t0: float) -> None:
 def _runs(plan: Plan) -> bool:
     """Whether the router's registry lists, for each engine node, only replicas of the planned version (an update
     is not done while an old one is listed) and as many as planned (at least one when autoscaling)."""
-    from flagscale.serve import registry
-    from flagscale.serve.app import engine_spec
+    from flagscale.serve.app import engine_spec  # reason: imports ray.serve (seconds); only a deploy waits here
 
     listed = registry.list_replicas(plan.app_name)
     for engine in plan.engines:
@@ -278,6 +353,8 @@ def _cause(message: str) -> str:
 def _print_ready(plan: Plan, console: Console, elapsed: float) -> None:
     console.print(f"[green]serving[/] in {elapsed:.1f}s")
     console.print(f"  endpoint : {plan.endpoint}/v1  (OpenAI API: /v1/models, /v1/completions, /v1/chat/completions)")
+    if plan.endpoint_moved:
+        console.print(f"             {plan.endpoint_moved}", soft_wrap=True)
     console.print(f"  models   : {', '.join(plan.model_ids)}")
     if plan.graph:
         console.print(f"  graph    : POST {plan.endpoint}{plan.graph.route}  (sink: {plan.graph.sink})")
@@ -289,7 +366,7 @@ def _stay_attached(state: RunState, plan: Plan, console: Console) -> int:
     stop = threading.Event()
     # Installed explicitly: a process started in the background inherits SIGINT ignored, and Ctrl-C
     # (or `kill -INT`) must still stop the run; a handler also keeps the signal out of library code.
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, *TERMINATING):
         signal.signal(signum, lambda *_: stop.set())
     console.print("foreground: press Ctrl-C to stop")
     while not stop.wait(1.0):
@@ -311,3 +388,20 @@ def _log_to_file(path: Path) -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+def running_state(exp_dir: str) -> RunState | None:
+    """The state of a deployment that is up and serving from this exp_dir, else None."""
+    state = RunState.load(exp_dir)
+    return state if state is not None and state.phase == "running" and cluster_alive(state) else None
+
+
+def act(ctx: ActionContext) -> int:
+    ctx.print_notices()
+    running = running_state(ctx.exp_dir)
+    if running is not None:
+        plan = ctx.plan(check_port=False)  # the port is the running router's
+        return update(running, plan, ctx.snapshot(plan), ctx.console, ctx.sources.main)
+    refuse_if_running(ctx.exp_dir, ctx.console, ctx.config.experiment.env_for)
+    plan = ctx.plan()
+    return run(plan, ctx.console, foreground=ctx.config.foreground, snapshot=ctx.snapshot(plan))

@@ -14,6 +14,8 @@ import urllib.request
 from rich.console import Console
 from rich.table import Table
 
+from flagscale.actions.context import ActionContext
+from flagscale.actions.run import refuse_if_running, run, running_state
 from flagscale.cluster.state import RunState
 
 PROMPT = "Hello, my name is"
@@ -55,3 +57,16 @@ def smoke_test(state: RunState, console: Console, api_key: str | None = None) ->
         f"{len(state.models) - failed}/{len(state.models)} model(s) answered; still serving (action=stop stops it)"
     )
     return 1 if failed else 0
+
+
+def act(ctx: ActionContext) -> int:
+    ctx.print_notices()
+    if running_state(ctx.exp_dir) is None:
+        refuse_if_running(ctx.exp_dir, ctx.console, ctx.config.experiment.env_for)
+        plan = ctx.plan()
+        code = run(plan, ctx.console, snapshot=ctx.snapshot(plan))
+        if code != 0:
+            return code
+    state = RunState.load(ctx.exp_dir)
+    assert state is not None
+    return smoke_test(state, ctx.console, ctx.api_key)

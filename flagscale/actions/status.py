@@ -14,19 +14,24 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flagscale import engines
-from flagscale.cluster.ray_node import cluster_alive, connect
+from flagscale import engines, launchers
+from flagscale.actions.context import ActionContext
+from flagscale.cluster.ray_compat import serve_details
+from flagscale.cluster.ray_node import cluster_alive
 from flagscale.cluster.state import RunState
 from flagscale.engines.base import EngineKind
+from flagscale.engines.metrics import engine_metrics
+from flagscale.errors import ConfigError
 from flagscale.net import health_problem
 from flagscale.plan import ROUTER_DEPLOYMENT
-from flagscale.serve import registry
+from flagscale.replica import registry
 
 
 def collect(state: RunState, api_key: str | None = None) -> dict[str, Any]:
     from ray import serve
 
-    connect(state)
+    launcher = launchers.of_state(state)
+    launcher.connect(state)
     app = serve.status().applications.get(state.app_name)
     report: dict[str, Any] = {
         "app": state.app_name,
@@ -48,26 +53,7 @@ def collect(state: RunState, api_key: str | None = None) -> dict[str, Any]:
             }
         for name, scaling in _scaling(state.app_name).items():
             report["deployments"].get(name, {})["scaling"] = scaling
-    for record in registry.list_replicas(state.app_name, include_stale=True):
-        report["replicas"].append(
-            {
-                "serve_id": record.serve_id,
-                "replica_id": record.replica_id,
-                "engine_kind": record.engine,
-                "role": record.role or "colocated",
-                "host": record.node_ip,
-                "node_id": record.node_id[:12],
-                "pid": record.pid,
-                "engine_pid": record.engine_pid,
-                "url": record.url,
-                "heartbeat_age_s": round(time.time() - record.updated_at, 1),
-                "state": "STALE" if record.stale else "READY",
-                "worker_cpus": record.worker_cpus,  # cores the CPU layout gave the engine's workers; [] = not pinned
-                "gpus": record.gpus,  # GPU ids Ray gave the replica; [] = none
-                "ranks": record.ranks,  # an engine of several processes: each rank's pid, host, cores / GPUs
-                "log": record.log_path,
-            }
-        )
+    report["replicas"] = [_replica_row(r) for r in registry.list_replicas(state.app_name, include_stale=True)]
     for replica in report["replicas"]:
         replica["engine"] = engine_load(engines.get(replica["engine_kind"]), replica["url"], api_key=api_key)
     router = _router_stats(state)
@@ -79,10 +65,9 @@ def collect(state: RunState, api_key: str | None = None) -> dict[str, Any]:
         # The router's view: policy, in-flight, circuit state, prefix-table blocks / sessions (docs/routing.md).
         replica["router"] = {k: v for k, v in entry.items() if k not in ("serve_id", "url", "served")} or None
     report["http_health"] = health_problem(state.endpoint, timeout_s=3) or "ok"
-    if any(h.remote for h in state.hosts):
-        report["hosts"] = _hosts(state, report["replicas"])
-    elif state.extra.get("cluster") == "ray":
-        report["hosts"] = _ray_cluster_nodes(report["replicas"])
+    hosts = launcher.hosts(state, report["replicas"])
+    if hosts is not None:
+        report["hosts"] = hosts
     report["healthy"] = (
         all(h["ray_node"] == "alive" for h in report.get("hosts", []))
         and report["status"] == "RUNNING"
@@ -92,71 +77,36 @@ def collect(state: RunState, api_key: str | None = None) -> dict[str, Any]:
     return report
 
 
+def _replica_row(record) -> dict[str, Any]:
+    """One replica's row as its registry record has it."""
+    return {
+        "serve_id": record.serve_id,
+        "replica_id": record.replica_id,
+        "engine_kind": record.engine,
+        "role": record.role or "colocated",
+        "host": record.node_ip,
+        "node_id": record.node_id[:12],
+        "pid": record.pid,
+        "engine_pid": record.engine_pid,
+        "url": record.url,
+        "heartbeat_age_s": round(time.time() - record.updated_at, 1),
+        "state": "STALE" if record.stale else "READY",
+        "worker_cpus": record.worker_cpus,  # cores the CPU layout gave the engine's workers; [] = not pinned
+        "gpus": record.gpus,  # GPU ids Ray gave the replica; [] = none
+        "ranks": record.ranks,  # an engine of several processes: each rank's pid, host, cores / GPUs
+        "log": record.log_path,
+    }
+
+
 def engine_load(
     kind: EngineKind, url: str, timeout_s: float = 2.0, api_key: str | None = None
 ) -> dict[str, float] | None:
     """The engine's own view, from its /metrics as its kind reads them: requests running and waiting, KV-cache
     usage (0..1), and for an engine that pulls KV caches (decode), its transfers and their failures."""
-    from flagscale.serve.metrics import engine_metrics
-
     try:
         return kind.status_load(engine_metrics(url, timeout_s, api_key))
     except (OSError, ValueError):
         return None
-
-
-def _hosts(state: RunState, replicas: list[dict]) -> list[dict]:
-    """Multi-host: one row per hostfile host, with its Ray node's state as the GCS sees it."""
-    import ray
-
-    nodes = {n["NodeID"]: n for n in ray.nodes()}
-    rows = []
-    for record in state.hosts:
-        if not record.remote:
-            continue
-        node = nodes.get(record.node_id or "")
-        on_it = [r for r in replicas if record.node_id and record.node_id.startswith(r["node_id"])]
-        rows.append(
-            {
-                "host": record.host,
-                "role": record.role,
-                "chip": record.chip,
-                "slots": record.slots,
-                "ray_node": "alive" if node and node.get("Alive") else "dead",
-                "node_id": (record.node_id or "")[:12],
-                "session": record.session,
-                "replicas": [f"{r['serve_id']}/{r['replica_id']}" for r in on_it],
-            }
-        )
-    return rows
-
-
-def _ray_cluster_nodes(replicas: list[dict]) -> list[dict]:
-    """runner.type: ray: the cluster's nodes from Ray's node table (alive ones, and any that held a replica)."""
-    import ray
-
-    from flagscale.cluster.ray_cluster import HEAD_RESOURCE, fmt
-
-    rows = []
-    for node in ray.nodes():
-        on_it = [r for r in replicas if node["NodeID"].startswith(r["node_id"])]
-        if not node.get("Alive") and not on_it:
-            continue
-        resources = node.get("Resources", {})
-        chips = [k.removeprefix("accelerator_type:") for k in resources if k.startswith("accelerator_type:")]
-        rows.append(
-            {
-                "host": node["NodeManagerAddress"],
-                "role": "head + router" if HEAD_RESOURCE in resources else "worker",
-                "chip": ", ".join(chips) or None,
-                "slots": fmt({k: v for k, v in resources.items() if k in ("CPU", "GPU")}),
-                "ray_node": "alive" if node.get("Alive") else "dead",
-                "node_id": node["NodeID"][:12],
-                "session": None,
-                "replicas": [f"{r['serve_id']}/{r['replica_id']}" for r in on_it],
-            }
-        )
-    return rows
 
 
 def _scaling(app_name: str) -> dict[str, dict[str, Any]]:
@@ -164,7 +114,6 @@ def _scaling(app_name: str) -> dict[str, dict[str, Any]]:
 
     The same ServeInstanceDetails the dashboard's /api/serve/applications/ serves; read from the controller
     because the dashboard is off."""
-    from flagscale.cluster.ray_compat import serve_details
 
     try:
         details = serve_details()
@@ -368,7 +317,7 @@ def _replica_table(replicas: list[dict], wide: bool) -> Table:
     table = _table("engine replicas (load: running+waiting requests, KV cache used)", columns)
     for r in replicas:
         state = r["state"] if r["state"] == "READY" else f"[red]{r['state']}[/]"
-        row = [_node(r), r["replica_id"], r.get("engine_kind", "vllm"), state, _hosts_of(r), _devices(r)]
+        row = [_node(r), r["replica_id"], r["engine_kind"], state, _hosts_of(r), _devices(r)]
         row.append(_load(r.get("engine")))
         if wide:
             routing = r.get("router") or {}
@@ -404,3 +353,11 @@ def _rank_table(ranks: list[tuple[dict, dict]]) -> Table:
             ",".join(map(str, rank.get("gpus") or [])) or "-",
         )
     return table
+
+
+def act(ctx: ActionContext) -> int:
+    try:  # engines require the key on /metrics too; without it status still reports, minus the engines' load
+        api_key = ctx.api_key
+    except ConfigError:
+        api_key = None
+    return status(ctx.exp_dir, ctx.console, ctx.config.output, api_key)

@@ -7,6 +7,7 @@ import time
 from rich.console import Console
 from rich.markup import escape
 
+from flagscale.actions.context import ActionContext
 from flagscale.actions.teardown import EnvFor, no_envs, teardown
 from flagscale.cluster.ray_node import stop_nodes
 from flagscale.cluster.state import NewerStateFormat, RunState, StateFileError
@@ -16,14 +17,14 @@ from flagscale.net import port_open
 def stop(exp_dir: str, console: Console, drain_timeout_s: float, env_for: EnvFor = no_envs) -> int:
     try:
         state = RunState.load(exp_dir)
+        host, port = state.endpoint_address if state is not None else ("", 0)
     except StateFileError as exc:
         return _stop_from_unreadable_state(exp_dir, console, exc)
     if state is None:
         console.print(f"nothing is running for exp_dir {exp_dir}")
         return 0
     problems = teardown(state, console, drain_timeout_s, env_for)
-    host, _, port = state.endpoint.rpartition(":")
-    if port_open(host.removeprefix("http://"), int(port)):
+    if port_open(host, port):
         problems.append(f"port {port} still accepts connections")
     if problems:
         console.print("[red]stop finished with problems:[/]\n  " + "\n  ".join(problems))
@@ -59,3 +60,8 @@ def _stop_from_unreadable_state(exp_dir: str, console: Console, error: StateFile
     path.rename(aside)
     console.print(f"stopped the recorded sessions; the unreadable file is kept as {escape(str(aside))}")
     return 0
+
+
+def act(ctx: ActionContext) -> int:
+    deploy = ctx.config.experiment.runner.deploy
+    return stop(ctx.exp_dir, ctx.console, deploy.drain_timeout_s, ctx.config.experiment.env_for)

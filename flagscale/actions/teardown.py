@@ -15,9 +15,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from flagscale import launchers
 from flagscale.cluster import ssh
 from flagscale.cluster.ray_compat import delete_app
-from flagscale.cluster.ray_node import cluster_alive, connect, stop_nodes
+from flagscale.cluster.ray_node import cluster_alive
 from flagscale.cluster.runner import CommandRunner, CommandTimeout, parallel, runner_for
 from flagscale.cluster.state import HostRecord, RunState
 from flagscale.errors import ClusterError
@@ -40,10 +41,8 @@ def teardown(state: RunState, console: Console, drain_timeout_s: float = 30.0, e
     A failing `cmds.after_stop` (run last, see run_after_stop) is printed in yellow and is not among the problems:
     `stop` still removes the state file and exits 0."""
     problems: list[str] = []
-    multi_host = "ssh" in state.extra
-    # Multi-host: the driver attaches through the local Ray node; before it exists nothing was deployed.
-    can_attach = not multi_host or "driver_ip" in state.extra
-    if can_attach and cluster_alive(state):
+    launcher = launchers.of_state(state)
+    if launcher.can_attach(state) and cluster_alive(state):
         try:
             _stop_application(state, console, drain_timeout_s)
         except Exception as exc:  # the cluster may be half-dead; the processes still get stopped below
@@ -53,11 +52,7 @@ def teardown(state: RunState, console: Console, drain_timeout_s: float = 30.0, e
 
     if ray.is_initialized():
         ray.shutdown()
-    if not multi_host and state.extra.get("cluster") != "ray":  # an existing Ray cluster has no node of this run's
-        console.print("stopping the Ray node(s) this run started ...")
-    elif state.hosts:
-        console.print(f"stopping the Ray nodes this run started on {len(state.hosts)} host(s) ...")
-    problems += stop_nodes(state)
+    problems += launcher.stop(state, console)
     hosts = after_stop_hosts(state)
     if hosts:
         console.print(f"running cmds.after_stop on {len(hosts)} host(s) ...")
@@ -156,14 +151,17 @@ def _after_stop_on(
 
 
 def _stop_application(state: RunState, console: Console, drain_timeout_s: float) -> None:
+    launcher = launchers.of_state(state)
+    launcher.connect(state)
+    with launcher.removing_app(state, console):
+        _delete_app(state, console, drain_timeout_s)
+    # No serve.shutdown(): the run started every Ray node of its cluster, and stopping them takes Serve down; an
+    # existing Ray cluster's Serve is shared with its other applications.
+
+
+def _delete_app(state: RunState, console: Console, drain_timeout_s: float) -> None:
     from ray import serve
 
-    connect(state)
-    on_ray_cluster = state.extra.get("cluster") == "ray"
-    if on_ray_cluster:  # its engines, read before the application goes: checked gone after
-        from flagscale.serve.registry import list_replicas
-
-        engines = list_replicas(state.app_name, include_stale=True)
     apps = serve.status().applications
     if state.app_name in apps:
         try:
@@ -179,18 +177,3 @@ def _stop_application(state: RunState, console: Console, drain_timeout_s: float)
         deadline = time.monotonic() + drain_timeout_s + 60
         while state.app_name in serve.status().applications and time.monotonic() < deadline:
             time.sleep(0.5)
-    if on_ray_cluster:
-        _remove_from_ray_cluster(state, console, engines)
-    # No serve.shutdown(): the run started every Ray node of its cluster, and stopping them takes Serve down; an
-    # existing Ray cluster's Serve is shared with its other applications.
-
-
-def _remove_from_ray_cluster(state: RunState, console: Console, engines: list) -> None:
-    """An existing Ray cluster (runner.type: ray) keeps running: what is left of this deployment there, its engine
-    servers and its registry entries, is removed, nothing else."""
-    from flagscale.cluster.ray_cluster import remove_leftovers
-
-    console.print(f"checking that no engine of '{state.app_name}' is left on the cluster's nodes ...")
-    problems = remove_leftovers(state.app_name, engines)
-    if problems:
-        raise RuntimeError("; ".join(problems))

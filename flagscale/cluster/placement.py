@@ -4,14 +4,16 @@ chip type, and whether the whole graph fits the hostfile's slots. Nothing here t
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from flagscale.cluster.hostfile import HostEntry, Hostfile
+from flagscale.cluster.ray_facts import accelerator_requirement
+from flagscale.cluster.ssh import SshSettings
 from flagscale.config.replicas import actor_options
 from flagscale.config.schema import Resources
 from flagscale.errors import ConfigError
+from flagscale.net import port_open
 
 
 @dataclass
@@ -110,7 +112,7 @@ def reserve(
             options.setdefault("resources", {}).update(label)
         return Reservation(device, chip, options, auto, ranks_per_host=devices)
     # More devices than any one host has: one bundle per host, each with that host's share of the ranks; the
-    # replica takes bundle 0 (API server and the first ranks) and starts the others' ranks (serve/ranks.py).
+    # replica takes bundle 0 (API server and the first ranks) and starts the others' ranks (replica/ranks.py).
     nnodes = hosts_to_span(parallel, [h.slots for h in hosts], args_where)
     per_host = devices // nnodes
     share = {device_key: float(per_host), **label}
@@ -175,8 +177,6 @@ def _on_accelerator(reservation: Reservation, res: Resources, devices: int, targ
     """An existing Ray cluster: resources.accelerator names what its nodes have (ray_cluster.accelerator_requirement):
     Ray's `accelerator_type:<X>` (then GPUs as usual, on such a node), a custom resource counted in devices (instead
     of CPUs as the device), or a node label."""
-    from flagscale.cluster.ray_cluster import accelerator_requirement
-
     accelerator = str(res.accelerator)
     how, name = accelerator_requirement(accelerator, target.ray, where)
     options = dict(reservation.ray_actor_options)
@@ -196,9 +196,8 @@ def _on_accelerator(reservation: Reservation, res: Resources, devices: int, targ
     return Reservation(device, accelerator, options, reservation.auto_replicas, ranks_per_host=devices)
 
 
-# vLLM's default gpu_memory_utilization, and the most that replicas sharing one GPU may ask for together (the rest
-# is CUDA context and allocator slack outside any one engine's accounting).
-VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# The most gpu_memory_utilization that replicas sharing one GPU may ask for together (the rest is CUDA context and
+# allocator slack outside any one engine's accounting); a replica's own default is its engine kind's.
 MAX_SHARED_GPU_MEMORY_UTILIZATION = 0.95
 GIB = 1024**3
 
@@ -367,21 +366,7 @@ def check_ranks_fit_cores(engine, hostfile: Hostfile, num_cpus_per_host: int | N
         )
 
 
-def load_hostfile(config, sources) -> Hostfile | None:
-    from flagscale.cluster import slurm
-    from flagscale.cluster.hostfile import parse_hostfile
-
-    runner = config.experiment.runner
-    if not runner.hostfile:
-        return None
-    if runner.hostfile == slurm.KEYWORD:
-        return slurm.allocation_hostfile(os.environ, runner.head, f"{sources.main}: experiment.runner.head")
-    return parse_hostfile(runner.hostfile, runner.head, f"{sources.main}: experiment.runner.head")
-
-
 def plan_cluster(config, sources, hostfile: Hostfile, engines_nodes: list[tuple[Any, Any]]) -> ClusterPlan:
-    from flagscale.cluster.ssh import SshSettings
-
     runner = config.experiment.runner
     num_cpus = runner.num_cpus or hostfile.num_cpus
     demand = check_fits(engines_nodes, hostfile, num_cpus, f"{sources.main}: experiment.runner.hostfile")
@@ -398,7 +383,5 @@ def plan_cluster(config, sources, hostfile: Hostfile, engines_nodes: list[tuple[
 
 def endpoint_in_use(host: str, port: int) -> bool:
     """Whether something already answers at host:port (the router binds on a remote head, so no local bind test)."""
-    from flagscale.net import port_open
-
     target = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return port_open(target, port, timeout_s=2)

@@ -18,7 +18,7 @@ this file. What each wraps, and why the public API does not do:
   deployment configs (num_replicas, autoscaling_config) and target replicas the dashboard's
   /api/serve/applications/ serves; the dashboard is off, so it is read from the controller.
 - kv_put / kv_get / kv_del / kv_list: `ray.experimental.internal_kv._internal_kv_*`, the GCS key-value store
-  (the replica registry, flagscale/serve/registry.py). Signatures: put(key, value, overwrite, *, namespace),
+  (the replica registry, flagscale/replica/registry.py). Signatures: put(key, value, overwrite, *, namespace),
   get(key, *, namespace), del(key, *, namespace), list(prefix, *, namespace) -> list[bytes].
 - connect_kv: `ray.experimental.internal_kv._initialize_internal_kv(ray._raylet.GcsClient(address=))`: the same
   key-value store for a process that is not a Ray driver (`logs` reads the replica registry so): a GCS client

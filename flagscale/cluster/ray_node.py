@@ -1,7 +1,7 @@
 """Ray node lifecycle: start a Ray node (head, worker or driver) as a recorded session on a host, through that
 host's CommandRunner (cluster/runner.py: this machine or SSH), wait for it, connect a driver, stop exactly that
-session. No hostfile is a one-host cluster on the local runner; cluster/multihost.py starts every host through
-the same start_node.
+session. No hostfile is a one-host cluster on the local runner (launchers/local.py); launchers/multihost.py starts
+every host through the same start_node.
 
 Token auth stays on: `run` writes a token file under exp_dir (mode 0600); every Ray process we start
 and every driver we connect gets RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH pointing at it.
@@ -21,8 +21,10 @@ from pathlib import Path
 
 from flagscale.cluster import ssh
 from flagscale.cluster.ray_compat import RAY_CLI_MODULE, node_ip_init_kwargs, reload_ray_config
+from flagscale.cluster.ray_compat import connect_kv as connect_gcs
 from flagscale.cluster.runner import CommandRunner, CommandTimeout, LocalRunner, parallel, runner_for
 from flagscale.cluster.state import HostRecord, RunState
+from flagscale.cluster.tempdirs import user_tmp_root
 from flagscale.errors import ClusterError
 from flagscale.net import free_port, port_open, wait_for_port
 
@@ -45,13 +47,26 @@ def auth_env(token_path: str | None) -> dict[str, str]:
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
 
 
-def ray_temp_dir(exp_dir: str) -> str:
+# Ray's longest socket path under its temp dir: "/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store"
+RAY_SOCKET_TAIL = 64
+SUN_PATH_MAX = 107
+
+
+def ray_temp_dir(exp_dir: str, tmp: str = "/tmp") -> str:
     """Ray's unix sockets live under the temp dir, whose path must stay short (sun_path is 108 bytes): exp_dir/ray,
-    else a directory of this user's own under /tmp (checked by prepare_ray_temp_dir)."""
+    else a directory of this user's own under /tmp/flagscale-<uid> (or, when another user took that name, under the
+    user's cache: tempdirs.user_tmp_root), checked by prepare_ray_temp_dir."""
     candidate = os.path.join(exp_dir, "ray")
     if len(candidate) <= 30:  # + "/session_<date>_<pid>/sockets/plasma_store" stays under 107
         return candidate
-    return f"/tmp/flagscale-{os.getuid()}/{hashlib.sha256(exp_dir.encode()).hexdigest()[:10]}"
+    temp_dir = f"{user_tmp_root(tmp)}/{hashlib.sha256(exp_dir.encode()).hexdigest()[:10]}"
+    if len(temp_dir) + RAY_SOCKET_TAIL > SUN_PATH_MAX:
+        raise ClusterError(
+            f"{tmp}/flagscale-{os.getuid()} belongs to someone else, and the private directory used instead "
+            f"({temp_dir}) is too long for Ray's socket paths: set FLAGSCALE_CACHE to a short directory of yours, "
+            f"or use an exp_dir of at most 26 characters (Ray's dir is then <exp_dir>/ray)"
+        )
+    return temp_dir
 
 
 def prepare_ray_temp_dir(exp_dir: str) -> str:
@@ -246,8 +261,6 @@ def _use_token(state: RunState) -> None:
 def connect_kv(state: RunState) -> None:
     """Read the run's GCS key-value store (the replica registry) without becoming a Ray driver: no core worker,
     no driver to tear down when the process exits. (A cluster the run did not start: connect() instead.)"""
-    from flagscale.cluster.ray_compat import connect_kv as connect_gcs
-
     _use_token(state)
     try:
         connect_gcs(state.ray_address)
@@ -256,15 +269,11 @@ def connect_kv(state: RunState) -> None:
 
 
 def connect(state: RunState) -> None:
-    """Connect this process as a Ray driver to the run's cluster (token auth from the state)."""
+    """Connect this process as a Ray driver to the cluster the run started (token auth from the state). Any run's
+    cluster: flagscale.launchers.connect."""
     import ray
 
     if ray.is_initialized():
-        return
-    if state.extra.get("cluster") == "ray":  # an existing cluster: its address, the token from the environment
-        from flagscale.cluster.ray_cluster import connect as connect_existing
-
-        connect_existing(state.ray_address)
         return
     _use_token(state)
     # Multi-host: attach to the run's Ray node on this machine, whose IP is on the route to the head.

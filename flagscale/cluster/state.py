@@ -8,10 +8,11 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import TypeAdapter, ValidationError
 
-from flagscale.errors import FlagScaleError
+from flagscale.errors import FlagScaleError, write_error
 
 # The state file's layout; a file written by a newer runner (a higher number) is refused, never half-read.
 STATE_FORMAT = 1
@@ -68,11 +69,18 @@ class RunState:
         return Path(exp_dir) / "state.json"
 
     def save(self) -> None:
+        """Written aside, then renamed: a failed write (a full disk) leaves the previous file and is one clear
+        WriteError naming the file."""
         target = self.path(self.exp_dir)
         target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=target.parent, delete=False, suffix=".tmp") as f:
-            json.dump(asdict(self), f, indent=2)
-        os.replace(f.name, target)
+        fd, aside = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                _write_file(f, json.dumps(asdict(self), indent=2))
+            os.replace(aside, target)
+        except OSError as exc:
+            Path(aside).unlink(missing_ok=True)
+            raise write_error(target, exc) from None
 
     @classmethod
     def load(cls, exp_dir: str | Path) -> RunState | None:
@@ -95,6 +103,17 @@ class RunState:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise StateFileError(f"unreadable: {where}: {first['msg']}; {_WHAT_TO_DO}", str(target)) from None
+
+    @property
+    def endpoint_address(self) -> tuple[str, int]:
+        """The endpoint's (host, port); StateFileError naming the file when the recorded endpoint lacks either."""
+        address = _host_port(self.endpoint)
+        if address is None:
+            raise StateFileError(
+                f"unreadable: endpoint: {self.endpoint!r} is not http://<host>:<port>; {_WHAT_TO_DO}",
+                str(self.path(self.exp_dir)),
+            )
+        return address
 
     @classmethod
     def recorded_hosts(cls, exp_dir: str | Path) -> tuple[list[HostRecord], dict]:
@@ -122,6 +141,22 @@ class RunState:
 _STATE = TypeAdapter(RunState)
 _HOST = TypeAdapter(HostRecord)
 _WHAT_TO_DO = "action=stop stops the Ray sessions it still names"
+
+
+def _host_port(endpoint: str) -> tuple[str, int] | None:
+    try:
+        parts = urlsplit(endpoint)
+        port = parts.port
+    except ValueError:  # a port that is not a number in 0-65535
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        return None
+    return parts.hostname, port
+
+
+def _write_file(f, text: str) -> None:
+    f.write(text)
+    f.flush()  # a full disk shows here, not in a close that the with statement would make
 
 
 def _read_json(target: Path) -> dict:

@@ -5,6 +5,9 @@ could create one first. A run's directory is therefore always the child of a pri
 0700, and one that is not ours, is a link, or that others may write into is refused, naming it. The child is
 Ray's temp dir, which Ray opens to everyone (mode 777) each time it starts: inside the private parent no one else
 can reach it. Run on the host itself; over SSH as `python -m flagscale.cluster.tempdirs <path>` (plain stdlib).
+
+This machine's per-user base is /tmp/flagscale-<uid> (user_tmp_root); when another user made that first, the
+user's own cache (<cache>/tmp) serves instead, so no one can block every run by taking the name.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import os
 import stat
 import sys
+
+from flagscale.paths import default_cache_dir
 
 
 class UnsafeDirectory(Exception):
@@ -49,6 +54,22 @@ def ensure_dir_in_private_parent(path: str) -> str:
         pass
     _ours(path, os.lstat(path))
     return path
+
+
+def user_tmp_root(tmp: str = "/tmp") -> str:
+    """The per-user base for short-named private directories: <tmp>/flagscale-<uid>, unless that name is taken by
+    something that is not a directory of this user's (another user made it first, or it is a link or a file):
+    then <cache>/tmp (flagscale/paths.py), its parents created. Nothing is created at the chosen path itself."""
+    primary = os.path.join(tmp, f"flagscale-{os.getuid()}")
+    try:
+        info = os.lstat(primary)
+    except FileNotFoundError:
+        return primary
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+        return primary
+    fallback = default_cache_dir() / "tmp"
+    fallback.parent.mkdir(parents=True, exist_ok=True)
+    return str(fallback)
 
 
 def _ours(path: str, info: os.stat_result) -> None:

@@ -1,0 +1,10 @@
+"""The config: one typed schema and everything that reads a YAML into it.
+
+schema.py: the schema (its field docs are docs/config.md's); load.py, cli.py: from files and overrides to the
+schema; compat.py: FlagScale's older layouts mapped onto it, with a notice for each rewrite or ignored key;
+graph.py: graphs of custom nodes; request.py: a graph's request fields; replicas.py: a node's replica settings;
+routing.py: routing options; resolvers.py: `${demo_model:}` in configs; reference.py: docs/config.md's tables.
+
+It may import flagscale.engines (the engine names and each kind's facts), flagscale.demo_model and the basics
+(errors, net, devices, paths); never the cluster, the replica, the router or anything above them.
+"""

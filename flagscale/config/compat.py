@@ -16,8 +16,7 @@ from pydantic import BaseModel
 
 from flagscale import engines
 from flagscale.config.schema import DeployConfig, ServeConfig
-from flagscale.engines import DEFAULT_ENGINE, ENGINES
-from flagscale.engines.vllm_args import MANAGED_ARGS
+from flagscale.engines import DEFAULT_ENGINE, ENGINES, EngineKind
 from flagscale.errors import ConfigError
 
 # Env vars of FlagScale's own communication library; passed on like any env var, but nothing here reads them.
@@ -63,7 +62,7 @@ def normalize(data: dict[str, Any], main_file: str, serve_file: str) -> list[str
             if backend == "native":
                 raise ConfigError(
                     "this node has neither `module` nor `engine`; under experiment.task.backend native every node "
-                    "is a custom node (module + name), or names its engine (`engine: vllm`)",
+                    f"is a custom node (module + name), or names its engine (`engine: {DEFAULT_ENGINE}`)",
                     f"{serve_file}: serve[{index}]({node.get('serve_id', '?')})",
                 )
             node["engine"] = backend if backend in ENGINES else DEFAULT_ENGINE
@@ -80,7 +79,7 @@ def ignored(config: ServeConfig) -> list[str]:
     if flagcx:
         notices.append(
             f"envs {', '.join(flagcx)} are passed on, but nothing here uses FlagCX "
-            "(engines communicate through vLLM's own backends)"
+            "(engines communicate through their own backends)"
         )
     for node in config.serve:
         others = sorted(e for e in node.engine_args_specific if e != node.engine)
@@ -126,7 +125,7 @@ def _managed_engine_args(config: ServeConfig) -> list[str]:
         if not node.is_engine:
             continue
         args = {**cli_args, **node.merged_engine_args()}
-        managed = [key for key in MANAGED_ARGS if key in args]
+        managed = [key for key in engines.get(node.engine).address_args if key in args]
         if not managed:
             continue
         notice = (
@@ -139,7 +138,7 @@ def _managed_engine_args(config: ServeConfig) -> list[str]:
             endpoint_port_taken = True
         notices.append(notice)
     for host, extra in config.experiment.node_args.items():
-        managed = [key for key in MANAGED_ARGS if key in extra.engine_args]
+        managed = [key for key in EngineKind.address_args if key in extra.engine_args]  # node_args reach every kind
         if managed:
             notices.append(
                 f"experiment.node_args.{host}.engine_args {'/'.join(managed)} not passed to the engine: the "
@@ -232,7 +231,8 @@ FLAGSCALE_KEYS: dict[str, str] = {
     "experiment.auto_tuner.performance.order": "used",
     "experiment.node_args.<host>.engine_args": "used",
     "serve[].serve_id": "used",
-    "serve[].engine": "used (`vllm`, `llama_cpp`; `sglang` refused before start)",
+    "serve[].engine": f"used ({', '.join(f'`{name}`' for name in ENGINES)}; one that cannot serve here is refused "
+    "before start)",
     "serve[].engine_args": "used; kebab-case keys too; host/port set per replica here (notice)",
     "serve[].engine_args_specific": "used for the node's engine; others ignored (notice)",
     "serve[].resources": "used",

@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import inspect
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -219,13 +220,7 @@ def build_graph_plan(config: ServeConfig, sources: ConfigSources, engine_models:
     def where(node: NodeConfig) -> str:
         return f"{serve_file}: serve[{index_of[node.serve_id]}]({node.serve_id})"
 
-    reserved = {"router", GRAPH_DRIVER_DEPLOYMENT} if custom else {"router"}  # the app's own deployments
-    for node in config.serve:
-        if node.serve_id in reserved:
-            raise ConfigError(
-                f"serve_id '{node.serve_id}' is reserved for the application's own deployment; rename the node",
-                where(node),
-            )
+    _check_reserved_ids(config.serve, bool(custom), where)
     if not custom:
         if deploy.name is not None or deploy.request is not None:
             raise ConfigError(
@@ -237,7 +232,40 @@ def build_graph_plan(config: ServeConfig, sources: ConfigSources, engine_models:
     route = _route(deploy.name, f"{deploy_where}.name")
     request_fields = parse_fields(deploy.request, f"{deploy_where}.request")
     request_args = None if request_fields is None else [f.name for f in request_fields]
+    depends = _dependencies(custom, engine_models, index_of, where)
+    cycle = find_cycle(depends)
+    if cycle:
+        raise ConfigError(f"dependency cycle: {' -> '.join(cycle)}", where(config.serve[index_of[cycle[0]]]))
+    sink = _sink(depends, serve_file)
+    plans = {
+        node.serve_id: _custom_node_plan(node, sources, request_args, engine_models, where(node)) for node in custom
+    }
+    return GraphPlan(
+        route=route,
+        request_fields=request_fields,
+        nodes=[plans[serve_id] for serve_id in topological_order(depends)],
+        sink=sink,
+        engine_models=dict(engine_models),
+    )
 
+
+def _check_reserved_ids(nodes: list[NodeConfig], has_custom: bool, where: Callable[[NodeConfig], str]) -> None:
+    reserved = {"router", GRAPH_DRIVER_DEPLOYMENT} if has_custom else {"router"}  # the app's own deployments
+    for node in nodes:
+        if node.serve_id in reserved:
+            raise ConfigError(
+                f"serve_id '{node.serve_id}' is reserved for the application's own deployment; rename the node",
+                where(node),
+            )
+
+
+def _dependencies(
+    custom: list[NodeConfig],
+    engine_models: dict[str, str],
+    index_of: dict[str, int],
+    where: Callable[[NodeConfig], str],
+) -> dict[str, list[str]]:
+    """serve_id -> the custom nodes it depends on, each checked: a custom node of this config, listed once."""
     depends: dict[str, list[str]] = {}
     for node in custom:
         for dep in node.depends:
@@ -254,9 +282,11 @@ def build_graph_plan(config: ServeConfig, sources: ConfigSources, engine_models:
         if len(set(node.depends)) != len(node.depends):
             raise ConfigError(f"depends lists a node twice: {node.depends}", where(node))
         depends[node.serve_id] = list(node.depends)
-    cycle = find_cycle(depends)
-    if cycle:
-        raise ConfigError(f"dependency cycle: {' -> '.join(cycle)}", where(config.serve[index_of[cycle[0]]]))
+    return depends
+
+
+def _sink(depends: dict[str, list[str]], serve_file: str) -> str:
+    """The one node nothing depends on: it answers the request."""
     depended_on = {dep for deps in depends.values() for dep in deps}
     sinks = [serve_id for serve_id in depends if serve_id not in depended_on]
     if len(sinks) != 1:
@@ -265,35 +295,36 @@ def build_graph_plan(config: ServeConfig, sources: ConfigSources, engine_models:
             f"found {len(sinks)}: {', '.join(sinks)}",
             serve_file,
         )
+    return sinks[0]
 
-    plans: dict[str, CustomNodePlan] = {}
-    for node in custom:
-        path = resolve_module(node.module, sources)
-        if path is None:
-            tried = ", ".join(str(d) for d in candidate_dirs(sources))
-            raise ConfigError(f"module file {node.module!r} not found (relative to: {tried})", where(node))
-        node_where = f"{where(node)} ({path})"
-        try:
-            cls = load_class(path, node.name)
-        except Exception as exc:
-            raise ConfigError(f"importing the module failed: {type(exc).__name__}: {exc}", node_where) from None
-        if cls is None:
-            raise ConfigError(f"module has no class '{node.name}'", node_where)
-        check_forward_arity(cls, node, request_args, node_where)
-        engine_params = engine_parameters(cls, engine_models, node_where)
-        plans[node.serve_id] = CustomNodePlan(
-            serve_id=node.serve_id,
-            module_path=str(path),
-            module_digest=hashlib.sha256(path.read_bytes()).hexdigest()[:16],
-            class_name=node.name,
-            depends=list(node.depends),
-            engine_params=engine_params,
-            **vars(replica_settings(node.resources)),
-        )
-    return GraphPlan(
-        route=route,
-        request_fields=request_fields,
-        nodes=[plans[serve_id] for serve_id in topological_order(depends)],
-        sink=sinks[0],
-        engine_models=dict(engine_models),
+
+def _custom_node_plan(
+    node: NodeConfig,
+    sources: ConfigSources,
+    request_args: list[str] | None,
+    engine_models: dict[str, str],
+    where: str,
+) -> CustomNodePlan:
+    """One custom node: its module found and imported, its class's forward and constructor checked."""
+    path = resolve_module(node.module, sources)
+    if path is None:
+        tried = ", ".join(str(d) for d in candidate_dirs(sources))
+        raise ConfigError(f"module file {node.module!r} not found (relative to: {tried})", where)
+    node_where = f"{where} ({path})"
+    try:
+        cls = load_class(path, node.name)
+    except Exception as exc:
+        raise ConfigError(f"importing the module failed: {type(exc).__name__}: {exc}", node_where) from None
+    if cls is None:
+        raise ConfigError(f"module has no class '{node.name}'", node_where)
+    check_forward_arity(cls, node, request_args, node_where)
+    engine_params = engine_parameters(cls, engine_models, node_where)
+    return CustomNodePlan(
+        serve_id=node.serve_id,
+        module_path=str(path),
+        module_digest=hashlib.sha256(path.read_bytes()).hexdigest()[:16],
+        class_name=node.name,
+        depends=list(node.depends),
+        engine_params=engine_params,
+        **vars(replica_settings(node.resources)),
     )

@@ -84,6 +84,15 @@ def load_config(cfg: DictConfig | dict, sources: ConfigSources = ConfigSources()
     return config
 
 
+def resolve_api_key(config: ServeConfig, sources: ConfigSources = ConfigSources()) -> str | None:
+    """The key clients must send (deploy.api_key, or the variable api_key_env names), or None: the one place it is
+    read. An api_key_env naming an unset variable is one clear error that names the key."""
+    try:
+        return config.experiment.runner.deploy.resolved_api_key()
+    except ValueError as exc:
+        raise ConfigError(str(exc), f"{sources.main}: experiment.runner.deploy.api_key_env") from None
+
+
 def _describe(error: dict[str, Any], data: dict[str, Any], sources: ConfigSources) -> tuple[str, str]:
     loc = tuple(error["loc"])
     where = f"{sources.file_for(loc)}: {_key(loc, data)}"

@@ -5,22 +5,18 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
+from flagscale.demo_model import DEMO_SEED, ensure_demo_model, ensure_demo_model_gguf
+
 
 def _seed(seed: int | None) -> int:
-    from flagscale.demo_model import DEMO_SEED
-
     return DEMO_SEED if seed is None else int(seed)
 
 
 def _demo_model(seed: int | None = None) -> str:
-    from flagscale.demo_model import ensure_demo_model
-
     return str(ensure_demo_model(_seed(seed)))
 
 
 def _demo_model_gguf(seed: int | None = None) -> str:
-    from flagscale.demo_model import ensure_demo_model_gguf
-
     return str(ensure_demo_model_gguf(_seed(seed)))
 
 

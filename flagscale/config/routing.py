@@ -1,5 +1,5 @@
 """A node's routing as planned: which policy picks its replicas and the policy's settings. The policies
-themselves are in flagscale/serve/routing.py; this is what the plan hands them (docs/routing.md)."""
+themselves are in flagscale/router/policies/; this is what the plan hands them (docs/routing.md)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import get_args
 
 from flagscale.config.schema import DeployConfig, RoutingOptions, RoutingPolicy
 
-POLICIES: tuple[str, ...] = get_args(RoutingPolicy)
-DEFAULT_POLICY = "cache_aware"
+POLICIES: tuple[str, ...] = get_args(RoutingPolicy)  # the policies' registry's names, in its order
+DEFAULT_POLICY = POLICIES[0]  # cache_aware
 _DEFAULT = {name: field.default for name, field in RoutingOptions.model_fields.items()}
 _DEPLOY = {name: field.default for name, field in DeployConfig.model_fields.items()}
 # Requests one engine replica is sent at once when its node sets no resources.max_ongoing_requests: far above

@@ -8,12 +8,21 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, PrivateAttr, field_validator, model_validator
 
 from flagscale import engines
+from flagscale.actions import ACTIONS
+from flagscale.router import policies
 
-# How the router picks an engine node's replica per request (flagscale/serve/routing.py, docs/routing.md).
-RoutingPolicy = Literal["cache_aware", "least_load", "session", "round_robin", "random"]
+# How the router picks an engine node's replica per request: a name in the policies' registry
+# (flagscale/router/policies/, docs/routing.md).
+RoutingPolicy = Literal[tuple(policies.POLICIES)]
 
-ACTIONS = ("run", "stop", "status", "logs", "dryrun", "bench", "test", "auto_tune")
 ENGINES = tuple(engines.ENGINES)  # every engine a node may name (flagscale/engines/)
+# task.backend: an engine, or `native` (a graph of custom nodes); the names come from the engine registry
+Backend = Literal[(*ENGINES, "native")]  # type: ignore[valid-type]
+
+# Engine args a node must opt into (allow_engine_args), per engine kind (EngineKind.unsafe_args)
+UNSAFE_ARGS = "; ".join(
+    f"{name}: {', '.join(engines.get(name).unsafe_args)}" for name in ENGINES if engines.get(name).unsafe_args
+)
 
 # A node id names files and Serve deployments: no path separators, no `..`, nothing a shell or URL treats specially.
 SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -50,8 +59,8 @@ class DeployConfig(Strict):
         None,
         min_length=1,
         repr=False,
-        description="Clients must send `Authorization: Bearer <key>` (every route but /health; /metrics with "
-        "protect_metrics); engines get it too, so they refuse direct access. Prefer api_key_env.",
+        description="Clients must send `Authorization: Bearer <key>` (every request but GET /health; GET /metrics "
+        "too with protect_metrics); engines get it too, so they refuse direct access. Prefer api_key_env.",
     )
     api_key_env: str | None = Field(
         None, min_length=1, description="Name of an env var holding api_key, so the key stays out of YAML."
@@ -85,9 +94,9 @@ class DeployConfig(Strict):
     )
     cpu_affinity: Literal["auto", "off"] = Field(
         "auto",
-        description="auto: when vLLM's CPU backend binds a worker to some cores, its engine core joins those "
-        "cores and its API server and the router keep to the others (flagscale/serve/cpu_layout.py); off: leave "
-        "CPU placement to the OS.",
+        description="auto: when the engine binds its CPU workers to cores (engine kinds with cpu_worker_binding), "
+        "its engine core joins those cores and its API server and the router keep to the others "
+        "(flagscale/replica/cpu_layout.py); off: leave CPU placement to the OS.",
     )
     use_fs_serve: bool | None = launcher_key(
         None,
@@ -218,7 +227,7 @@ class RunnerConfig(Strict):
 
 class TaskConfig(Strict):
     type: Literal["serve"] = Field("serve", description="Only `serve`.")
-    backend: Literal["vllm", "llama_cpp", "sglang", "native"] | None = Field(
+    backend: Backend | None = Field(
         None,
         description="Default engine of every node without `engine` or `module`; `native`: a graph of custom nodes.",
     )
@@ -300,7 +309,7 @@ class AutoTunerConfig(Strict):
     space: dict[str, Any] = Field(
         default_factory=dict,
         description="Dimension -> values to try: tensor_model_parallel_size, pipeline_model_parallel_size, "
-        "instance (replicas), or any engine arg; or per engine (space.vllm.<dim>).",
+        "instance (replicas), or any engine arg; or per engine (space.<engine>.<dim>).",
     )
     engines: list[str] | None = Field(None, description="The engines whose space.<engine> block is searched.")
     control: TunerControl = Field(default_factory=TunerControl, description="Bounds and the end: see below.")
@@ -397,8 +406,8 @@ class Resources(Strict):
         None,
         ge=1,
         description="Requests one replica takes at once; the router holds further ones in its queue "
-        "(deploy.max_queued_requests). Default: 1000 for engine nodes (well above vLLM's max_num_seqs, which "
-        "queues inside the engine), Ray Serve's for custom nodes.",
+        "(deploy.max_queued_requests). Default: 1000 for engine nodes (well above an engine's max_num_seqs: the "
+        "rest queues inside the engine), Ray Serve's for custom nodes.",
     )
     num_cpus: float | None = Field(
         None, ge=0, description="Logical CPUs per replica (default: CPU engines TP x PP x DP, others 1)."
@@ -504,7 +513,9 @@ class Disaggregation(Strict):
     prefill: PoolConfig = Field(default_factory=PoolConfig, description="The prefill pool: see PoolConfig.")
     decode: PoolConfig = Field(default_factory=PoolConfig, description="The decode pool: see PoolConfig.")
     kv_connector: str = Field(
-        "NixlConnector", min_length=1, description="vLLM KV connector moving the KV cache (kv_transfer_config)."
+        "NixlConnector",
+        min_length=1,
+        description="The engine's KV connector moving the KV cache (kv_transfer_config).",
     )
     kv_connector_extra_config: dict[str, Any] = Field(
         default_factory=dict, description="The connector's own settings (kv_transfer_config.kv_connector_extra_config)."
@@ -524,13 +535,21 @@ class NodeConfig(Strict):
 
     serve_id: str = Field(min_length=1, description="Unique node name; the Serve deployment; default model name.")
     engine: str | None = Field(
-        None, description="vllm or llama_cpp (sglang is recognised, refused: docs/engines.md); default task.backend."
+        None,
+        description=f"An engine kind of flagscale/engines/: {', '.join(ENGINES)} (docs/engines.md says which ones "
+        "serve here); default task.backend.",
     )
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="The engine's own args (docs/engines.md), and FlagScale's common ones."
     )
     engine_args_specific: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Per engine: args merged over engine_args for that engine only."
+    )
+    allow_engine_args: list[str] = Field(
+        default_factory=list,
+        description="Engine node: engine args that hand every client of the endpoint more than the model (remote "
+        "code, shell tools, files read or written at a client's request), opted into by name, e.g. "
+        f"`allow_engine_args: [tools]`; without it they are refused. Per engine: {UNSAFE_ARGS}.",
     )
     resources: Resources = Field(default_factory=Resources, description="Replicas and what each reserves: below.")
     module: str | None = Field(None, description="Custom node: its .py file (docs/graphs.md).")
@@ -571,6 +590,8 @@ class NodeConfig(Strict):
             raise ValueError("`disaggregation` is for engine nodes; a custom node has no prefill or decode")
         if self.engine is not None and self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; known: {', '.join(ENGINES)}")
+        if self.module is not None and self.allow_engine_args:
+            raise ValueError("`allow_engine_args` is for engine nodes; a custom node has no engine args")
         if self.module is not None and self.routing is not None:
             raise ValueError("`routing` is for engine nodes; a custom node is called by the graph, not routed")
         if self.module is not None and not self.name:

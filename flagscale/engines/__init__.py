@@ -1,7 +1,11 @@
 """The engine kinds, one module each, behind one interface (flagscale/engines/base.py: EngineKind).
 
 A new engine is a module here that defines `KIND = <its EngineKind>` and a line in ENGINES; nothing else in the
-project names an engine. docs/engines.md says what each supports.
+project names an engine. docs/engines.md says what each supports. Beside the kinds: metrics.py (an engine
+server's /metrics), vllm_args.py / vllm_auth.py / vllm_headless.py (vLLM's argv, key middleware, headless ranks),
+llama_cpp_build.py (llama-server built here).
+
+It may import only the basics (errors, net, devices, paths): every floor above imports it.
 """
 
 from __future__ import annotations
@@ -18,10 +22,16 @@ ENGINES = {
 }
 DEFAULT_ENGINE = "vllm"
 
-__all__ = ["Capabilities", "DEFAULT_ENGINE", "ENGINES", "EngineKind", "ServerLaunch", "get"]
+__all__ = ["Capabilities", "DEFAULT_ENGINE", "ENGINES", "EngineKind", "ServerLaunch", "dropped_request_headers", "get"]
 
 
 def get(name: str | None) -> EngineKind:
     """The engine kind `name` (None: the default). Unknown names are refused by the schema before this."""
     module = ENGINES[name or DEFAULT_ENGINE]
     return importlib.import_module(module).KIND
+
+
+def dropped_request_headers() -> frozenset[str]:
+    """Request headers (lower case) the router drops before passing a request to any engine: the union over the
+    kinds (one router serves models of several kinds)."""
+    return frozenset(header for name in ENGINES for header in get(name).dropped_request_headers)

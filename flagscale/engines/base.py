@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from flagscale.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -20,7 +22,7 @@ class Capabilities:
     resume_from_tokens: bool = False  # a stream can go on elsewhere from its token ids (router: mid-stream resume)
     kv_transfer: bool = False  # prefill/decode disaggregation (KV pulled between replicas)
     prefix_caching: bool = False  # reuses the KV cache of a shared prompt prefix (cache-aware routing pays off)
-    cpu_worker_binding: bool = False  # binds its CPU workers to cores itself (flagscale/serve/cpu_layout.py)
+    cpu_worker_binding: bool = False  # binds its CPU workers to cores itself (flagscale/replica/cpu_layout.py)
     multi_host: bool = False  # one replica's ranks may span hosts
     parallel: tuple[str, ...] = ()  # which of "tp", "pp", "dp" a replica may have above 1
     keeps_connections: bool = True  # its server keeps a connection open after a response (the router reuses it)
@@ -39,7 +41,7 @@ class ServerLaunch:
 @dataclass(frozen=True)
 class HostShare:
     """One host's share of a replica whose engine has several ranks (TP x PP x DP > 1): which ranks it runs and
-    what it was given for them (flagscale/serve/ranks.py decides; the engine kind turns it into a launch)."""
+    what it was given for them (flagscale/replica/ranks.py decides; the engine kind turns it into a launch)."""
 
     host: str  # the host's IP
     node_rank: int  # 0: the host of the API server (and rank 0); > 0: headless ranks
@@ -65,11 +67,60 @@ class EngineKind(ABC):
     # engine args that size a replica's reservation (TP, PP, DP): the same on every host, never per host
     sizing_args: tuple[str, ...] = ()
     secret_args: tuple[str, ...] = ()  # engine args whose values are secrets (secret_env carries them)
+    secret_arg_env: dict[str, str] = {}  # of those, the ones the server reads from an env var: arg -> variable
+    # engine args the replica sets itself (each replica binds its own address and port): never passed on, and the
+    # config's notices say so
+    address_args: tuple[str, ...] = ("host", "port")
+    # the share of each of its GPUs a replica is taken to fill when engine_args set no gpu_memory_utilization (the
+    # checks of GPUs shared by replicas and of weights that must fit)
+    default_gpu_memory_utilization: float = 0.9
+    rank_runner: str = "the engine's own executor"  # what runs a replica's ranks (TP x PP x DP > 1), for dryrun
     # engine args other engines' configs carry that mean nothing to this one: dropped by map_common_args, and the
     # config's notices say so (key -> why), rather than refused
     ignored_args: dict[str, str] = {}
+    # engine args that give every client of the endpoint more than the model (code run on the host, shell tools,
+    # files read or written at a client's request): key -> what it turns on. Refused unless the node opts in by
+    # name (allow_engine_args); a false or empty value turns nothing on and passes.
+    unsafe_args: dict[str, str] = {}
+    # The router's public surface for this engine (docs/operations.md): the paths of its server clients may reach
+    # through the endpoint (its OpenAI API and the like; GET /v1/models the router answers itself, from the
+    # engines'); everything else answers 404 at the router. A `{name}` part stands for one path segment.
+    public_paths: tuple[str, ...] = ()
+    # Of public_paths, those where the engine runs the model: a 5xx there is the replica failing (its circuit
+    # breaker counts it, another replica may take the request); a 5xx elsewhere is passed on as it is.
+    inference_paths: tuple[str, ...] = ()
+    # Request body fields only the router sets (where a decode engine pulls its KV cache from): a client's are
+    # dropped; and fields holding extra engine arguments the engine reads those fields from as well.
+    router_fields: tuple[str, ...] = ("kv_transfer_params",)
+    extra_args_fields: tuple[str, ...] = ()
+    # The body of a 5xx answer that says the engine itself died (not only this request): counted as a dropped
+    # connection (docs/routing.md). Empty: the engine has no such answer.
+    dead_engine_marker: bytes = b""
+    # request headers (lower case) the router must not pass on to this engine: they change what the engine does in
+    # ways the router cannot undo (llama.cpp's X-Conversation-Id keeps a hung-up stream generating)
+    dropped_request_headers: tuple[str, ...] = ()
 
     # ---- before start (the planner) ----
+
+    def check_unsafe_args(self, args: dict[str, Any], allowed: list[str], where: str) -> None:
+        """Refuse (ConfigError naming the key) an engine arg of `unsafe_args` that is on and not in `allowed`, and
+        an `allowed` name that is none of them."""
+        unknown = [key for key in allowed if key not in self.unsafe_args]
+        if unknown:
+            known = ", ".join(self.unsafe_args) or "none"
+            raise ConfigError(
+                f"allow_engine_args names {', '.join(unknown)}, which {self.display} does not need opted into "
+                f"(it needs: {known})",
+                where.rpartition(".engine_args")[0] + ".allow_engine_args",
+            )
+        for key, what in self.unsafe_args.items():
+            if key in allowed or args.get(key) in (None, False, "", [], {}):
+                continue
+            raise ConfigError(
+                f"{key} {what}, for every client of the endpoint; refused unless the node opts in with "
+                f"allow_engine_args: [{key}] (docs/operations.md)",
+                f"{where}.{key}",
+            )
 
     def check_available(self, where: str) -> None:
         """Raise ConfigError naming what is missing when this machine cannot run the engine at all."""
@@ -89,8 +140,20 @@ class EngineKind(ABC):
         it has one. Bind address, port and secrets are not in it: the replica adds them."""
 
     def secret_env(self, args: dict[str, Any], where: str) -> dict[str, str]:
-        """Secret engine args (tokens) as the env vars that carry them to the server instead of argv."""
-        return {}
+        """Secret engine args (tokens) as the env vars that carry them to the server instead of argv
+        (secret_arg_env: engine arg -> env var)."""
+        env = {}
+        for key, var in self.secret_arg_env.items():
+            value = args.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"engine arg '{key}' must be the token itself (a non-empty string)", f"{where}.{key}")
+            env[var] = value
+        return env
+
+    def check_api_key(self, api_key: str, where: str) -> None:
+        """Raise ConfigError (at `where`, the key's config entry) when this engine cannot take `api_key` safely."""
 
     def parallel(self, args: dict[str, Any], where: str) -> tuple[int, int, int]:
         """(TP, PP, DP) of one replica: the devices it reserves are their product."""
@@ -117,6 +180,16 @@ class EngineKind(ABC):
         """What dryrun adds about a pool's engine args (", dtype float32 (why)"), or ""."""
         return ""
 
+    def shown_args(self, argv: list[str]) -> dict[str, Any]:
+        """The engine args dryrun shows for `argv` (the server's flags): by default the flags it sets, as given
+        (`--n-gpu-layers 0` -> n_gpu_layers: "0", a switch -> True). Engines with a parser show its defaults too."""
+        shown: dict[str, Any] = {}
+        for index, token in enumerate(argv):
+            if token.startswith("--"):
+                value = argv[index + 1] if index + 1 < len(argv) else None
+                shown[token[2:].replace("-", "_")] = True if value is None or value.startswith("--") else value
+        return shown
+
     # ---- in the replica ----
 
     @abstractmethod
@@ -134,6 +207,11 @@ class EngineKind(ABC):
         """The process that runs `share`'s ranks on a host other than the server's (node rank > 0). Only called
         for engines with capabilities.multi_host."""
         raise NotImplementedError(f"{self.display} has no ranks on other hosts")
+
+    def worker_rank(self, title: str, tp: int, pp: int) -> int | None:
+        """The global rank of one of the engine's worker processes, from its title (command line), or None when
+        the process is no worker. Only asked of engines whose capabilities.parallel allows more than one rank."""
+        return None
 
     def load(self, metrics: dict[str, float]) -> float:
         """Requests the replica holds now (running + queued), from its /metrics samples summed by name."""

@@ -5,8 +5,9 @@ llama-server's own long flags in snake_case (`n_gpu_layers: 0` -> `--n-gpu-layer
 table its `--help` prints (read once per binary and cached beside it). FlagScale's common args are mapped
 (docs/engines.md): max_num_seqs -> --parallel, served_model_name -> --alias, max_model_len ->
 --kv-unified-per-slot (each sequence gets max_model_len; the KV pool is sized to parallel x max_model_len).
-Its /metrics (always on) give the load; the API key reaches it through LLAMA_API_KEY, never argv; --threads
-defaults to the CPUs the replica reserves.
+Its /metrics (always on) give the load; the API key reaches it through LLAMA_API_KEY and hf_token through
+HF_TOKEN, never argv (a key with a comma is refused: llama-server splits keys on commas); --threads defaults to the
+CPUs the replica reserves.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from flagscale.errors import ConfigError
 
 GGUF_MAGIC = b"GGUF"
 API_KEY_ENV = "LLAMA_API_KEY"  # llama-server reads --api-key from it (common/arg.cpp)
+# Secret engine args -> the env var llama-server reads them from (its --help: "(env: HF_TOKEN)"), never argv.
+SECRET_ARGS = {"hf_token": "HF_TOKEN"}
 # Set by the orchestrator, never by the user: the replica's address, the key, the metrics the load comes from, and
 # the model names (served_model_name).
 MANAGED_ARGS = {
@@ -54,6 +57,17 @@ IGNORED_ARGS = {
     "max_num_batched_tokens": "vLLM's scheduler budget (llama.cpp: batch_size / ubatch_size)",
 }
 
+# llama-server flags that hand clients more than the model: refused unless the node opts in (allow_engine_args)
+UNSAFE_ARGS = {
+    "tools": "turns on llama-server's built-in tools for AI agents (shell commands, files)",
+    "tools_runtime": "sets where llama-server's built-in tools run",
+    "agent": "turns on llama-server's agent (it runs tools)",
+    "mcp_servers_config": "gives llama-server MCP servers to call",
+    "mcp_servers_json": "gives llama-server MCP servers to call",
+    "ui_mcp_proxy": "turns on llama-server's MCP proxy (it fetches URLs a client names)",
+    "slot_save_path": "lets llama-server write slot files at a client's request",
+    "media_path": "lets requests read the host's files under that directory (file:// media URLs)",
+}
 
 FLAG_TABLE_FORMAT = 1  # of the cached table: a cache written by another parse_help is read again
 
@@ -137,6 +151,30 @@ class LlamaCpp(EngineKind):
     status_gauges = {"llamacpp:requests_processing": "running", "llamacpp:requests_deferred": "waiting"}
     load_metrics = ("llamacpp:requests_processing", "llamacpp:requests_deferred")
     ignored_args = IGNORED_ARGS
+    unsafe_args = UNSAFE_ARGS
+    # llama-server's OpenAI (and Anthropic messages, rerank) routes and its tokenizer. Left out: /slots (other
+    # users' prompts), /props, /lora-adapters, /tools, /models/load, /v1/stream (another conversation's stream),
+    # /infill, /completion and the other native routes: on the engine's own port (docs/operations.md).
+    inference_paths = (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/audio/transcriptions",
+        "/v1/rerank",
+        "/v1/messages",
+    )
+    public_paths = (
+        *inference_paths,
+        "/v1/responses/input_tokens",
+        "/v1/messages/count_tokens",
+        "/tokenize",
+        "/detokenize",
+    )
+    secret_args = tuple(SECRET_ARGS)
+    secret_arg_env = SECRET_ARGS
+    # llama-server keeps generating for a client that hung up when the request names a conversation
+    dropped_request_headers = ("x-conversation-id",)
 
     def binary(self) -> Path:
         return llama_cpp_build.server_binary()
@@ -184,12 +222,20 @@ class LlamaCpp(EngineKind):
             if key == "served_model_name":
                 argv += ["--alias", value if isinstance(value, str) else ",".join(value)]
                 continue
-            if key in ("host", "port"):  # the config's notices say so (config/compat.py)
+            if key in ("host", "port") or key in SECRET_ARGS:  # notices say so (config/compat.py); secret_env
                 continue
             if key in MANAGED_ARGS:
                 raise ConfigError(f"{key} is not an engine arg here: {MANAGED_ARGS[key]}", f"{where}.{key}")
             argv += _flag_argv(table, key, value, where)
         return argv
+
+    def check_api_key(self, api_key: str, where: str) -> None:
+        if "," in api_key:
+            raise ConfigError(
+                "the API key contains ',': llama-server splits its key on commas and would accept each piece alone; "
+                "choose a key without commas",
+                where,
+            )
 
     def launch(self, argv: list[str], host: str, port: int, api_key: str | None, role: str | None) -> ServerLaunch:
         command = [str(self.binary()), *argv, "--metrics", "--host", host, "--port", str(port)]

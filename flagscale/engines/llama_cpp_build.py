@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flagscale.paths import default_cache_dir
+
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SDIST = f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"
 BUILD_TIMEOUT_S = 3600  # ~10 CPU-minutes on two shared cores; a bound, not an estimate
@@ -39,14 +41,8 @@ CMAKE_FLAGS = [
 ]
 
 
-def cache_root() -> Path:
-    from flagscale.demo_model import default_cache_dir
-
-    return default_cache_dir()
-
-
 def install_dir(cache_dir: Path | None = None) -> Path:
-    return (cache_dir or cache_root()) / f"llama-cpp-{LLAMA_CPP_PYTHON_VERSION}"
+    return (cache_dir or default_cache_dir()) / f"llama-cpp-{LLAMA_CPP_PYTHON_VERSION}"
 
 
 def server_binary(cache_dir: Path | None = None) -> Path:

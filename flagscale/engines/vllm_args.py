@@ -24,10 +24,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from flagscale.engines.base import EngineKind
 from flagscale.errors import ConfigError
+from flagscale.paths import default_cache_dir
 
 # Set per replica by the orchestrator, never by the user: the replica binds its own port on its own host.
-MANAGED_ARGS = ("host", "port")
+MANAGED_ARGS = EngineKind.address_args
 # Engine args whose value is a secret -> the env var that gives it to the server instead (argv is seen by `ps`, the
 # engine log's command line and dryrun; the env only by the user's own processes). HF_TOKEN: huggingface_hub reads
 # it whenever vLLM's hf_token is unset. The API key has its own place (deploy.api_key: the router needs it too).
@@ -98,8 +100,6 @@ def vllm_version() -> str:
 
 
 def _cache_file(kind: str) -> Path:
-    from flagscale.demo_model import default_cache_dir
-
     return default_cache_dir() / f"{kind}-{vllm_version()}.json"
 
 
@@ -155,19 +155,6 @@ def to_argv(engine_args: dict[str, Any], where: str) -> list[str]:
         argv += _render(*table[key], key, value, where)
     _validate(argv, where)
     return argv
-
-
-def secret_env(engine_args: dict[str, Any], where: str) -> dict[str, str]:
-    """The SECRET_ARGS among engine_args, as the env vars that carry them to the server (`to_argv` leaves them out)."""
-    env = {}
-    for key, var in SECRET_ARGS.items():
-        value = engine_args.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"engine arg '{key}' must be the token itself (a non-empty string)", f"{where}.{key}")
-        env[var] = value
-    return env
 
 
 def _render(flag: str, kind: str, key: str, value: Any, where: str) -> list[str]:

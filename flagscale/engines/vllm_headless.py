@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import sys
 
+from flagscale.engines.vllm_args import vllm_serve_parser
+
 
 def main(argv: list[str]) -> None:
-    from vllm.entrypoints.cli.serve import run_headless, validate_parsed_serve_args
-
-    from flagscale.engines.vllm_args import vllm_serve_parser
+    from vllm.entrypoints.cli.serve import run_headless, validate_parsed_serve_args  # heavy: vLLM and torch
 
     args = vllm_serve_parser().parse_args(argv)
     if not args.headless:

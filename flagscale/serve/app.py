@@ -8,13 +8,17 @@ from dataclasses import asdict
 from ray import serve
 from ray.serve import Application
 
+from flagscale import launchers
 from flagscale.cluster.ray_compat import with_version
 from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS
 from flagscale.plan import ROUTER_DEPLOYMENT, EnginePlan, Plan
-from flagscale.serve.autoscaling import with_engine_load_policy
-from flagscale.serve.engine import NODE_LOG_DIR, EngineReplica, EngineSpec
-from flagscale.serve.registry import version_of
-from flagscale.serve.router import Router, RouterSpec
+from flagscale.replica.autoscaling import with_engine_load_policy
+from flagscale.replica.engine import EngineReplica, EngineSpec
+from flagscale.replica.registry import version_of
+from flagscale.router import peers
+from flagscale.router.router import Router
+from flagscale.router.spec import RouterSpec
+from flagscale.serve.graph import GRAPH_DRIVER_DEPLOYMENT, CustomNode, GraphDriver, NodeSpec
 
 HEALTH_CHECK_PERIOD_S = 5
 HEALTH_CHECK_TIMEOUT_S = 30
@@ -44,10 +48,11 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
     router = serve.deployment(
         Router,
         name=ROUTER_DEPLOYMENT,
-        # deploy.router_processes: all on the head, sharing the port (flagscale/serve/router_peers.py); changing
+        # deploy.router_processes: all on the head, sharing the port (flagscale/router/peers.py); changing
         # the count is a scale of this deployment, not a restart of its replicas
         num_replicas=plan.router_processes,
-        ray_actor_options={"num_cpus": 0, **_on_head(plan)},
+        # multi-host: on the head host, where deploy.host is; an existing Ray cluster: on its head node
+        ray_actor_options={"num_cpus": 0, **_resources(launchers.get(plan.launcher).router_resources())},
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         # The rest of its spec reaches a running router through reconfigure(): an update never restarts it
         user_config=spec.user_config(),
@@ -59,6 +64,7 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
 
 
 def engine_spec(plan: Plan, engine: EnginePlan) -> EngineSpec:
+    launcher = launchers.get(plan.launcher)
     return EngineSpec(
         app=plan.app_name,
         serve_id=engine.serve_id,
@@ -66,12 +72,11 @@ def engine_spec(plan: Plan, engine: EnginePlan) -> EngineSpec:
         argv=engine.argv,
         host_argv=engine.host_argv,
         # Multi-host: the router on the head reaches engines at their node IP ("node-ip" = not loopback).
-        bind_host="node-ip" if plan.cluster or plan.ray_cluster else "127.0.0.1",
-        # On an existing Ray cluster the exp_dir is not on its nodes: under each node's Ray session log dir.
-        log_dir=NODE_LOG_DIR if plan.ray_cluster else str(plan.log_dir),
-        # each host's Ray node already has its own envs; secret engine args (hf_token) travel in the env, as does
-        # the API key (the engine kind's launch puts it where its server reads it): never in argv
-        env={**({} if plan.cluster else plan.envs), **engine.secret_env},
+        bind_host=launcher.engine_bind_host,
+        log_dir=launcher.engine_log_dir(plan),
+        # secret engine args (hf_token) travel in the env, as does the API key (the engine kind's launch puts it
+        # where its server reads it): never in argv
+        env={**launcher.engine_env(plan), **engine.secret_env},
         api_key=plan.api_key,
         engine=engine.engine,
         parallel=engine.parallel,
@@ -115,12 +120,14 @@ def router_spec(plan: Plan) -> RouterSpec:
         no_resume=sorted(
             {name for e in plan.engines if not e.kind.capabilities.resume_from_tokens for name in e.model_names}
         ),
+        engines={name: e.engine for e in plan.engines for name in e.model_names},
+        # the same for every router process Serve starts for this deployment, in its init args only
+        peer_secret=peers.secret_of(plan.exp_dir),
     )
 
 
 def build_graph_driver(plan: Plan) -> Application:
     """One deployment per custom node, and the driver that runs the DAG over their handles."""
-    from flagscale.serve.graph import GRAPH_DRIVER_DEPLOYMENT, CustomNode, GraphDriver, NodeSpec
 
     assert plan.graph is not None
     nodes = {}
@@ -155,10 +162,5 @@ def _placement_group(engine) -> dict:
     return {"placement_group_bundles": engine.placement_bundles, "placement_group_strategy": engine.placement_strategy}
 
 
-def _on_head(plan: Plan) -> dict:
-    """Multi-host: pin the router to the head host, where deploy.host is; an existing Ray cluster: to its head node."""
-    from flagscale.cluster import hostfile, ray_cluster
-
-    if plan.ray_cluster:
-        return {"resources": {ray_cluster.HEAD_RESOURCE: 0.001}}
-    return {"resources": {hostfile.HEAD_RESOURCE: 0.001}} if plan.cluster else {}
+def _resources(resources: dict[str, float]) -> dict:
+    return {"resources": resources} if resources else {}

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import os
 from pathlib import Path
 from typing import Any
+
+from flagscale.errors import write_error
+from flagscale.paths import private_dir, write_private
 
 FILE = "history.csv"
 # Columns after the space's own (one per dimension, named as in the space).
@@ -52,16 +56,21 @@ def trial_key(candidate: dict[str, Any], serve_id: str, workload: dict[str, Any]
 
 
 def write(path: Path, dims: list[str], rows: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     columns = [*dims, *(c for c in COLUMNS if c not in dims)]
     extra = sorted({k for row in rows for k in row} - set(columns))  # dimensions of an earlier, wider space
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=[*columns, *extra], extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: _cell(v) for k, v in row.items()})
     aside = path.with_suffix(".csv.tmp")
-    with aside.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*columns, *extra], extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _cell(v) for k, v in row.items()})
-    os.replace(aside, path)
+    try:
+        write_private(aside, text.getvalue(), newline="")
+        os.replace(aside, path)
+    except OSError as exc:  # a full disk: the previous file stays, one clear error names it
+        aside.unlink(missing_ok=True)
+        raise write_error(path, exc) from None
 
 
 def read(path: Path) -> list[dict[str, Any]]:

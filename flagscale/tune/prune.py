@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flagscale.devices import local_gpus
+from flagscale.plan import model_weight_bytes
+
 GIB = 1024**3
 # vLLM's own defaults when the engine args leave these unset.
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
-VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "float8": 1, "int8": 1}
 
 
@@ -84,10 +86,9 @@ def memory_problem(
 
 
 def replica_memory_problem(
-    args: dict[str, Any], devices_per_replica: int, device: str, device_bytes: int | None
+    args: dict[str, Any], devices_per_replica: int, device: str, device_bytes: int | None, default_utilization: float
 ) -> str | None:
     """memory_problem for one engine replica of the plan, from its engine args and its model's config.json."""
-    from flagscale.plan import model_weight_bytes
 
     if device_bytes is None:
         return None
@@ -104,7 +105,7 @@ def replica_memory_problem(
         max_num_seqs=int(args.get("max_num_seqs") or VLLM_DEFAULT_MAX_NUM_SEQS),
         max_model_len=max_model_len,
         devices_per_replica=devices_per_replica,
-        utilization=float(args.get("gpu_memory_utilization") or VLLM_DEFAULT_GPU_MEMORY_UTILIZATION),
+        utilization=float(args.get("gpu_memory_utilization") or default_utilization),
         device_bytes=device_bytes,
         device=device,
     )
@@ -123,8 +124,6 @@ def device_bytes_of(device: str) -> int | None:
 
         return psutil.virtual_memory().total
     if device == "gpu":
-        from flagscale.devices import local_gpus
-
         gpus = local_gpus()
         return min(g.memory_mib for g in gpus) * 1024 * 1024 if gpus else None
     return None  # a hostfile chip type: its memory is not known here

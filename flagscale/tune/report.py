@@ -10,6 +10,11 @@ from rich.console import Console
 from rich.table import Table
 
 from flagscale.config.schema import ServeConfig
+from flagscale.paths import private_dir, write_private
+from flagscale.update import SECRET_NAME
+
+# The variable the best config reads the API key from when the tuned config gave the key itself.
+BEST_KEY_ENV = "FLAGSCALE_API_KEY"
 
 # FlagScale's serve metric names (its recorder's columns, means in ms) -> history.csv columns.
 FLAGSCALE_METRICS = {
@@ -126,10 +131,12 @@ def write_plot(rows: list[dict[str, Any]], best: dict[str, Any] | None, slo: Any
     fig.savefig(path, dpi=110)
 
 
-def write_best_config(config: ServeConfig, exp_dir: str, out_dir: Path) -> Path:
+def write_best_config(config: ServeConfig, exp_dir: str, out_dir: Path) -> tuple[Path, list[str]]:
     """The best candidate as a config tree `run.py --config-path <out_dir> --config-name serve` runs unchanged:
-    the keys the config set (resolved: paths and ${...} filled in), the tuned node's new values, action=run."""
-    data = config.model_dump(mode="json", exclude_unset=True)
+    the keys the config set (resolved: paths and ${...} filled in), the tuned node's new values, action=run.
+    Secrets stay references (secret_references): returns the tree and the env vars it reads them from. The files
+    are 0600 in a 0700 directory all the same."""
+    data, env_vars = secret_references(config.model_dump(mode="json", exclude_unset=True))
     experiment = data["experiment"]
     experiment.pop("auto_tuner", None)
     experiment["exp_dir"] = exp_dir
@@ -139,7 +146,48 @@ def write_best_config(config: ServeConfig, exp_dir: str, out_dir: Path) -> Path:
         "action": "run",
         "hydra": {"run": {"dir": "${experiment.exp_dir}/hydra"}},
     }
-    (out_dir / "serve").mkdir(parents=True, exist_ok=True)
-    (out_dir / "serve.yaml").write_text(yaml.safe_dump(main, sort_keys=False))
-    (out_dir / "serve" / "best.yaml").write_text(yaml.safe_dump(data["serve"], sort_keys=False))
-    return out_dir
+    private_dir(out_dir)
+    private_dir(out_dir / "serve")
+    write_private(out_dir / "serve.yaml", yaml.safe_dump(main, sort_keys=False))
+    write_private(out_dir / "serve" / "best.yaml", yaml.safe_dump(data["serve"], sort_keys=False))
+    return out_dir, env_vars
+
+
+def secret_references(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A dumped config with no secret value left in it, and the env vars it now reads them from: deploy.api_key
+    becomes api_key_env (BEST_KEY_ENV); every experiment.envs value (nodes_envs too) becomes ${oc.env:<its name>};
+    any other key named like a credential (hf_token, ...) becomes ${oc.env:<KEY IN CAPITALS>}."""
+    env_vars: list[str] = []
+
+    def reference(name: str) -> str:
+        env_vars.append(name)
+        return "${oc.env:" + name + "}"
+
+    experiment = data.get("experiment", {})
+    deploy = experiment.get("runner", {}).get("deploy", {})
+    if deploy.pop("api_key", None) is not None:
+        deploy["api_key_env"] = BEST_KEY_ENV
+    if deploy.get("api_key_env"):
+        env_vars.append(deploy["api_key_env"])
+    envs = experiment.get("envs", {})
+    for name in list(envs):
+        if name == "nodes_envs":
+            envs[name] = {host: {var: reference(var) for var in values} for host, values in envs[name].items()}
+        else:
+            envs[name] = reference(name)
+
+    def walk(tree: Any) -> Any:
+        if isinstance(tree, dict):
+            return {
+                k: reference(str(k).upper())
+                if SECRET_NAME.search(str(k)) and not str(k).endswith("_env") and isinstance(v, (str, int, float))
+                else v
+                if k == "envs"  # references already
+                else walk(v)
+                for k, v in tree.items()
+            }
+        if isinstance(tree, list):
+            return [walk(v) for v in tree]
+        return tree
+
+    return walk(data), list(dict.fromkeys(env_vars))

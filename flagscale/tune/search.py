@@ -11,9 +11,13 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from flagscale.config.load import ConfigSources
+from flagscale.actions.bench import bench_settings, tokenizer_for
+from flagscale.cluster.state import RunState
+from flagscale.config.load import ConfigSources, resolve_api_key
 from flagscale.config.schema import BenchConfig, ServeConfig
-from flagscale.errors import ConfigError
+from flagscale.errors import ConfigError, WriteError
+from flagscale.paths import private_dir, private_file
+from flagscale.plan import build_plan, engine_args_of, served_names
 from flagscale.tune import history, prune
 from flagscale.tune.report import best_of, rank, render, write_best_config, write_plot
 from flagscale.tune.space import Space, candidate_config, check_values, describe, read_space
@@ -72,8 +76,6 @@ class Search:
 
 def prepare(config: ServeConfig, sources: ConfigSources, exp_dir: str) -> Search:
     """Everything checked and pruned, nothing started: bad input raises ConfigError naming the key."""
-    from flagscale.actions.bench import bench_settings
-    from flagscale.plan import engine_args_of, served_names
 
     tuner = config.experiment.auto_tuner
     assert tuner is not None
@@ -115,7 +117,6 @@ def devices_of(engine) -> float:
 
 def _pruned(config: ServeConfig, sources: ConfigSources, space: Space, cards: int | None) -> dict[str, Any]:
     """{} for a candidate that may run, else its skipped row: why it cannot fit."""
-    from flagscale.plan import build_plan, engine_args_of
 
     try:
         plan = build_plan(config, sources, check_port=False)
@@ -124,9 +125,9 @@ def _pruned(config: ServeConfig, sources: ConfigSources, space: Space, cards: in
     engine = next(e for e in plan.engines if e.serve_id == space.serve_id)
     devices = devices_of(engine)
     args = {**engine_args_of(config.serve[space.node_index], config), "model": engine.model}
-    utilization = float(args.get("gpu_memory_utilization") or prune.VLLM_DEFAULT_GPU_MEMORY_UTILIZATION)
+    utilization = float(args.get("gpu_memory_utilization") or engine.kind.default_gpu_memory_utilization)
     problem = prune.devices_problem(devices, cards) or prune.replica_memory_problem(
-        args, engine.devices_per_replica, engine.device, prune.device_bytes_of(engine.device)
+        args, engine.devices_per_replica, engine.device, prune.device_bytes_of(engine.device), utilization
     )
     if problem is None and engine.device == "cpu" and plan.cluster is None:
         problem = prune.shared_ram_problem(engine.initial_replicas, utilization)
@@ -162,7 +163,7 @@ def _workload(search: Search) -> str:
 def run_search(search: Search, console: Console) -> int:
     tuner = search.config.experiment.auto_tuner
     assert tuner is not None
-    control, slo = tuner.control, tuner.slo
+    control = tuner.control
     todo = [c for c in search.candidates if c.status is None]
     skipped = sum(c.status == "skipped" for c in search.candidates)
     finished = sum(c.status in history.FINISHED for c in search.candidates)
@@ -172,26 +173,17 @@ def run_search(search: Search, console: Console) -> int:
             "no candidate can run, pruning skipped them all: " + "; ".join(reasons[:3]),
             search.space.where,
         )
-    search.out_dir.mkdir(parents=True, exist_ok=True)
-    log_path = search.out_dir / "tuner.log"
+    private_dir(search.out_dir)  # logs and history may name secrets: the user's alone
+    log_path = private_file(search.out_dir / "tuner.log")
     # Ctrl-C (and SIGTERM) end the search the same way, even when started with SIGINT ignored (a background job).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    console.print(
-        f"auto_tune of node '{search.space.serve_id}': {len(search.candidates)} candidate(s); {len(todo)} to run, "
-        f"{skipped} skipped by pruning, {finished} finished in an earlier search (history.csv)\n"
-        f"  load: {_workload(search)}; " + (f"SLO {_slo_text(slo)}" if slo else f"ranked by {tuner.performance.metric}")
-    )
-    for candidate in search.candidates:
-        if candidate.status == "skipped":
-            console.print(
-                f"  skipped {escape(describe(candidate.values))}: {escape(candidate.row['reason'])}", soft_wrap=True
-            )
+    _announce(search, console, len(todo), skipped, finished)
     search.save()
     started = time.monotonic()
     with log_path.open("a") as log_file:
         log_console = Console(file=log_file, width=160, highlight=False, soft_wrap=True)
-        worker = BenchWorker(search.out_dir / "bench.log")
+        worker = BenchWorker(private_file(search.out_dir / "bench.log"), resolve_api_key(search.config, search.sources))
         try:
             for number, candidate in enumerate(todo, 1):
                 if control.max_time is not None and time.monotonic() - started > control.max_time:
@@ -211,10 +203,30 @@ def run_search(search: Search, console: Console) -> int:
             stop_deployment(search.exp_dir, 0, log_console)
             search.save()
             return 130
+        except WriteError:  # history.csv or state.json could not be written (a full disk): nothing left running
+            console.print("[red]cannot record the search; stopping the deployment[/]")
+            worker.close()
+            stop_deployment(search.exp_dir, 0, log_console)
+            raise
         finally:
             worker.close()
         search.save()
         return _finish(search, console, log_console)
+
+
+def _announce(search: Search, console: Console, todo: int, skipped: int, finished: int) -> None:
+    tuner = search.config.experiment.auto_tuner
+    slo = tuner.slo
+    console.print(
+        f"auto_tune of node '{search.space.serve_id}': {len(search.candidates)} candidate(s); {todo} to run, "
+        f"{skipped} skipped by pruning, {finished} finished in an earlier search (history.csv)\n"
+        f"  load: {_workload(search)}; " + (f"SLO {_slo_text(slo)}" if slo else f"ranked by {tuner.performance.metric}")
+    )
+    for candidate in search.candidates:
+        if candidate.status == "skipped":
+            console.print(
+                f"  skipped {escape(describe(candidate.values))}: {escape(candidate.row['reason'])}", soft_wrap=True
+            )
 
 
 def _slo_text(slo: dict[str, dict[str, float]]) -> str:
@@ -224,9 +236,6 @@ def _slo_text(slo: dict[str, dict[str, float]]) -> str:
 
 
 def _trial(search: Search, candidate: Candidate, worker: BenchWorker, console: Console, log_console: Console, tag: str):
-    from flagscale.actions.bench import tokenizer_for
-    from flagscale.cluster.state import RunState
-
     tuner = search.config.experiment.auto_tuner
     control, slo = tuner.control, tuner.slo
     t0 = time.monotonic()
@@ -300,12 +309,13 @@ def _finish(search: Search, console: Console, log_console: Console) -> int:
             console.print("[red]no candidate finished a trial[/]; see the reasons above and the log")
         return 1
     winner = next(c for c in search.candidates if c.row is best)
-    best_dir = write_best_config(winner.config, search.exp_dir, search.out_dir / "best")
+    best_dir, env_vars = write_best_config(winner.config, search.exp_dir, search.out_dir / "best")
     console.print(
         f"[green]best[/]: {escape(describe(winner.values))}"
         + (f", goodput {best['goodput']} req/s ({best['goodput_per_device']} per device)" if slo else "")
         + f"\nbest config: {best_dir}/serve.yaml; run it with:\n"
-        f"  python run.py --config-path {best_dir} --config-name serve",
+        f"  python run.py --config-path {best_dir} --config-name serve"
+        + (f"\nit reads its secrets from the environment: set {', '.join(env_vars)} first" if env_vars else ""),
         soft_wrap=True,
     )
     if tuner.control.run_best:
@@ -319,7 +329,5 @@ def _finish(search: Search, console: Console, log_console: Console) -> int:
 
 
 def _endpoint(exp_dir: str) -> str:
-    from flagscale.cluster.state import RunState
-
     state = RunState.load(exp_dir)
     return state.endpoint if state else "?"

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from flagscale.config.schema import ENGINES, NodeConfig, ServeConfig
 from flagscale.engines.vllm_args import MANAGED_ARGS, arg_table, to_argv
 from flagscale.errors import ConfigError
+from flagscale.plan import engine_args_of
 
 INSTANCE = "instance"
 # FlagScale's parallel dimensions -> vLLM's engine args.
@@ -182,8 +183,6 @@ def candidate_config(config: ServeConfig, space: Space, candidate: dict[str, Any
 
 
 def _devices(node: NodeConfig, config: ServeConfig) -> int:
-    from flagscale.plan import engine_args_of
-
     args = engine_args_of(node, config)
     sizes = [args.get(k, 1) for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")]
     return int(sizes[0] * sizes[1] * sizes[2]) if all(isinstance(s, int) for s in sizes) else 0
@@ -192,7 +191,6 @@ def _devices(node: NodeConfig, config: ServeConfig) -> int:
 def check_values(config: ServeConfig, space: Space) -> None:
     """Every value of every dimension through vLLM's parser, alone over the node's engine args: a value it rejects
     is an error naming the space key, before any trial."""
-    from flagscale.plan import engine_args_of
 
     node = config.serve[space.node_index]
     base = engine_args_of(node, config)

@@ -18,10 +18,15 @@ from typing import Any
 
 from rich.console import Console
 
-from flagscale.actions.bench import LATENCY_METRICS, report_row, vllm_bench_argv
+from flagscale.actions.bench import LATENCY_METRICS, _run_logged, report_row, vllm_bench_argv
+from flagscale.actions.run import refuse_if_running, run, running_state, update
+from flagscale.actions.stop import stop
 from flagscale.cluster.state import RunState
+from flagscale.config.load import resolve_api_key
 from flagscale.config.schema import BenchConfig
 from flagscale.errors import DeployError, FlagScaleError, error_excerpt
+from flagscale.plan import build_plan
+from flagscale.update import diff, snapshot
 
 # Statistic names of the SLO -> the keys of bench.report_row's latency stats.
 STATISTICS = ("mean", "p50", "p90", "p99")
@@ -84,16 +89,15 @@ class BenchWorker:
     """vLLM's benchmark in a worker process, one pass at a time, each bounded: a pass past its time is ended by
     terminating the worker (a fresh one serves the next pass)."""
 
-    def __init__(self, log_path: Path):
+    def __init__(self, log_path: Path, api_key: str | None = None):
         self.log_path = log_path
+        self.api_key = api_key  # to the worker's environment only (flagscale/actions/bench.py: _run_logged)
         self._pool = None
 
     def run_pass(self, argv: list[str], timeout_s: float) -> dict[str, Any]:
-        from flagscale.actions.bench import _run_logged
-
         if self._pool is None:
             self._pool = multiprocessing.get_context("spawn").Pool(1)
-        pending = self._pool.apply_async(_run_logged, (argv, str(self.log_path)))
+        pending = self._pool.apply_async(_run_logged, (argv, str(self.log_path), self.api_key))
         try:
             return pending.get(timeout=max(1.0, timeout_s))
         except multiprocessing.TimeoutError:
@@ -226,8 +230,6 @@ def _worker_main(send, target, args, log_path: str) -> None:
 
 
 def _stop(exp_dir: str, drain_timeout_s: float, log_console: Console) -> None:
-    from flagscale.actions.stop import stop
-
     if RunState.load(exp_dir) is not None:
         stop(exp_dir, log_console, drain_timeout_s)
 
@@ -237,13 +239,8 @@ UNSCHEDULABLE = "replicas cannot be scheduled"
 
 
 def _deploy(candidate, sources, exp_dir: str, startup_timeout_s: float, log_console: Console) -> str:
-    from flagscale.actions import plan_key, running_state
-    from flagscale.actions.run import refuse_if_running, run, update
-    from flagscale.plan import build_plan
-    from flagscale.update import diff, snapshot
-
     candidate.experiment.runner.deploy.startup_timeout_s = max(1.0, startup_timeout_s)
-    api_key = plan_key(candidate, sources)
+    api_key = resolve_api_key(candidate, sources)
     running = running_state(exp_dir)
     if running is not None:
         recorded = running.extra.get("config")

@@ -2,7 +2,7 @@
 
 Real Ray, real vLLM (CPU) engines on the demo model; `min_replicas: 1, max_replicas: 2, target_ongoing_requests:
 2`. Requests reach the engines through the router, not through Serve, so what Serve scales on is the load each
-vLLM server reports (flagscale/serve/autoscaling.py). Six clients streaming long answers put ~6 requests on the
+vLLM server reports (flagscale/replica/autoscaling.py). Six clients streaming long answers put ~6 requests on the
 one replica: status must show the target go to 2 and a second replica serving; when the clients stop, back to 1.
 No request fails on the way, the drained replica's included.
 """

@@ -18,7 +18,7 @@ import openai
 import psutil
 import pytest
 
-from flagscale.serve.metrics import engine_metrics
+from flagscale.engines.metrics import engine_metrics
 from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
 
 PORT = 19161

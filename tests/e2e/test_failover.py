@@ -34,7 +34,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flagscale.serve.metrics import engine_metrics
+from flagscale.engines.metrics import engine_metrics
 from tests.conftest import REPO, demo_engine_args, run_cli, wait_for, write_config
 
 PORT = 19131

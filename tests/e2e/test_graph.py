@@ -213,6 +213,51 @@ def test_pipeline_returns_generated_text_through_custom_nodes(pipeline):
     assert logs and not [p for p in logs if PIPELINE_KEY in p.read_text(errors="replace")]
 
 
+def call(port: int, method: str, path: str, body: dict | None = None, key: str | None = None) -> int:
+    """The status of one request to the endpoint."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})},
+        method=method,
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            resp.read()
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_pipeline_endpoint_is_an_allowlist_that_one_client_cannot_knock_out(pipeline):
+    """Issue 34: only GET /health skips the key (POST /health needs it, then 405); vLLM's management paths are 404
+    at the router, with the key too; a dozen wrong requests (vLLM's 400s) leave the engine in rotation; the router
+    processes' peer secret is a 0600 file in the exp_dir, in no status output or log."""
+    assert pipeline["run"].returncode == 0, pipeline["run"].output
+    assert call(PIPELINE_PORT, "GET", "/health") == 200
+    assert call(PIPELINE_PORT, "POST", "/health", {}) == 401
+    assert call(PIPELINE_PORT, "POST", "/health", {}, key=PIPELINE_KEY) == 405
+    for method, path in (("GET", "/load"), ("POST", "/scale_elastic_ep"), ("GET", "/kv_event_sources")):
+        body = {"new_data_parallel_size": 2} if method == "POST" else None
+        assert call(PIPELINE_PORT, method, path, body, key=PIPELINE_KEY) == 404, path
+    assert call(PIPELINE_PORT, "GET", "/version", key=PIPELINE_KEY) == 200  # a public path
+    wrong = {"model": "demo", "prompt": "hi", "max_tokens": -1}
+    assert [call(PIPELINE_PORT, "POST", "/v1/completions", wrong, key=PIPELINE_KEY) for _ in range(12)] == [400] * 12
+    good = {"model": "demo", "prompt": "hi", "max_tokens": 2, "vllm_xargs": {"kv_transfer_params": "x"}}
+    assert [call(PIPELINE_PORT, "POST", "/v1/completions", good, key=PIPELINE_KEY) for _ in range(5)] == [200] * 5
+    secret_file = pipeline["exp_dir"] / "router_peers.secret"
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    secret = secret_file.read_text().strip()
+    serve_view = run_cli(
+        EXAMPLE_CONF, *pipeline["overrides"], "action=status", "output=json", timeout=120, name="pipeline"
+    )
+    assert serve_view.returncode == 0 and secret not in serve_view.output
+    state = (pipeline["exp_dir"] / "state.json").read_text()
+    serve_logs = pipeline["exp_dir"] / "serve_logs"
+    logs = [p for d in (serve_logs, (serve_logs / "ray").resolve()) for p in d.rglob("*") if p.is_file()]
+    assert secret not in state and not [p for p in logs if secret in p.read_text(errors="replace")]
+
+
 def test_stop_pipeline(pipeline):
     result = run_cli(EXAMPLE_CONF, *pipeline["overrides"], "action=stop", timeout=300, name="pipeline")
     assert result.returncode == 0, result.output

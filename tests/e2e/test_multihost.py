@@ -20,7 +20,7 @@ import time
 import openai
 import pytest
 
-from flagscale.cluster.multihost import host_temp_dir
+from flagscale.launchers.multihost import host_temp_dir
 from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
 from tests.e2e import netns
 
@@ -208,7 +208,7 @@ def test_chip_pinned_node_runs_on_its_chip_and_a_dead_worker_shows(hosts, hostfi
 def test_disaggregated_pools_on_hosts_of_two_chip_types(hosts, hostfile, tmp_path, stop_on_failure):
     """2P1D across hosts: the prefill pool on the two chipA hosts, the decode pool on the chipB host; the KV cache
     crosses hosts over NIXL (UCX over TCP between the namespaces) and the answers equal the engine's own greedy ones."""
-    from flagscale.serve.metrics import engine_metrics
+    from flagscale.engines.metrics import engine_metrics
 
     h1, h2, h3 = (h.ip for h in hosts.hosts)
     nodes = [

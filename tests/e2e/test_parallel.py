@@ -14,7 +14,7 @@ import openai
 import psutil
 import pytest
 
-from flagscale.serve.cpu_layout import affinity, process_tree
+from flagscale.replica.cpu_layout import affinity, process_tree
 from tests.conftest import REPO, demo_engine_args, run_cli, wait_for, write_config
 from tests.e2e.plain_vllm import answers, plain_answers
 

@@ -119,7 +119,7 @@ def alive_engines(pids: list[int]) -> list[int]:
     alive = []
     for pid in pids:
         try:
-            if "flagscale.serve.engine_proc" in psutil.Process(pid).cmdline():
+            if "flagscale.replica.engine_proc" in psutil.Process(pid).cmdline():
                 alive.append(pid)
         except psutil.Error:
             continue

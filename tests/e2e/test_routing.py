@@ -22,7 +22,7 @@ import random
 import httpx
 import openai
 
-from flagscale.serve.metrics import engine_metrics
+from flagscale.engines.metrics import engine_metrics
 from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
 
 PORT = 19111

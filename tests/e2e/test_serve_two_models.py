@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from flagscale.cluster.processes import session_members
-from flagscale.serve.cpu_layout import affinity, parent_pids, process_tree
+from flagscale.replica.cpu_layout import affinity, parent_pids, process_tree
 from tests.conftest import demo_engine_args, run_cli, streamed_chat_chunks, wait_for, write_config
 
 PORT = 18411
@@ -250,7 +250,7 @@ def test_api_key_is_required_at_the_endpoint_and_at_each_engine(deployment, clie
 
 def test_every_engine_path_but_health_needs_the_key(deployment, client):
     """vLLM's own key check guards only /v1, /v2, /inference and /cohere; the replica's middleware
-    (serve/engine_auth.py) guards the rest, such as /invocations, which runs completions."""
+    (engines/vllm_auth.py) guards the rest, such as /invocations, which runs completions."""
 
     def all_engines_read() -> list[dict]:
         replicas = status_json(deployment)["replicas"]

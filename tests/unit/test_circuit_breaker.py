@@ -10,8 +10,10 @@ import time
 import aiohttp
 from aiohttp import web
 
+from flagscale.config.routing import RoutingSpec
 from flagscale.net import free_port
-from flagscale.serve.routing import BREAKER_FAILURES, CircuitBreaker, RoutingSpec, make_policy
+from flagscale.router.circuit_breaker import BREAKER_FAILURES, CircuitBreaker
+from flagscale.router.policies import make_policy
 from tests.conftest import bare_router, router_listening, serve
 from tests.unit.test_router_retry import upstream
 
@@ -200,7 +202,7 @@ def test_stats_show_circuit_and_routing_table_per_replica():
         up = with_url("r", await healthy.start())
         try:
             async with RouterUnderTest([up]) as router:
-                router.router._policies["m"] = make_policy(RoutingSpec(policy="cache_aware", prefix_block_chars=1))
+                router.router.policies["m"] = make_policy(RoutingSpec(policy="cache_aware", prefix_block_chars=1))
                 assert (await router.complete())[0] == 200
                 return router.router.stats()
         finally:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from flagscale.serve.cpu_layout import affinity, pin_engine, plan_engine_layout, process_tree
+from flagscale.replica.cpu_layout import affinity, pin_engine, plan_engine_layout, process_tree
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs at least 2 usable CPUs")

@@ -12,8 +12,9 @@ import json
 import aiohttp
 from aiohttp import web
 
-from flagscale.serve.router import REMOTE_DECODE
-from flagscale.serve.routing import RoutingSpec, make_policy
+from flagscale.config.routing import RoutingSpec
+from flagscale.router.pd import REMOTE_DECODE
+from flagscale.router.policies import make_policy
 from tests.conftest import bare_router, router_listening, serve
 from tests.unit.test_failover import FakeEngine, events, greedy, streamed_text, text_of, tokenize
 from tests.unit.test_router_retry import upstream
@@ -47,8 +48,8 @@ async def through_pd_router(prefills, decodes, path, body):
             up.record.role = role
             ups.append(up)
     router = bare_router([u for u in ups if u.record.role == "decode"], "least_load")
-    router._table.prefill_by_model = {"m": [u for u in ups if u.record.role == "prefill"]}
-    router._prefill_policies = {"m": make_policy(RoutingSpec(policy="least_load"))}
+    router.table.prefill_by_model = {"m": [u for u in ups if u.record.role == "prefill"]}
+    router.prefill_policies = {"m": make_policy(RoutingSpec(policy="least_load"))}
     try:
         async with router_listening(router) as url, aiohttp.ClientSession() as client:
             async with client.post(f"{url}{path}", json=body) as resp:

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from flagscale.cluster.tempdirs import UnsafeDirectory
-from flagscale.serve.engine_auth import RequireApiKey
+from flagscale.engines.vllm_auth import RequireApiKey
 from tests.conftest import wait_for
 
 KEY = "engine-secret"
@@ -154,9 +154,9 @@ def alive(pid: int) -> bool:
 
 def test_terminate_stops_the_server_the_wrapper_started(tmp_path):
     """A server that ignores SIGTERM outlived the engine_proc wrapper, which alone got the SIGKILL."""
-    from flagscale.serve.engine import spawn_engine, terminate_engine
+    from flagscale.replica.process import spawn_engine, terminate_engine
 
-    argv = [sys.executable, "-m", "flagscale.serve.engine_proc", sys.executable, "-c", IGNORES_SIGTERM]
+    argv = [sys.executable, "-m", "flagscale.replica.engine_proc", sys.executable, "-c", IGNORES_SIGTERM]
     with open(tmp_path / "log", "wb") as log:
         proc = spawn_engine(argv, log, dict(os.environ))
     wait_for(lambda: (tmp_path / "log").read_text().startswith("up"), 30, "the server to start")
@@ -172,7 +172,7 @@ def test_terminate_stops_the_server_the_wrapper_started(tmp_path):
 
 
 def test_gpu_start_lock_is_private_to_the_user(tmp_path, monkeypatch):
-    from flagscale.serve import startup_lock
+    from flagscale.replica import startup_lock
 
     monkeypatch.setattr(startup_lock.tempfile, "gettempdir", lambda: str(tmp_path))
     with startup_lock.gpu_start_lock(["0"], 5):
@@ -183,10 +183,13 @@ def test_gpu_start_lock_is_private_to_the_user(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("problem", ["others_write", "other_owner", "link"])
-def test_gpu_start_lock_refuses_a_directory_that_is_not_the_users_alone(tmp_path, monkeypatch, problem):
-    from flagscale.serve import startup_lock
+def test_gpu_start_lock_never_uses_a_directory_that_is_not_the_users_alone(tmp_path, monkeypatch, problem):
+    """A base of ours that others may write to is refused, naming it; one that is not ours (another user made it
+    first, or a link) is left alone: the lock goes to a private directory under the user's own cache instead."""
+    from flagscale.replica import startup_lock
 
     monkeypatch.setattr(startup_lock.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setenv("FLAGSCALE_CACHE", str(tmp_path / "cache"))
     directory = tmp_path / f"flagscale-{os.getuid()}"
     if problem == "link":
         (tmp_path / "elsewhere").mkdir(mode=0o700)
@@ -198,8 +201,14 @@ def test_gpu_start_lock_refuses_a_directory_that_is_not_the_users_alone(tmp_path
             if os.getuid() != 0:
                 pytest.skip("only root can give a directory to another user")
             os.chown(directory, 12345, 12345)
-    with pytest.raises(UnsafeDirectory) as info:
+    if problem == "others_write":
+        with pytest.raises(UnsafeDirectory) as info:
+            with startup_lock.gpu_start_lock(["0"], 5):
+                pass
+        assert str(directory) in str(info.value)
+    else:
         with startup_lock.gpu_start_lock(["0"], 5):
-            pass
-    assert str(directory) in str(info.value)
+            path = startup_lock.lock_path("0")
+            assert path.parent == tmp_path / "cache" / "tmp"
+            assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
     assert not any(Path(directory).iterdir()) if problem != "link" else not any((tmp_path / "elsewhere").iterdir())

@@ -9,9 +9,11 @@ import stat
 import pytest
 
 from flagscale import engines
+from flagscale.config.load import ConfigSources, load_config
 from flagscale.engines import llama_cpp, llama_cpp_build
 from flagscale.engines.base import Capabilities, EngineKind, ServerLaunch
 from flagscale.errors import ConfigError
+from flagscale.plan import build_plan
 
 # llama-server --help's layout (common/arg.cpp: spellings, value hint, help text at column 40 or on the next line)
 HELP = """\
@@ -32,6 +34,8 @@ HELP = """\
 -a,    --alias STRING                   set model name aliases, comma-separated (to be used by API)
 --host HOST                             ip address to listen (default: 127.0.0.1)
 --port PORT                             port to listen (default: 8080)
+-hft,  --hf-token TOKEN                 Hugging Face access token (default: value from HF_TOKEN environment
+                                        variable)
 --api-key KEY                           API key to use for authentication, multiple keys can be provided as a
                                         comma-separated list (default: none)
 --api-key-file FNAME                    path to file containing API keys (default: none)
@@ -125,6 +129,48 @@ def test_vllm_passes_flagscale_keys_through():
 # ---- llama.cpp ----
 
 
+def test_llama_cpp_hf_token_goes_by_the_env_never_argv(fake_llama_server, gguf):
+    argv = llama_argv({"hf_token": "hf_secret", "threads": 2}, gguf)
+    assert "hf_secret" not in " ".join(argv) and "--hf-token" not in argv
+    assert KIND.secret_env({"hf_token": "hf_secret"}, "w") == {"HF_TOKEN": "hf_secret"}  # llama-server reads HF_TOKEN
+    assert "hf_token" in KIND.secret_args
+
+
+def llama_config(gguf, deploy: dict) -> dict:
+    return {
+        "experiment": {
+            "exp_name": "t",
+            "exp_dir": "/tmp/t",
+            "task": {"type": "serve"},
+            "runner": {"hostfile": None, "deploy": {"port": 8123, **deploy}},
+        },
+        "serve": [{"serve_id": "m", "engine": "llama_cpp", "engine_args": {"model": str(gguf)}}],
+        "action": "run",
+    }
+
+
+@pytest.mark.parametrize("deploy", [{"api_key": "one,two"}, {"api_key_env": "FS_TEST_COMMA_KEY"}])
+def test_llama_cpp_refuses_a_key_with_a_comma_naming_the_key(fake_llama_server, gguf, monkeypatch, deploy):
+    from flagscale.config.load import ConfigSources, load_config
+    from flagscale.plan import build_plan
+
+    monkeypatch.setenv("FS_TEST_COMMA_KEY", "one,two")
+    sources = ConfigSources(main="conf/serve.yaml")
+    with pytest.raises(ConfigError) as info:
+        build_plan(load_config(llama_config(gguf, deploy), sources), sources, check_port=False)
+    entry = next(iter(deploy))
+    assert f"conf/serve.yaml: experiment.runner.deploy.{entry}" in str(info.value) and "','" in str(info.value)
+    assert "one,two" not in str(info.value)
+    plan = build_plan(load_config(llama_config(gguf, {"api_key": "one-two"}), sources), sources, check_port=False)
+    assert plan.api_key == "one-two"
+
+
+def test_llama_cpp_names_the_request_headers_the_router_drops():
+    assert "x-conversation-id" in KIND.dropped_request_headers
+    assert all(h == h.lower() for name in engines.ENGINES for h in engines.get(name).dropped_request_headers)
+    assert "x-conversation-id" in engines.dropped_request_headers()  # what the router drops, over every kind
+
+
 def test_llama_cpp_maps_flagscale_keys(fake_llama_server, gguf):
     argv = llama_argv(
         {"max_num_seqs": 4, "max_model_len": 512, "served_model_name": ["tiny", "small"], "n_gpu_layers": 0},
@@ -142,6 +188,17 @@ def test_llama_cpp_maps_flagscale_keys(fake_llama_server, gguf):
         "--n-gpu-layers",
         "0",
     ]
+
+
+def test_llama_cpp_dryrun_shows_the_flags_its_argv_sets():
+    argv = ["--model", "/m.gguf", "--parallel", "4", "--n-gpu-layers", "-1", "--no-cont-batching", "--alias", "a,b"]
+    assert KIND.shown_args(argv) == {
+        "model": "/m.gguf",
+        "parallel": "4",
+        "n_gpu_layers": "-1",
+        "no_cont_batching": True,
+        "alias": "a,b",
+    }
 
 
 def test_llama_cpp_own_key_wins_over_the_common_one(fake_llama_server, gguf):
@@ -263,3 +320,36 @@ def test_sglang_is_refused_naming_what_it_lacks():
     with pytest.raises(ConfigError, match="torch 2.14.1") as info:
         engines.get("sglang").check_available("serve[0](x).engine")
     assert "docs/engines.md" in str(info.value)
+
+
+# ---- engine args that hand every client more than the model need the node to opt in (issue 34, item 2) ----
+
+
+def test_unsafe_engine_args_are_refused_unless_the_node_opts_in():
+    kind = KIND
+    where = "serve[0](tiny).engine_args"
+    for key, value in (("tools", "all"), ("agent", True), ("ui_mcp_proxy", True), ("slot_save_path", "/tmp/s")):
+        with pytest.raises(ConfigError) as info:
+            kind.check_unsafe_args({key: value}, [], where)
+        assert info.value.where == f"{where}.{key}" and f"allow_engine_args: [{key}]" in str(info.value)
+        kind.check_unsafe_args({key: value}, [key], where)  # opted in by name
+    kind.check_unsafe_args({"agent": False, "tools": ""}, [], where)  # off: nothing to opt into
+    with pytest.raises(ConfigError) as info:
+        kind.check_unsafe_args({}, ["tool"], where)
+    assert info.value.where == "serve[0](tiny).allow_engine_args" and "tools" in str(info.value)
+
+
+def test_the_plan_refuses_an_unsafe_engine_arg_naming_the_node_and_key(demo_model_path):
+    sources = ConfigSources(main="conf/serve.yaml", serve="conf/serve/m.yaml")
+
+    def config(**node):
+        engine_args = {"model": str(demo_model_path), "tool_server": "demo"}
+        serve = [{"serve_id": "m", "engine": "vllm", "engine_args": engine_args, **node}]
+        experiment = {"exp_name": "t", "exp_dir": "/tmp/t", "runner": {"deploy": {"port": 8123}}}
+        return load_config({"experiment": experiment, "serve": serve, "action": "run"}, sources)
+
+    with pytest.raises(ConfigError) as info:
+        build_plan(config(), sources, check_port=False)
+    assert "serve[0](m).engine_args.tool_server" in str(info.value) and "allow_engine_args" in str(info.value)
+    plan = build_plan(config(allow_engine_args=["tool_server"]), sources, check_port=False)
+    assert "--tool-server" in plan.engines[0].argv

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flagscale.actions.run import _cause
 from flagscale.errors import error_excerpt
-from flagscale.serve.engine import _cause_from_log
+from flagscale.replica.process import cause_from_log
 from flagscale.serve.graph import GraphNodeError
 
 VLLM_LOG = """\
@@ -24,9 +24,9 @@ pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
 SERVE_MESSAGE = """\
 The deployment failed to start 3 times in a row. See controller logs for details. Error:
 ray.exceptions.RayTaskError(EngineStartError): ray::ServeReplica:demo:broken.initialize_and_get_metadata()
-  File "/work/flagscale/serve/engine.py", line 150, in _wait_healthy
+  File "/work/flagscale/replica/engine.py", line 150, in _wait_healthy
     raise EngineStartError(
-flagscale.serve.engine.EngineStartError: vLLM server for 'broken' exited with code 1 during start-up; log x.log:
+flagscale.replica.engine.EngineStartError: vLLM server for 'broken' exited with code 1 during start-up; log x.log:
 pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
   Value error, User-specified max_model_len (4096) is greater than the derived max_model_len (2048)
 """
@@ -38,7 +38,7 @@ def test_a_tracebacks_exception_line_and_the_lines_after_it():
 
 def test_the_exception_line_wins_over_errors_its_message_quotes():
     excerpt = error_excerpt(SERVE_MESSAGE, after=11)
-    assert excerpt.startswith("flagscale.serve.engine.EngineStartError: vLLM server for 'broken' exited")
+    assert excerpt.startswith("flagscale.replica.engine.EngineStartError: vLLM server for 'broken' exited")
     assert excerpt.endswith("is greater than the derived max_model_len (2048)")
 
 
@@ -58,12 +58,12 @@ def test_without_an_error_line_the_last_lines():
 
 
 def test_callers(tmp_path):
-    assert _cause(SERVE_MESSAGE).startswith("flagscale.serve.engine.EngineStartError:")
+    assert _cause(SERVE_MESSAGE).startswith("flagscale.replica.engine.EngineStartError:")
     assert _cause("") == "no message from Ray Serve"
     log = tmp_path / "engine.log"
     log.write_text(VLLM_LOG)
-    assert "max_model_len (4096) is greater than the derived max_model_len" in _cause_from_log(log)
-    assert _cause_from_log(tmp_path / "missing.log") == "(no log)"
+    assert "max_model_len (4096) is greater than the derived max_model_len" in cause_from_log(log)
+    assert cause_from_log(tmp_path / "missing.log") == "(no log)"
     ray_text = 'ray::CustomNode.forward()\n  File "node.py", line 3, in forward\n    raise ValueError("boom")\nValueError: boom'
     assert str(GraphNodeError("summarize", RuntimeError(ray_text))) == "node 'summarize' failed: ValueError: boom"
     assert str(GraphNodeError("summarize", TimeoutError())) == "node 'summarize' failed: TimeoutError"

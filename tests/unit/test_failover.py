@@ -11,10 +11,11 @@ import json
 import aiohttp
 from aiohttp import web
 
-from flagscale.serve.resume import ClientStream, unresumable
-from flagscale.serve.routing import RoutingSpec, make_policy
+from flagscale.config.routing import RoutingSpec
+from flagscale.router.policies import make_policy
+from flagscale.router.resume import ClientStream, unresumable
 from tests.conftest import bare_router, router_listening, serve
-from tests.unit.test_router_retry import upstream
+from tests.unit.test_router_retry import started_upstreams
 
 
 def next_token(last: int) -> int:
@@ -117,14 +118,9 @@ class FakeEngine:
 
 async def through_router(engines: list[FakeEngine], path: str, body: dict, max_migrations: int = 2):
     """Send one request through a router over `engines` (tried in this order); returns status and raw bytes."""
-    ups = []
-    for sent, engine in enumerate(engines):
-        up = upstream(engine.name, 0, sent=sent)
-        up.record.url = await engine.start()
-        ups.append(up)
-    router = bare_router(ups, "least_load")
+    router = bare_router(await started_upstreams(engines), "least_load")
     router.spec.routing["m"] = RoutingSpec(policy="least_load", max_migrations=max_migrations)
-    router._policies["m"] = make_policy(router.spec.routing["m"])
+    router.policies["m"] = make_policy(router.spec.routing["m"])
     try:
         async with router_listening(router) as url, aiohttp.ClientSession() as client:
             async with client.post(f"{url}{path}", json=body) as resp:
@@ -170,7 +166,7 @@ def test_completion_stream_resumes_on_another_replica_exactly_where_it_broke_off
     assert path == "/v1/completions"
     assert resumed["prompt"] == tokenize("hello") + greedy(tokenize("hello"), 5) and resumed["max_tokens"] == 7
     assert dying.bodies[0][1]["return_token_ids"] is True and "return_token_ids" not in body
-    stats = router._collect_stats()
+    stats = router.collect_stats()
     assert stats["moved"] == 1 and stats["resumed"] == 1 and stats["replicas"]["dying"]["migrations"] == 1
 
 
@@ -270,7 +266,7 @@ def test_replica_failing_before_answering_hands_the_request_to_another():
     status, raw, router = asyncio.run(through_router([failing, good], "/v1/completions", body))
     assert status == 200 and json.loads(raw)["choices"][0]["text"] == text_of(greedy(tokenize("x"), 3))
     assert len(failing.bodies) == 1 and len(good.bodies) == 1
-    assert router._collect_stats()["replicas"]["failing"]["migrations"] == 1
+    assert router.collect_stats()["replicas"]["failing"]["migrations"] == 1
 
 
 def test_every_replica_failing_returns_the_last_answer_each_tried_once():

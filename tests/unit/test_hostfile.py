@@ -7,7 +7,6 @@ import shlex
 import pytest
 
 from flagscale.cluster.hostfile import HEAD_RESOURCE, parse_hostfile
-from flagscale.cluster.multihost import host_node
 from flagscale.cluster.placement import Target, check_fits, reserve
 from flagscale.cluster.ray_node import ray_start_argv, with_before_start
 from flagscale.cluster.runner import session_argv
@@ -15,6 +14,7 @@ from flagscale.cluster.ssh import remote_command
 from flagscale.config.replicas import replica_settings
 from flagscale.config.schema import NodeConfig
 from flagscale.errors import ConfigError
+from flagscale.launchers.multihost import host_node
 from flagscale.plan import EnginePlan
 
 
@@ -121,7 +121,7 @@ def test_tp_larger_than_one_host_uses_a_placement_group(tmp_path):
     hf = parse_hostfile(hostfile(tmp_path, "a slots=2 type=gpu\nb slots=2 type=gpu\n"))
     plan, node = place_engine(engine(tp=4), hf, "SPREAD", "here")
     assert plan.placement_strategy == "SPREAD"
-    # one bundle per host with its share of the ranks; the replica starts the other host's (serve/ranks.py)
+    # one bundle per host with its share of the ranks; the replica starts the other host's (replica/ranks.py)
     share = {"GPU": 2.0, "accelerator_type:gpu": 0.001}
     assert plan.placement_bundles == [{"CPU": 1.0, **share}, share] and plan.ranks_per_host == 2
     assert "--distributed-executor-backend" not in plan.argv

@@ -266,7 +266,8 @@ def test_an_unreadable_registry_falls_back_to_this_runs_log_files(tmp_path, monk
     def refuse(state):
         raise lg.ClusterError("cannot reach Ray's GCS at x")
 
-    monkeypatch.setattr(lg, "connect_kv", refuse)  # a run's own cluster: the registry is read without a driver
+    # a run's own cluster: the registry is read without a driver
+    monkeypatch.setattr("flagscale.launchers.base.connect_kv", refuse)
     notes: list[str] = []
     found = lg.discover(str(exp_dir), state, notes.append)
     assert names(found) == ["runner", "alpha/n3wr3p1c"]  # not the earlier runs' logs

@@ -13,9 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from flagscale.config.load import ConfigSources, load_config
 from flagscale.errors import ConfigError
 from flagscale.plan import build_plan
-from flagscale.serve.metrics import merge_replica_metrics
+from flagscale.router.metrics import merge_replica_metrics
 from tests.conftest import bare_router, router_listening, serve
-from tests.unit.test_router_retry import upstream
+from tests.unit.test_router_retry import started_upstreams
 
 ENGINE_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -69,12 +69,7 @@ class FakeEngine:
 
 
 async def with_router(engines, api_key=None, protect_metrics=None, calls=()):
-    ups = []
-    for sent, engine in enumerate(engines):
-        up = upstream(engine.name, 0, sent=sent)
-        up.record.url = await engine.start()
-        ups.append(up)
-    router = bare_router(ups, "least_load")
+    router = bare_router(await started_upstreams(engines), "least_load")
     router.spec.api_key = api_key
     if protect_metrics is not None:
         router.spec.protect_metrics = protect_metrics
@@ -92,7 +87,7 @@ async def with_router(engines, api_key=None, protect_metrics=None, calls=()):
 
 
 def test_metrics_show_every_replica_and_the_router_and_skip_a_silent_one(monkeypatch):
-    monkeypatch.setattr("flagscale.serve.router.SCRAPE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("flagscale.router.frontend.SCRAPE_TIMEOUT_S", 0.5)
     engines = [FakeEngine("a", 1), FakeEngine("b", 2), FakeEngine("silent", 9, answer_metrics=False)]
     calls = [("POST", "/v1/completions", {}), ("GET", "/metrics", {})]
     (completion, (status, text)), _ = asyncio.run(with_router(engines, calls=calls))

@@ -1,5 +1,5 @@
 """Parallel engines, pure logic: where one replica's ranks go (hosts, cores, GPUs), the command each host runs,
-and the splits refused before start (flagscale/serve/ranks.py, engines/vllm.py, cluster/placement.py)."""
+and the splits refused before start (flagscale/replica/ranks.py, engines/vllm.py, cluster/placement.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from flagscale.cluster.placement import Target, check_ranks_fit_cores, hosts_to_
 from flagscale.config.schema import Resources
 from flagscale.engines import vllm
 from flagscale.engines.base import HostShare, ServerLaunch
+from flagscale.engines.vllm import rank_of_title
 from flagscale.errors import ConfigError
-from flagscale.serve import ranks
-from flagscale.serve.ranks import CoreClaim, RankStartError, preview, rank_of_title, split_ranks
+from flagscale.replica import ranks
+from flagscale.replica.ranks import CoreClaim, RankStartError, preview, split_ranks
 
 KIND = vllm.KIND
 SERVER = ServerLaunch(["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--port", "9"])

@@ -13,12 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from flagscale.cluster import multihost, ray_node
+from flagscale.cluster import ray_node
 from flagscale.cluster.hostfile import parse_hostfile
-from flagscale.cluster.multihost import ClusterLauncher
 from flagscale.cluster.ray_node import ray_cli, start_local_head
 from flagscale.cluster.runner import CommandRunner, Result, Session
 from flagscale.cluster.state import RunState
+from flagscale.launchers import multihost
+from flagscale.launchers.multihost import SshClusterStart
 
 EXP_DIR = "/nonexistent/exp"  # short: the one-machine temp dir is EXP_DIR/ray
 TOKEN = "/nonexistent/exp/ray_auth_token"
@@ -80,7 +81,7 @@ def calls(monkeypatch):
     for module in (ray_node, multihost):
         monkeypatch.setattr(module, "LocalRunner", lambda host="localhost": FakeRunner(host, False, recorded))
     monkeypatch.setattr(multihost, "local_ip_towards", lambda ip: "10.0.0.9")
-    monkeypatch.setattr(ClusterLauncher, "_wait_joined", lambda self: None)
+    monkeypatch.setattr(SshClusterStart, "_wait_joined", lambda self: None)
     return recorded
 
 
@@ -135,7 +136,7 @@ def launch(tmp_path, hostfile_text: str, num_cpus: int | None, before_start: str
     )
     plan = SimpleNamespace(cluster=cluster, ray_port=6379, before_start=before_start, log_dir=Path("/logs"))
     state = new_state()
-    launcher = ClusterLauncher(state, plan, {"PYTHONPATH": "/p"})
+    launcher = SshClusterStart(state, plan, {"PYTHONPATH": "/p"})
     recorded: list = []
     addresses = {"node-a": "10.0.0.1", "node-b": "10.0.0.2"}
     launcher.runners = {h: FakeRunner(h, True, recorded, addresses[h]) for h in launcher.runners}

@@ -1,8 +1,10 @@
 """The router's HTTP surface against generated malformed requests (a seeded generator, so a failure replays): bodies
-of every JSON shape with the fields the router reads set to wrong types, broken JSON and bytes, and headers with
-bytes that are not UTF-8. The router itself never answers 5xx nor fails a handler, and a good request is still
-answered afterwards. The fake engines answer what they can parse (streams in vLLM's format, token ids included)
-and refuse the rest with 400, as vLLM does."""
+of every JSON shape with the fields the router reads set to wrong types, broken JSON and bytes, headers with
+bytes that are not UTF-8, any method, and paths on and off the public surface (engines' admin paths, the router's
+own routes, paths spelt to slip past an allowlist). The router itself never answers 5xx nor fails a handler, no
+path off the public surface reaches an engine, and a good request is still answered afterwards. The fake
+engines answer what they can parse (streams in vLLM's format, token ids included) and refuse the rest with 400,
+as vLLM does."""
 
 from __future__ import annotations
 
@@ -21,6 +23,26 @@ from tests.unit.test_router_retry import upstream
 SEED = 19
 CASES = 400
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/completions?x=%ff", "/v1/embeddings")
+# Off the public surface (engines' admin and native paths, the router's own routes with another method, spellings
+# of a public path that are not it): never reach an engine, answered 401 (no key) or 404/405 by the router.
+OFF_SURFACE = (
+    "/load",
+    "/collective_rpc",
+    "/scale_elastic_ep",
+    "/slots",
+    "/slots/0?action=save",
+    "/props",
+    "/v1/load_lora_adapter",
+    "/v1/completions/../../load",
+    "/v1/%2e%2e/load",
+    "//v1/completions",
+    "/v1/completions/",
+    "/health",
+    "/metrics",
+    "/v1/models",
+    "/",
+)
+METHODS = ("POST", "POST", "POST", "GET", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD")
 
 
 class TolerantEngine:
@@ -30,9 +52,11 @@ class TolerantEngine:
     def __init__(self, name: str) -> None:
         self.name = name
         self.answers = 0
+        self.paths: list[str] = []
 
     async def start(self) -> str:
         async def handle(request: web.Request):
+            self.paths.append(request.path)
             try:
                 body = await request.json()
                 stream = body.get("stream") is True
@@ -136,8 +160,9 @@ def junk_headers(rng: random.Random) -> list[bytes]:
     return headers
 
 
-async def answer_status(url: str, path: str, body: bytes, headers: list[bytes]) -> int:
-    reader, writer = await raw_request(url, post_head(path, body, b"Connection: close", *headers), body)
+async def answer_status(url: str, path: str, body: bytes, headers: list[bytes], method: str = "POST") -> int:
+    head = post_head(path, body, b"Connection: close", *headers).replace(b"POST ", method.encode() + b" ", 1)
+    reader, writer = await raw_request(url, head, body)
     try:
         status_line = await asyncio.wait_for(reader.readline(), 10)
         await asyncio.wait_for(reader.read(), 10)  # the whole answer, streams included
@@ -174,18 +199,27 @@ def test_generated_malformed_requests_never_get_a_5xx_from_the_router():
                 async with router_listening(router) as url:
                     for _ in range(CASES // 2):
                         path, body, headers = rng.choice(PATHS), junk_body(rng), junk_headers(rng)
+                        method = "POST" if rng.random() < 0.7 else rng.choice(METHODS)
+                        off_surface = rng.random() < 0.25
+                        if off_surface:
+                            path = rng.choice(OFF_SURFACE)
                         if router.spec.api_key and rng.random() < 0.8:
                             headers = [h for h in headers if not h.startswith(b"Authorization")]
                             headers.append(b"Authorization: Bearer sesame")
-                        status = await answer_status(url, path, body, headers)
+                        reached = sum(len(e.paths) for e in engines)
+                        status = await answer_status(url, path, body, headers, method)
                         if status >= 500:
-                            bad.append((status, path, body[:200], headers))
+                            bad.append((status, method, path, body[:200], headers))
+                        own_route = method in ("GET", "HEAD") and path in ("/health", "/metrics", "/v1/models")
+                        if off_surface and not own_route:
+                            if status not in (400, 401, 404, 405) or sum(len(e.paths) for e in engines) != reached:
+                                bad.append((status, method, path, "off the surface", headers))
                     async with aiohttp.ClientSession() as client:
                         good = {"model": "m", "prompt": "hello", "max_tokens": 3}
                         headers = {"Authorization": "Bearer sesame"} if router.spec.api_key else {}
                         async with client.post(f"{url}/v1/completions", json=good, headers=headers) as r:
                             assert r.status == 200 and (await r.json())["choices"][0]["text"] == "ok"
-                    assert router._inflight == 0 and all(u.inflight == 0 for u in ups)
+                    assert router.inflight == 0 and all(u.inflight == 0 for u in ups)
         finally:
             for engine in engines:
                 await engine.runner.cleanup()
@@ -195,7 +229,7 @@ def test_generated_malformed_requests_never_get_a_5xx_from_the_router():
         bad = asyncio.run(main())
     finally:
         logging.getLogger("aiohttp.server").removeHandler(failed_handlers)
-    assert not bad, f"{len(bad)} requests got a 5xx, e.g. {bad[:3]}"
+    assert not bad, f"{len(bad)} requests got a 5xx or reached an engine off the surface, e.g. {bad[:3]}"
     assert not failed_handlers.records, [
         r.getMessage() + str(r.exc_info and r.exc_info[1]) for r in failed_handlers.records[:3]
     ]

@@ -13,8 +13,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from flagscale.config.routing import RoutingSpec
 from flagscale.config.schema import DeployConfig
-from flagscale.serve.routing import CacheAware, RequestInfo, RoutingSpec, make_policy, prompt_text
+from flagscale.router.policies import RequestInfo, make_policy
+from flagscale.router.policies.cache_aware import CacheAware, prompt_text
 from tests.conftest import bare_router, router_listening, serve
 from tests.unit.test_failover import FakeEngine, events
 from tests.unit.test_failover import through_router as stream_through_router
@@ -85,7 +87,7 @@ def test_a_client_that_hangs_up_closes_the_engines_request(streamed):
                 writer.close()
                 await asyncio.wait_for(engine.closed.wait(), 5)
                 await asyncio.sleep(0.2)
-                assert router._inflight == 0 and up.inflight == 0
+                assert router.inflight == 0 and up.inflight == 0
         finally:
             await engine.runner.cleanup()
 
@@ -114,13 +116,13 @@ def test_a_client_that_reads_slowly_holds_back_the_engine_not_the_routers_memory
             return response
 
         app = web.Application()
-        app.router.add_post("/v1/big", big)
+        app.router.add_post("/v1/embeddings", big)
         runner, port = await serve(app)
         up = upstream("a", port, sent=0)
         try:
             async with router_listening(bare_router([up], "least_load")) as url:
                 body = json.dumps({"model": "m"}).encode()
-                reader, writer = await raw_request(url, post_head("/v1/big", body), body)
+                reader, writer = await raw_request(url, post_head("/v1/embeddings", body), body)
                 await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
                 deadline = asyncio.get_running_loop().time() + 10
                 while written < 4 * 1024 * 1024 and asyncio.get_running_loop().time() < deadline:
@@ -279,7 +281,7 @@ def test_replicas_get_at_most_max_ongoing_requests_and_the_rest_wait_in_a_bounde
                         return r.status, r.headers.get("Retry-After"), await r.json()
 
                 held = [asyncio.create_task(post()) for _ in range(4 + 3)]  # 2 replicas x 2, 3 queued
-                while sum(e.inflight for e in engines) < 4 or len(router._waiting.get(("serve", "m"), ())) < 3:
+                while sum(e.inflight for e in engines) < 4 or len(router.admission.waiting.get(("serve", "m"), ())) < 3:
                     await asyncio.sleep(0.02)
                 status, retry_after, answer = await post()  # the queue is full
                 assert status == 503 and retry_after == "1", (status, answer)
@@ -316,7 +318,7 @@ def test_a_request_waits_in_the_queue_at_most_queue_timeout_s():
         finally:
             await engine.runner.cleanup()
         assert status == 503 and retry_after == "1" and "deploy.queue_timeout_s" in answer["error"]["message"]
-        assert router._waiting == {}
+        assert router.admission.waiting == {}
 
     asyncio.run(main())
 
@@ -398,7 +400,7 @@ def test_a_stream_an_engine_died_on_is_resumed_only_once_more():
     assert [len(e.bodies) for e in engines] == [1, 1, 0]
     last = [e for e in events(raw) if isinstance(e, dict)][-1]
     assert "may be what kills them" in last["error"]["message"], last
-    assert router._collect_stats()["resumed"] == 1
+    assert router.collect_stats()["resumed"] == 1
 
 
 def test_client_kv_transfer_params_never_reach_an_engine():

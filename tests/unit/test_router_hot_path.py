@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from flagscale.serve import resume
-from flagscale.serve.resume import COMPLETIONS, ClientStream
+from flagscale.router import resume
+from flagscale.router.resume import COMPLETIONS, ClientStream
 
 
 def event(obj: dict) -> bytes:

@@ -9,11 +9,12 @@ import json
 
 import aiohttp
 
-from flagscale.serve import router_peers
-from flagscale.serve.router_peers import RoutingHints, decode_hint, encode_hint, merge_stats
+from flagscale.router import peers
+from flagscale.router.peers import RoutingHints, decode_hint, encode_hint, merge_stats
 from tests.conftest import bare_router, router_listening
 from tests.unit.test_router_retry import healthy_replica, upstream
 
+SECRET = "0123456789abcdef" * 4  # the deployment's peer secret (RouterSpec.peer_secret)
 PROMPTS = [f"document {d}: " + "lorem ipsum dolor sit amet " * 20 + f"question {q}" for d in range(6) for q in range(3)]
 
 
@@ -41,9 +42,9 @@ async def _two_routers_route(prompts: list[str], hints: bool) -> list[str]:
         routers.append(router)
     if hints:
         for router in routers:
-            router._hints = await RoutingHints.open(router._learn_hint)
-        routers[0]._hints.peers = [routers[1]._hints.port]
-        routers[1]._hints.peers = [routers[0]._hints.port]
+            router.hints = await RoutingHints.open(router.peers.learn_hint, SECRET)
+        routers[0].hints.peers = [routers[1].hints.port]
+        routers[1].hints.peers = [routers[0].hints.port]
     served = []
     try:
         async with router_listening(routers[0]) as url0, router_listening(routers[1]) as url1:
@@ -57,8 +58,8 @@ async def _two_routers_route(prompts: list[str], hints: bool) -> list[str]:
                     await asyncio.sleep(0.01)  # the hint crosses to the other process
     finally:
         for router in routers:
-            if router._hints is not None:
-                router._hints.transport.close()
+            if router.hints is not None:
+                router.hints.transport.close()
         await runner_a.cleanup()
         await runner_b.cleanup()
     return served
@@ -115,13 +116,13 @@ def test_stats_of_several_processes_merge():
 
 def test_a_drain_request_concerns_processes_started_before_it(monkeypatch):
     store: dict = {}
-    monkeypatch.setattr(router_peers, "kv_put", lambda key, value, namespace: store.__setitem__(key, value))
-    monkeypatch.setattr(router_peers, "kv_get", lambda key, namespace: store.get(key))
-    router_peers.request_drain("app", timeout_s=30)
+    monkeypatch.setattr(peers, "kv_put", lambda key, value, namespace: store.__setitem__(key, value))
+    monkeypatch.setattr(peers, "kv_get", lambda key, namespace: store.get(key))
+    peers.request_drain("app", timeout_s=30)
     set_at = json.loads(store[b"router-drain/app"])["set_at"]
-    assert router_peers.drain_requested("app", started_at=set_at - 5)
-    assert not router_peers.drain_requested("app", started_at=set_at + 1)  # a later deployment of the name
-    assert not router_peers.drain_requested("other", started_at=0)
+    assert peers.drain_requested("app", started_at=set_at - 5)
+    assert not peers.drain_requested("app", started_at=set_at + 1)  # a later deployment of the name
+    assert not peers.drain_requested("other", started_at=0)
 
 
 def test_default_router_processes():
@@ -148,9 +149,9 @@ def test_metrics_on_one_process_carry_every_processs_series():
         router.metrics.requests.labels("m", "200").inc(3)
         other = bare_router([], "least_load")
         other.metrics.requests.labels("m", "200").inc(5)
-        peer = router_peers.PeerReport("h:2", 2, 0.0, time.time(), {}, other.metrics.text().decode())
-        stale = router_peers.PeerReport("h:3", 3, 0.0, time.time() - 60, {}, other.metrics.text().decode())
-        router._peer_reports = [peer, stale]
+        peer = peers.PeerReport("h:2", 2, 0.0, time.time(), {}, other.metrics.text().decode())
+        stale = peers.PeerReport("h:3", 3, 0.0, time.time() - 60, {}, other.metrics.text().decode())
+        router.peer_reports = [peer, stale]
         async with router_listening(router) as url, aiohttp.ClientSession() as client:
             async with client.get(url + "/metrics") as resp:
                 return await resp.text()
@@ -162,4 +163,69 @@ def test_metrics_on_one_process_carry_every_processs_series():
         if s.name == "flagscale_router_requests_total"
     ]
     by_process = {s.labels["router_process"]: s.value for s in samples}
-    assert by_process == {router_peers.this_process(): 3.0, "h:2": 5.0}  # the stale report is left out
+    assert by_process == {peers.this_process(): 3.0, "h:2": 5.0}  # the stale report is left out
+
+
+# ---- the hints are authenticated, and only feed what this process knows (issue 34, item 6) ----
+
+
+def test_only_hints_signed_with_the_deployments_secret_are_taken():
+    """Real loopback UDP: a peer with the secret is heard; one with another secret, an unsigned datagram in the
+    old format and a truncated one are dropped and counted."""
+
+    async def main():
+        heard: list = []
+        receiver = await RoutingHints.open(lambda *hint: heard.append(hint), SECRET)
+        peer = await RoutingHints.open(lambda *hint: None, SECRET)
+        stranger = await RoutingHints.open(lambda *hint: None, "another deployment's secret" * 2)
+        keys = [b"k" * 12, b"l" * 12]
+        try:
+            for sender in (peer, stranger):
+                sender.peers = [receiver.port]
+                sender.send("serve", "m", "r1", keys)
+            raw = encode_hint("serve", "m", "r9", keys)
+            stranger.transport.sendto(raw, ("127.0.0.1", receiver.port))
+            stranger.transport.sendto(peer.sign(raw)[:20], ("127.0.0.1", receiver.port))
+            for _ in range(100):
+                if len(heard) + receiver.dropped >= 4:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            for hints in (receiver, peer, stranger):
+                hints.transport.close()
+        return heard, receiver.dropped
+
+    heard, dropped = asyncio.run(main())
+    assert heard == [("serve", "m", "r1", [b"k" * 12, b"l" * 12])]
+    assert dropped == 3
+
+
+def test_hints_naming_replicas_this_router_does_not_know_are_dropped():
+    router = bare_router([upstream("a", 1, 0), upstream("b", 2, 0)], "cache_aware")
+    keys = [bytes([i]) * 12 for i in range(3)]
+    router.peers.learn_hint("serve", "m", "a", keys)
+    for pool, model, replica_id in (("serve", "m", "ghost"), ("serve", "other", "a"), ("prefill", "m", "b")):
+        router.peers.learn_hint(pool, model, replica_id, keys)
+    table = router.policies["m"].table
+    assert {r for holders in table.blocks.values() for r in holders} == {"a"}
+    assert table.match(keys) == {"a": 3}
+    many = [i.to_bytes(12, "big") for i in range(peers.HINT_MAX_KEYS + 1)]
+    try:  # a hint is bounded: more keys than one hint carries is not a hint
+        decode_hint(b'["serve","m","a"]\n' + b"".join(many))
+        raise AssertionError("an oversized hint was taken")
+    except ValueError:
+        pass
+
+
+def test_the_peer_secret_is_stable_private_and_never_shown(tmp_path):
+    from flagscale.router.spec import RouterSpec
+
+    secret = peers.secret_of(tmp_path)
+    path = tmp_path / peers.SECRET_FILE
+    assert len(secret) >= 32 and path.stat().st_mode & 0o777 == 0o600
+    path.chmod(0o644)
+    assert peers.secret_of(tmp_path) == secret  # the same for every router process, update and restart
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert peers.secret_of(tmp_path / "other") != secret  # per deployment
+    spec = RouterSpec(app="a", host="127.0.0.1", port=1, models={"m": "s"}, peer_secret=secret)
+    assert secret not in repr(spec) and secret not in json.dumps(spec.user_config())

@@ -1,4 +1,5 @@
-from flagscale.serve.router import _Upstream, rank_replicas
+from flagscale.router.policies import rank_replicas
+from flagscale.router.replicas import Upstream as _Upstream
 from tests.conftest import replica_record
 
 

@@ -11,13 +11,23 @@ import aiohttp
 from aiohttp import web
 
 from flagscale.net import free_port
-from flagscale.serve.router import _Upstream
+from flagscale.router.replicas import Upstream as _Upstream
 from tests.conftest import bare_router, replica_record, router_listening, serve
 
 
 def upstream(name: str, port: int, sent: int) -> _Upstream:
     record = replica_record(name, f"http://127.0.0.1:{port}")
     return _Upstream(record, sent=sent)  # fewer sent: tried first
+
+
+async def started_upstreams(engines) -> list:
+    """Each test engine started, as the router's upstream records, in the order given (the first least loaded)."""
+    ups = []
+    for sent, engine in enumerate(engines):
+        up = upstream(engine.name, 0, sent=sent)
+        up.record.url = await engine.start()
+        ups.append(up)
+    return ups
 
 
 async def healthy_replica(seen: list) -> tuple[web.AppRunner, int]:

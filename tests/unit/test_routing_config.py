@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from flagscale.config.load import ConfigSources, load_config
+from flagscale.config.routing import RoutingSpec
 from flagscale.errors import ConfigError
 from flagscale.plan import build_plan
-from flagscale.serve.routing import RoutingSpec
 
 SOURCES = ConfigSources(main="conf/serve.yaml", serve="conf/serve/demo.yaml")
 

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from flagscale.serve.routing import (
-    POLICIES,
-    CacheAware,
-    PrefixTable,
-    RequestInfo,
-    RoutingSpec,
-    Upstream,
-    make_policy,
-    prompt_text,
-)
+from flagscale.config.routing import POLICIES, RoutingSpec
+from flagscale.router.policies import RequestInfo, make_policy
+from flagscale.router.policies.cache_aware import CacheAware, PrefixTable, prompt_text
+from flagscale.router.replicas import Upstream
 from tests.conftest import replica_record
 
 

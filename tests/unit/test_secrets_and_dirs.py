@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from flagscale.cluster.ssh import _SaveNewKeyPolicy, env_line, remote_command
 from flagscale.cluster.tempdirs import UnsafeDirectory, ensure_dir_in_private_parent, ensure_private_dir
 from flagscale.config.cli import without_hydra_config_copy
 from flagscale.config.load import load_config
-from flagscale.errors import ConfigError
+from flagscale.errors import ClusterError, ConfigError
 from flagscale.update import diff, masked_config, snapshot
 
 SECRET = "hf_s3cr3t_value"
@@ -150,3 +152,40 @@ def _new_key(folder: Path) -> Path:
     path = folder / "id"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
     return path
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory owned by someone else")
+def test_a_per_user_base_taken_by_someone_else_falls_back_to_the_users_cache(tmp_path, monkeypatch):
+    """/tmp/flagscale-<uid> made first by another user blocks no run: the GPU / core locks and a long exp_dir's
+    Ray temp dir go to a private directory under the user's own cache instead."""
+    import tempfile
+
+    from flagscale.cluster.ray_node import ray_temp_dir
+    from flagscale.cluster.tempdirs import user_tmp_root
+    from flagscale.replica import startup_lock
+
+    tmp = tmp_path / "t"
+    tmp.mkdir()
+    assert user_tmp_root(str(tmp)) == f"{tmp}/flagscale-{os.getuid()}"  # free: the usual place
+    theirs = tmp / f"flagscale-{os.getuid()}"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 54321, 54321)
+    monkeypatch.setenv("FLAGSCALE_CACHE", str(tmp_path / "c"))
+    assert user_tmp_root(str(tmp)) == str(tmp_path / "c" / "tmp")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    with startup_lock.gpu_start_lock(["0"], timeout_s=5):
+        assert (tmp_path / "c" / "tmp" / "gpu-start-0.lock").exists()
+    assert stat.S_IMODE((tmp_path / "c" / "tmp").stat().st_mode) == 0o700
+
+    short_cache = tempfile.mkdtemp(prefix="fc", dir="/tmp")  # Ray's socket paths must fit in 107 bytes
+    try:
+        monkeypatch.setenv("FLAGSCALE_CACHE", short_cache)
+        temp = ray_temp_dir("/very/long/experiment/directory/name", tmp=str(tmp))
+        assert temp.startswith(f"{short_cache}/tmp/")
+        ensure_dir_in_private_parent(temp)
+    finally:
+        shutil.rmtree(short_cache)
+    monkeypatch.setenv("FLAGSCALE_CACHE", str(tmp_path / ("x" * 80)))
+    with pytest.raises(ClusterError, match="too long for Ray's socket paths"):
+        ray_temp_dir("/very/long/experiment/directory/name", tmp=str(tmp))

@@ -9,11 +9,11 @@ import uuid
 
 import pytest
 
-from flagscale.serve.startup_lock import gpu_start_lock, lock_path
+from flagscale.replica.startup_lock import gpu_start_lock, lock_path
 
 HOLD = """
 import sys, time
-from flagscale.serve.startup_lock import gpu_start_lock
+from flagscale.replica.startup_lock import gpu_start_lock
 with gpu_start_lock([sys.argv[1]], 10):
     print("held", flush=True)
     time.sleep(float(sys.argv[2]))

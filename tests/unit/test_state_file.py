@@ -62,6 +62,41 @@ def test_unreadable_files_name_the_file_and_what_to_do(tmp_path, text, said):
     assert "action=stop" in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "endpoint", ["http://127.0.0.1", "http://127.0.0.1:port", "127.0.0.1:8000", "http://:8000", ""]
+)
+def test_an_endpoint_without_host_and_port_is_one_clear_error(tmp_path, endpoint):
+    data = json.loads(json.dumps(a_state(tmp_path).__dict__))
+    data["endpoint"] = endpoint  # well-formed JSON of the right types
+    RunState.path(tmp_path).write_text(json.dumps(data))
+    with pytest.raises(StateFileError) as error:
+        _ = RunState.load(tmp_path).endpoint_address
+    assert "endpoint" in str(error.value) and str(RunState.path(tmp_path)) in str(error.value)
+    assert "action=stop" in str(error.value)
+    assert a_state(tmp_path).endpoint_address == ("127.0.0.1", 1)
+
+
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1", ""])
+def test_cli_status_and_stop_of_an_endpoint_without_a_port_give_no_traceback(tmp_path, endpoint):
+    conf, exp_dir = config(tmp_path)
+    leader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        data = json.loads(json.dumps(a_state(exp_dir).__dict__))
+        data["endpoint"] = endpoint
+        data["hosts"] = [{"host": "localhost", "role": "head", "session": leader.pid}]
+        RunState.path(exp_dir).write_text(json.dumps(data))
+        status = run_cli(conf, "action=status", timeout=120)
+        assert status.returncode != 0 and "Traceback" not in status.output, status.output
+        stop = run_cli(conf, "action=stop", timeout=120)
+        assert stop.returncode == 0 and "Traceback" not in stop.output, stop.output
+        assert "endpoint" in stop.output and str(RunState.path(exp_dir)) in stop.output, stop.output
+        assert leader.wait(timeout=30) is not None  # the session it names is stopped all the same
+    finally:
+        if leader.poll() is None:
+            leader.kill()
+            leader.wait()
+
+
 def test_a_newer_format_is_refused_with_both_versions(tmp_path):
     state = a_state(tmp_path)
     state.format_version = STATE_FORMAT + 1

@@ -155,3 +155,71 @@ def test_replicas_sharing_a_gpu_count_their_share_of_it():
     assert devices_of(engine("gpu", 1, 2, 0.5)) == 1.0  # two half-GPU replicas: one GPU
     assert devices_of(engine("gpu", 2, 2, 2)) == 4  # TP 2 x 2 replicas
     assert devices_of(engine("cpu", 1, 2, 0)) == 2
+
+
+SECRET = "s3cret-value-9f8e"
+
+
+def test_best_config_keeps_references_never_secret_values(tmp_path, monkeypatch, demo_model_path):
+    """auto_tune's best config: the API key as api_key_env, env values as ${oc.env:NAME}, hf_token as a
+    reference; no secret value in any file, each file 0600; with the variables set it loads to the same secrets."""
+    import stat
+
+    import yaml
+    from omegaconf import OmegaConf
+
+    from flagscale.config.load import ConfigSources, load_config
+    from flagscale.tune.report import BEST_KEY_ENV, write_best_config
+
+    cfg = {
+        "experiment": {
+            "exp_name": "t",
+            "exp_dir": str(tmp_path / "exp"),
+            "task": {"type": "serve"},
+            "runner": {"hostfile": None, "deploy": {"port": 8123, "api_key": SECRET}},
+            "envs": {"HF_TOKEN": SECRET, "PLAIN": "1", "nodes_envs": {"10.0.0.2": {"WANDB_KEY": SECRET}}},
+        },
+        "serve": [{"serve_id": "m", "engine_args": {"model": str(demo_model_path), "hf_token": SECRET}}],
+        "action": "run",
+    }
+    config = load_config(cfg, ConfigSources())
+    out, env_vars = write_best_config(config, str(tmp_path / "exp"), tmp_path / "auto_tuner" / "best")
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) == 2
+    for path in files:
+        assert SECRET not in path.read_text(), path
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700
+    main = yaml.safe_load((out / "serve.yaml").read_text())
+    assert main["experiment"]["runner"]["deploy"] == {"port": 8123, "api_key_env": BEST_KEY_ENV}
+    assert main["experiment"]["envs"]["HF_TOKEN"] == "${oc.env:HF_TOKEN}"
+    assert main["experiment"]["envs"]["nodes_envs"] == {"10.0.0.2": {"WANDB_KEY": "${oc.env:WANDB_KEY}"}}
+    assert yaml.safe_load((out / "serve" / "best.yaml").read_text())[0]["engine_args"]["hf_token"] == (
+        "${oc.env:HF_TOKEN}"
+    )
+    assert set(env_vars) == {BEST_KEY_ENV, "HF_TOKEN", "PLAIN", "WANDB_KEY"}
+
+    for name in env_vars:
+        monkeypatch.setenv(name, "1" if name == "PLAIN" else SECRET)
+    tree = OmegaConf.load(out / "serve.yaml")
+    tree.pop("defaults"), tree.pop("hydra")
+    tree.serve = OmegaConf.load(out / "serve" / "best.yaml")
+    again = load_config(OmegaConf.to_container(tree, resolve=True), ConfigSources())
+    assert again.experiment.runner.deploy.resolved_api_key() == SECRET
+    assert again.experiment.env_for()["HF_TOKEN"] == SECRET and again.experiment.env_for()["PLAIN"] == "1"
+    assert again.serve[0].engine_args["hf_token"] == SECRET
+
+
+def test_history_and_logs_are_the_users_alone(tmp_path):
+    import stat
+
+    from flagscale.paths import private_file
+
+    path = tmp_path / "auto_tuner" / "history.csv"
+    history.write(path, ["instance"], [{"instance": 1, "status": "done"}])
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    log = tmp_path / "auto_tuner" / "tuner.log"
+    log.write_text("earlier\n")
+    log.chmod(0o644)
+    assert stat.S_IMODE(private_file(log).stat().st_mode) == 0o600 and log.read_text() == "earlier\n"

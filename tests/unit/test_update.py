@@ -8,9 +8,10 @@ import asyncio
 
 from flagscale.config.routing import RoutingSpec
 from flagscale.config.schema import ServeConfig
+from flagscale.replica.registry import version_of
+from flagscale.router.router import Router
+from flagscale.router.spec import RouterSpec
 from flagscale.serve.app import _one_at_a_time
-from flagscale.serve.registry import version_of
-from flagscale.serve.router import Router, RouterSpec
 from flagscale.update import MISSING, Change, changed_nodes, diff, snapshot
 
 
@@ -101,17 +102,17 @@ def test_router_takes_a_new_spec_in_place_keeping_unchanged_policies():
     )
     router = Router.__new__(Router)
     router.spec = spec
-    router._graph = None
+    router.graph = None
     router._init_state()
-    kept = router._policies["a"]
+    kept = router.policies["a"]
     config = spec.user_config()
     assert "api_key" not in config and "port" not in config  # Serve shows user_configs; the listener is fixed
     config["models"] = {"a": "a", "c": "c"}
     config["routing"] = {"a": config["routing"]["a"], "c": {"policy": "round_robin"}}
     router.reconfigure(config)
-    assert router._policies["a"] is kept and set(router._policies) == {"a", "c"}
+    assert router.policies["a"] is kept and set(router.policies) == {"a", "c"}
     assert router.spec.routing["c"] == RoutingSpec(policy="round_robin") and router.spec.api_key == "k"
-    assert asyncio.run(router._health(None)).status == 503  # model c has no replica yet
+    assert asyncio.run(router.frontend.health(None)).status == 503  # model c has no replica yet
 
 
 def test_update_of_a_deployment_without_a_config_record_is_refused_before_touching_it(tmp_path):

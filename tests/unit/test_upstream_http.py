@@ -1,4 +1,4 @@
-"""The router's own HTTP/1.1 client (flagscale/serve/upstream_http.py) against real aiohttp servers on loopback:
+"""The router's own HTTP/1.1 client (flagscale/router/upstream_http.py) against real aiohttp servers on loopback:
 answers read whole and relayed piece by piece, kept-alive connections reused, the replica not read while the
 sink is full, and every way an answer can fail named as ConnectFailed or Disconnected."""
 
@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from flagscale.net import free_port
-from flagscale.serve.upstream_http import ConnectFailed, Disconnected, UpstreamClient
+from flagscale.router.upstream_http import ConnectFailed, Disconnected, UpstreamClient
 from tests.conftest import serve
 
 

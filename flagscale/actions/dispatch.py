@@ -1,0 +1,52 @@
+"""From Hydra's config to one action: load and validate the config, take the exp_dir's lock where the action
+asks for it (flagscale/actions/__init__.py: ACTIONS), run it; a FlagScaleError becomes one line and its exit code."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.markup import escape
+
+from flagscale.actions import ACTIONS
+from flagscale.actions.context import ActionContext
+from flagscale.cluster.lock import ExpDirLock
+from flagscale.cluster.state import resolve_exp_dir
+from flagscale.config.load import hydra_sources, load_config
+from flagscale.errors import FlagScaleError
+
+
+def dispatch(cfg: DictConfig) -> int:
+    console = Console(highlight=False)
+    try:
+        sources = hydra_sources()
+        config = load_config(cfg, sources)
+        ctx = ActionContext(config, sources, resolve_exp_dir(config.experiment.exp_dir), console)
+        return act(ctx)
+    except FlagScaleError as exc:
+        return report_error(exc)
+
+
+def act(ctx: ActionContext) -> int:
+    spec = ACTIONS[ctx.action]
+    module = importlib.import_module(spec.module)
+    # `stop` of an exp_dir that does not exist has nothing to stop, and must not create it.
+    if spec.locks_exp_dir and (ctx.action != "stop" or os.path.isdir(ctx.exp_dir)):
+        with ExpDirLock(ctx.exp_dir, ctx.action) as lock:
+            if ctx.action == "run" and ctx.config.foreground:
+                lock.describe(foreground=True)
+            return module.act(ctx)
+    return module.act(ctx)
+
+
+def report_error(exc: FlagScaleError) -> int:
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[red]error:[/] {escape(str(exc))}")
+    return exc.exit_code
+
+
+def main_exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.exit(code)

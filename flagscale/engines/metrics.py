@@ -1,0 +1,22 @@
+"""An engine server's own /metrics, read as the engine kinds read them (EngineKind.load, status_load): each sample
+name summed over its label sets. Used by the replicas (autoscaling, drain), `status` and the tests."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def engine_metrics(url: str, timeout_s: float = 10.0, api_key: str | None = None) -> dict[str, float]:
+    """One engine's own /metrics: each sample name (`vllm:num_requests_running`, `vllm:prefix_cache_hits_total`,
+    `..._count`) -> its value summed over every label set. Raises OSError when the engine does not answer.
+    `api_key`: the deployment's, which an engine requires on /metrics too (engines/vllm_auth.py)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=headers), timeout=timeout_s) as resp:
+        text = resp.read().decode()
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return sums

@@ -1,0 +1,274 @@
+"""An engine node's replica: a Ray Serve replica that owns one engine server process (vLLM's OpenAI server,
+llama.cpp's llama-server, ...: whatever its engine kind launches, flagscale/engines/).
+
+Ray Serve places, counts, health-checks and restarts the replica; the replica starts the engine's own
+OpenAI server with the argv the plan validated, waits until it is healthy, and publishes its URL
+so the router streams bytes to it directly (see docs/design.md for why this is the data path).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from flagscale import engines
+from flagscale.cluster.node_logs import engine_log_dir
+from flagscale.cluster.tempdirs import UnsafeDirectory
+from flagscale.engines.metrics import engine_metrics
+from flagscale.net import free_port, health_ok
+from flagscale.replica import registry
+from flagscale.replica.autoscaling import ENGINE_REQUESTS
+from flagscale.replica.cpu_layout import pin_engine
+from flagscale.replica.process import (
+    NODE_LOG_DIR,
+    cause_from_log,
+    engine_env,
+    listens_on,
+    spawn_engine,
+    terminate_engine,
+)
+from flagscale.replica.ranks import RankStartError, ReplicaRanks
+from flagscale.replica.startup_lock import gpu_start_lock
+
+
+@dataclass
+class EngineSpec:
+    app: str
+    serve_id: str
+    model_names: list[str]
+    argv: list[str]
+    bind_host: str  # "127.0.0.1" (one machine); "node-ip" (multi-host): the replica binds its own Ray node's IP
+    log_dir: str
+    env: dict[str, str]
+    startup_timeout_s: float
+    pin_cpus: bool = True  # deploy.cpu_affinity == "auto" (see flagscale/replica/cpu_layout.py)
+    host_argv: dict[str, list[str]] = field(default_factory=dict)  # node IP -> argv there (experiment.node_args)
+    role: str | None = None  # "prefill" / "decode": a pool of a disaggregated node (KV side channel needed)
+    drain_timeout_s: float = 30.0  # Serve's graceful shutdown bound for this replica (deploy.drain_timeout_s)
+    engine: str = engines.DEFAULT_ENGINE
+    api_key: str | None = field(default=None, repr=False)  # engines require it on every path but health
+    parallel: tuple[int, int, int] = (1, 1, 1)  # TP, PP, DP: above one rank, flagscale/replica/ranks.py places them
+
+    @property
+    def kind(self) -> engines.EngineKind:
+        return engines.get(self.engine)
+
+    @property
+    def version(self) -> str:
+        """What the server runs: the bounds on start and drain change without restarting it."""
+        spec = {k: v for k, v in asdict(self).items() if k not in ("startup_timeout_s", "drain_timeout_s")}
+        return registry.version_of(spec)
+
+
+HEALTH_PROBE_TIMEOUT_S = 10.0  # one /health probe (Serve's own bound on check_health is 30 s: app.py)
+HEALTH_GRACE_S = 60.0  # a server that answers no /health probe for this long is taken for hung
+DRAIN_MARGIN_S = 12.0  # of deploy.drain_timeout_s, kept for the server's own exit (SIGTERM, then SIGKILL after 10 s)
+
+
+# what a health probe found (EngineReplica._health)
+HEALTHY, NO_ANSWER, NOT_OURS = "healthy", "no answer", "answered by another process"
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+class EngineReplica:
+    """One replica = one engine server process (and the processes it starts)."""
+
+    def __init__(self, spec: EngineSpec):
+        import ray
+        from ray import serve
+
+        self.spec = spec
+        self._server = f"{spec.kind.display} server"
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        host = spec.bind_host
+        if host != "127.0.0.1":  # "node-ip": known only here, on the node Serve placed this replica on
+            host = ray.util.get_node_ip_address()
+        log_dir = Path(spec.log_dir)
+        if spec.log_dir == NODE_LOG_DIR:
+            log_dir = Path(engine_log_dir(spec.app))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"engine-{spec.serve_id}-{self.replica_id}.log"
+        self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
+        self.ranks: ReplicaRanks | None = None
+        try:
+            self._start(spec, host, self.gpu_ids)
+        except (TimeoutError, UnsafeDirectory, RankStartError) as exc:  # GPU start-up lock, cores, other hosts
+            self._terminate()
+            raise EngineStartError(f"{self._server} for '{spec.serve_id}' could not start: {exc}") from None
+        except BaseException:
+            self._terminate()
+            raise
+        self._after_start(spec)
+
+    def _start(self, spec: EngineSpec, host: str, gpu_ids: list[str]) -> None:
+        import ray
+
+        with gpu_start_lock(gpu_ids, spec.startup_timeout_s, self._note):  # engines sharing a GPU start in turn
+            port = free_port(host)
+            self.url = f"http://{host}:{port}"
+            engine_argv = spec.host_argv.get(ray.util.get_node_ip_address(), spec.argv)
+            launch = spec.kind.launch(engine_argv, host, port, spec.api_key, spec.role)
+            if math.prod(spec.parallel) > 1:
+                cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+                self.ranks = ReplicaRanks(spec.engine, spec.parallel, host, cpus)
+                share = self.ranks.start(
+                    engine_argv, gpu_ids, lambda: free_port(host), self.log_path, spec.env, self._note
+                )
+                self._note(f"ranks {list(share.ranks)} here (node rank 0 of {share.nnodes}), cores {share.rank_cpus}")
+                launch = spec.kind.bind_ranks(launch, share)
+            env = {**engine_env({**launch.env_defaults, **spec.env}), **launch.env, **launch.secret_env}
+            # engine_proc keeps the server from outliving this replica if the replica is killed outright.
+            argv = [sys.executable, "-m", "flagscale.replica.engine_proc", *launch.argv]
+            with open(self.log_path, "ab") as log:
+                shown = " ".join(f"{k}={v}" for k, v in launch.env.items())
+                log.write(f"$ {shown} {' '.join(argv)}\n".encode())
+                log.flush()
+                self.proc = spawn_engine(argv, log, env)
+            self._wait_healthy(spec.startup_timeout_s)
+
+    def _after_start(self, spec: EngineSpec) -> None:
+        import ray
+
+        layout = pin_engine(self.proc.pid) if spec.pin_cpus and spec.kind.capabilities.cpu_worker_binding else None
+        rank_cores = self.ranks.cores() if self.ranks else []
+        if layout:
+            with open(self.log_path, "a") as log:
+                log.write(
+                    f"flagscale: CPU layout: worker(s) on cores {layout.worker_cpus}, engine core(s) "
+                    f"{layout.engine_core_pids} joined them; API server on cores {layout.frontend_cpus}\n"
+                )
+        self.record = registry.ReplicaRecord(
+            app=spec.app,
+            serve_id=spec.serve_id,
+            replica_id=self.replica_id,
+            models=spec.model_names,
+            url=self.url,
+            node_id=ray.get_runtime_context().get_node_id(),
+            node_ip=ray.util.get_node_ip_address(),
+            pid=os.getpid(),
+            engine_pid=self.proc.pid,
+            log_path=str(self.log_path),
+            updated_at=time.time(),
+            worker_cpus=layout.worker_cpus if layout else rank_cores,
+            gpus=self.gpu_ids,
+            role=spec.role or "",
+            version=spec.version,
+            engine=spec.engine,
+            ranks=self.ranks.records(self.proc.pid) if self.ranks else [],
+        )
+        registry.publish(self.record)
+        self._last_healthy = time.monotonic()
+
+    def _note(self, line: str) -> None:
+        with open(self.log_path, "a") as log:
+            log.write(f"flagscale: {line}\n")
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        said_not_ours = False
+        while time.monotonic() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                raise EngineStartError(
+                    f"{self._server} for '{self.spec.serve_id}' exited with code {code} during start-up; "
+                    f"log {self.log_path}:\n{cause_from_log(self.log_path)}"
+                )
+            if self.ranks:
+                try:
+                    self.ranks.check()
+                except RankStartError as exc:
+                    self._terminate()
+                    raise EngineStartError(f"{self._server} for '{self.spec.serve_id}': {exc}") from None
+            health = self._health(timeout_s=2)
+            if health == HEALTHY:
+                return
+            if health == NOT_OURS and not said_not_ours:  # the engine then fails to bind the port, and exits
+                self._note(f"{self.url} answers, but not from the server this replica started; waiting for it")
+                said_not_ours = True
+            time.sleep(0.5)
+        self._terminate()
+        raise EngineStartError(
+            f"{self._server} for '{self.spec.serve_id}' was not healthy within {timeout_s:.0f}s; "
+            f"log {self.log_path}:\n{cause_from_log(self.log_path)}"
+        )
+
+    def _health(self, timeout_s: float) -> str:
+        """HEALTHY when the server this replica started answers its health path; NO_ANSWER; or NOT_OURS when the
+        answer comes from a process that holds the port but is not the started one (nor a child of it): a process
+        that took the port first is never taken for the engine, and never sent the key."""
+        if not health_ok(self.url, timeout_s=timeout_s, path=self.spec.kind.health_path):
+            return NO_ANSWER
+        return HEALTHY if listens_on(self.proc.pid, int(self.url.rpartition(":")[2])) else NOT_OURS
+
+    def check_health(self) -> None:
+        """Called by Ray Serve periodically; raising marks the replica unhealthy and Serve replaces it.
+
+        A server that exited is unhealthy at once. One that does not answer /health is unhealthy only after
+        HEALTH_GRACE_S without an answer: a server saturated by streams (vLLM's, seen on an H100 at 1,024
+        streams) answers /health late, and replacing it then fails every request it holds."""
+        code = self.proc.poll()
+        if code is not None:
+            raise RuntimeError(f"{self._server} exited with code {code}; log {self.log_path}")
+        if self.ranks:
+            self.ranks.check()  # a rank on another host that died fails the replica as a whole
+        now = time.monotonic()
+        health = self._health(timeout_s=HEALTH_PROBE_TIMEOUT_S)
+        if health == NOT_OURS:
+            raise RuntimeError(f"{self.url} is answered by a process this replica did not start; replacing it")
+        if health == HEALTHY:
+            self._last_healthy = now
+        elif now - self._last_healthy > HEALTH_GRACE_S:
+            raise RuntimeError(
+                f"{self._server} at {self.url} has not answered /health for {now - self._last_healthy:.0f}s"
+            )
+        else:
+            self._note(f"/health did not answer within {HEALTH_PROBE_TIMEOUT_S:g}s (busy?); not replaced yet")
+        registry.publish(self.record)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Called by Serve when the node autoscales: this replica's load as its engine counts it
+        (flagscale/replica/autoscaling.py)."""
+        import asyncio
+
+        metrics = await asyncio.get_running_loop().run_in_executor(
+            None, engine_metrics, self.url, 2.0, self.spec.api_key
+        )
+        return {ENGINE_REQUESTS: self.spec.kind.load(metrics)}
+
+    def _terminate(self, grace_s: float = 10.0) -> None:
+        if hasattr(self, "proc"):
+            terminate_engine(self.proc, grace_s)
+        if getattr(self, "ranks", None):
+            self.ranks.stop()
+
+    def __del__(self):
+        """Serve's graceful shutdown (stop, an update replacing this replica, a downscale): leave the registry,
+        let the requests the router already sent here finish (bounded by deploy.drain_timeout_s, less a margin
+        for the server's own exit before Serve kills the replica), then stop the server."""
+        try:
+            registry.withdraw(self.spec.app, self.replica_id)
+        except Exception:
+            pass
+        if hasattr(self, "proc") and self.proc.poll() is None and hasattr(self, "record"):
+            self._drain(deadline=time.monotonic() + max(0.0, self.spec.drain_timeout_s - DRAIN_MARGIN_S))
+        self._terminate()
+
+    def _drain(self, deadline: float) -> None:
+        time.sleep(min(registry.ROUTER_REFRESH_S + 1.0, max(0.0, deadline - time.monotonic())))
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                metrics = engine_metrics(self.url, timeout_s=2, api_key=self.spec.api_key)
+            except OSError:
+                return
+            if self.spec.kind.load(metrics) == 0:
+                return
+            time.sleep(0.5)
+        self._note("drain: requests still running at the drain deadline; stopping the server anyway")

@@ -1,0 +1,13 @@
+"""The router: the OpenAI-compatible endpoint in front of the engine replicas (docs/routing.md, docs/design.md).
+
+Owns the HTTP face (frontend.py, client_request.py), admission (admission.py), the request path across replicas
+with every retry and resume decision (failover.py, resume.py), the relay of streamed answers (exchange.py,
+upstream_http.py), the prefill step of disaggregated models (pd.py), the replicas' state and circuit breakers
+(replicas.py, circuit_breaker.py), the routing policies (policies/: one module each, one registry), what the
+router processes of a deployment share (peers.py) and /metrics (metrics.py). `Router` (router.py) is the Ray
+Serve replica that runs them; `RouterSpec` (spec.py) is what it is given.
+
+May import: flagscale's basics, engines (capabilities), config (routing as planned), cluster (Ray's key-value
+store) and replica (the registry the replicas write, CPU layout). This __init__ imports nothing: the config
+schema imports policies/ for the policies' names without pulling in aiohttp.
+"""

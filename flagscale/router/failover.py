@@ -1,0 +1,304 @@
+"""Carrying a request across replicas, and every retry decision (docs/routing.md): the policy's replicas in turn
+until one answers, each at most once and at most `max_migrations` moves after a failure.
+
+- a refused connection (nothing was sent; not counted as a move): the next replica, its circuit tripped;
+- a dropped connection or a 5xx before the client got anything: sent again as it was;
+- a completions or chat stream broken off part-way: resumed from the tokens the client has (resume.py), or
+  finished when every token is there, else ended with an error event;
+- a 4xx is the client's problem: passed on, the replica not counted as failing;
+- a 5xx on a path where the engine does not run the model (EngineKind.inference_paths: /tokenize, /version, a
+  stored response, ...): passed on as it is, the replica neither counted as failing nor passed over.
+
+After an engine dies during a request (dropped connection, stream broken off, a 5xx saying the engine is dead, or
+a 5xx after which the replica's health check fails) the request goes to at most RETRIES_AFTER_ENGINE_DEATH more
+replicas: it may be what killed the engine. That is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from flagscale import engines
+from flagscale.router.admission import Overloaded, first_untried
+from flagscale.router.client_request import HOP_BY_HOP, error_response
+from flagscale.router.exchange import Exchange
+from flagscale.router.replicas import Upstream
+from flagscale.router.resume import CHAT, COMPLETIONS, error_event
+from flagscale.router.upstream_http import Answer, ConnectFailed, Disconnected
+
+log = logging.getLogger("flagscale.router")
+
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client
+RETRIES_AFTER_ENGINE_DEATH = 1  # a request during which an engine died is sent to at most this many more replicas
+DEATH_PROBE_TIMEOUT_S = 2.0  # after a 5xx, the replica's health check that tells whether its engine died
+DEAD_MARKER_SCAN_BYTES = 4096  # how much of a 5xx body is searched for the engine kind's engine-dead error
+
+
+class Unreachable(Exception):
+    """The replica could not be connected to: nothing was sent."""
+
+
+class Failed(Exception):
+    """The replica had the request and failed it before the client got its answer, or mid-stream where the
+    stream can go on elsewhere: another replica may take it over. `engine_died`: the connection broke off (the
+    engine's process is likely gone), as opposed to a 5xx answer."""
+
+    def __init__(self, reason: str, engine_died: bool = False):
+        super().__init__(reason)
+        self.engine_died = engine_died
+
+
+class _Attempt:
+    """One replica's go at a request, and what its answer says of the replica: `ok` True, False, or None
+    (unknown: nothing recorded)."""
+
+    __slots__ = ("upstream", "name", "ok")
+
+    def __init__(self, upstream: Upstream):
+        self.upstream = upstream
+        self.name = f"replica {upstream.record.replica_id} of {upstream.record.serve_id!r}"
+        self.ok: bool | None = None
+
+    def failed(self) -> None:
+        self.ok = False
+        self.upstream.breaker.failure(time.monotonic())
+
+
+class Failover:
+    """The request path after admission checks: prefill (disaggregated models), then the replicas in turn.
+    `router`: the Router (flagscale/router/router.py) whose replicas, admission queue and counters it uses."""
+
+    def __init__(self, router) -> None:
+        self.router = router
+
+    async def route(self, exchange: Exchange, payload: dict) -> web.StreamResponse:
+        """Prefill (disaggregated models), then replicas in the policy's order until one answers, bounded."""
+        router, model, request = self.router, exchange.model, exchange.http
+        if model in router.prefill_policies and request.method == "POST" and request.path in (COMPLETIONS, CHAT):
+            kv = await router.prefill.kv_params(exchange, payload)
+            if not isinstance(kv, dict):
+                return kv  # the prefill pool's answer (a 4xx) or why none could take the prompt
+            exchange.with_kv(payload, kv)
+        while True:
+            try:
+                upstream = await router.admission.admitted(("serve", model), lambda: self._pick(exchange), router.spec)
+            except Overloaded as exc:
+                return await self.overloaded(exchange, str(exc))
+            if upstream is None:
+                return await self._give_up(exchange)
+            try:
+                return await self.forward(exchange, upstream)
+            except Unreachable:  # nothing was sent: the next replica may take it
+                upstream.breaker.trip(time.monotonic())
+                exchange.unreachable += 1
+            except Failed as exc:  # the replica failed the request: another one takes it over, bounded
+                if not self._moves_on(exchange, exc):
+                    return await self._give_up(exchange)
+                upstream.migrations += 1
+                router.moved += 1
+
+    def _moves_on(self, exchange: Exchange, failure: Failed) -> bool:
+        """May the request a replica failed go to another one? (Counts the move.)"""
+        exchange.failure = str(failure)
+        if failure.engine_died:
+            exchange.engine_deaths += 1
+            if exchange.engine_deaths > RETRIES_AFTER_ENGINE_DEATH:
+                exchange.failure += (
+                    "; an engine already died during this request before, and the request may be what "
+                    "kills them: it is not sent to another replica"
+                )
+                log.warning("%s", exchange.failure)
+                return False
+        if exchange.moves >= exchange.max_moves:
+            return False
+        exchange.moves += 1
+        exchange.without_kv()  # another decode replica computes the prompt itself
+        log.warning(
+            "%s; moving the request to another replica (%d of at most %d)", failure, exchange.moves, exchange.max_moves
+        )
+        return True
+
+    def _pick(self, exchange: Exchange) -> Upstream | str | None:
+        upstreams = self.router.table.by_model.get(exchange.model, [])
+        return first_untried(exchange.policy, upstreams, exchange.info, exchange.tried)
+
+    async def overloaded(self, exchange: Exchange, reason: str) -> web.StreamResponse:
+        """503 with Retry-After (a stream already begun, waiting to go on elsewhere: a closing error event)."""
+        message = f"every replica of {exchange.model!r} is at its max_ongoing_requests and {reason}"
+        if exchange.response is not None:
+            exchange.failure = message
+            return await self._give_up(exchange)
+        return error_response(503, message, "ServiceUnavailableError", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    async def _give_up(self, exchange: Exchange) -> web.StreamResponse:
+        """No replica is left to try: the last answer, an error, or (stream begun) a closing error event."""
+        model = exchange.model
+        if exchange.response is not None:
+            message = f"{exchange.failure}; no other replica of {model!r} could take the stream over"
+            await exchange.write(error_event(message))
+            await exchange.response.write_eof()
+            return exchange.response
+        if exchange.last_answer is not None:
+            return exchange.last_answer
+        if exchange.failure:
+            message = f"{exchange.failure}; no other replica of {model!r} could take it"
+            return error_response(502, message, "BadGatewayError")
+        if exchange.unreachable:
+            return error_response(503, f"no replica of {model!r} could be reached", "ServiceUnavailableError")
+        return error_response(503, f"no ready replica for model {model!r}", "ServiceUnavailableError")
+
+    # ---- one replica ----------------------------------------------------------------------------------
+
+    async def forward(self, exchange: Exchange, upstream: Upstream) -> web.StreamResponse:
+        """Send the request to one replica and relay its answer. Raises Unreachable (nothing was sent) or
+        Failed (the replica failed before the client got its answer, or mid-stream where the stream can go
+        on elsewhere); a stream that cannot go on ends with an error event."""
+        router, stream = self.router, exchange.stream
+        if stream is not None and stream.sent_events:
+            path, data = stream.resume_request()
+        else:
+            path = exchange.target
+            data = stream.first_request(exchange.body) if stream is not None else exchange.body
+        attempt = _Attempt(upstream)
+        exchange.policy.before_request(upstream, exchange.info)
+        router.peers.send_hint("serve", exchange.model, upstream, exchange.info)
+        upstream.inflight += 1
+        upstream.sent += 1
+        answer = None
+        try:
+            answer = await self._send(exchange, attempt, path, data)
+            headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
+            if not attempt.ok or "text/event-stream" not in answer.headers.get("Content-Type", ""):
+                return await self._whole_answer(exchange, attempt, answer, headers)
+            return await self._relay_stream(exchange, attempt, answer, headers)
+        finally:
+            if answer is not None:
+                answer.close()
+            upstream.inflight -= 1
+            router.admission.slot_freed(upstream)
+            if attempt.ok is None and upstream.breaker.probing:  # cancelled before it answered: another may probe
+                upstream.breaker.probing = False
+            exchange.policy.after_request(upstream, exchange.info, bool(attempt.ok))
+
+    async def _send(self, exchange: Exchange, attempt: _Attempt, path: str, data: bytes) -> Answer:
+        """The replica's answer, its head in; its status recorded in the replica's circuit breaker."""
+        upstream = attempt.upstream
+        try:
+            answer = await self.router.upstream_client.request(
+                exchange.http.method,
+                upstream.record.url + path,
+                data,
+                exchange.headers,
+                # no pooled connection it may have closed
+                keep_alive=engines.get(upstream.record.engine).capabilities.keeps_connections,
+            )
+        except ConnectFailed as exc:  # no connection: nothing sent, the next replica may take it
+            attempt.ok = False  # the caller trips the circuit
+            raise Unreachable(str(exc)) from exc
+        except Disconnected as exc:
+            attempt.failed()
+            raise Failed(f"{attempt.name} dropped the connection before answering ({exc})", engine_died=True) from exc
+        upstream.served += 1
+        if answer.status < 500:  # a 4xx is the client's problem: passed on, the replica is fine
+            attempt.ok = True
+            upstream.breaker.success()
+        elif exchange.inference:
+            attempt.failed()
+        else:  # the engine does not run the model on this path: its 5xx is passed on, the replica not judged
+            attempt.ok = True
+            upstream.breaker.probing = False  # (if this was the half-open probe, the next request probes)
+        return answer
+
+    async def _whole_answer(
+        self, exchange: Exchange, attempt: _Attempt, answer: Answer, headers: dict
+    ) -> web.StreamResponse:
+        """An answer that is not an event stream (or a 5xx): read whole, then passed on or failed."""
+        try:
+            body = await answer.read()
+        except Disconnected as exc:
+            attempt.failed()
+            raise Failed(f"{attempt.name} broke off its answer ({exc})", engine_died=True) from exc
+        reply = web.Response(status=answer.status, body=body, headers=headers)
+        if not attempt.ok:
+            if exchange.response is None:
+                exchange.last_answer = reply  # returned as is when no other replica can take it
+            death = await self.engine_death(attempt.upstream, body)
+            if death:
+                attempt.upstream.breaker.trip(time.monotonic())
+                log.warning(
+                    "%s answered %d and %s during a request of %r", attempt.name, answer.status, death, exchange.model
+                )
+                raise Failed(f"{attempt.name} answered {answer.status} ({death})", engine_died=True)
+            raise Failed(f"{attempt.name} answered {answer.status}")
+        if exchange.response is not None:  # a stream's continuation was refused (a 4xx)
+            message = f"{attempt.name} refused to continue the stream: {body[:500].decode(errors='replace')}"
+            await exchange.write(error_event(message, answer.status, "BadRequestError"))
+            await exchange.response.write_eof()
+            return exchange.response
+        exchange.first_byte_at = time.monotonic()
+        exchange.sent_bytes += len(body)
+        return reply
+
+    async def engine_death(self, upstream: Upstream, body: bytes) -> str:
+        """Why a replica that answered 5xx is taken to have lost its engine (its body is the engine kind's
+        engine-dead error, or its health check fails right after), or "" when it still looks alive."""
+        kind = engines.get(upstream.record.engine)
+        if kind.dead_engine_marker and kind.dead_engine_marker in body[:DEAD_MARKER_SCAN_BYTES]:
+            return "its engine died (the engine-dead error)"
+        timeout = aiohttp.ClientTimeout(total=DEATH_PROBE_TIMEOUT_S)
+        try:
+            async with self.router.session.get(upstream.record.url + kind.health_path, timeout=timeout) as resp:
+                healthy = resp.status < 500
+        except (TimeoutError, aiohttp.ClientError):
+            healthy = False
+        return "" if healthy else "its engine died (its health check failed right after)"
+
+    async def _relay_stream(
+        self, exchange: Exchange, attempt: _Attempt, answer: Answer, headers: dict
+    ) -> web.StreamResponse:
+        """An event stream, piece by piece to the client (Exchange.relay_piece) until its end or its break."""
+        stream = exchange.stream
+        if exchange.response is None:
+            await exchange.begin_stream(web.StreamResponse(status=answer.status, headers=headers))
+        try:
+            await answer.relay(exchange.relay_piece, exchange.drain)
+        except Disconnected as exc:  # the replica broke off mid-stream (a client gone raises in drain)
+            attempt.failed()
+            if stream is None:  # not an OpenAI event stream: cut off as it is, the client's connection closed
+                log.warning("%s broke off its answer (%s)", attempt.name, exc)
+                exchange.client.close()  # (so the answer is not ended as if it were whole)
+                return exchange.response
+            return await self._broken_stream(exchange, f"{attempt.name} broke off the stream ({exc})")
+        if stream is not None and not stream.done:  # the connection closed before the stream's end
+            attempt.failed()
+            return await self._broken_stream(exchange, f"{attempt.name} closed the stream before its end")
+        await exchange.response.write_eof()
+        return exchange.response
+
+    async def _broken_stream(self, exchange: Exchange, reason: str) -> web.StreamResponse:
+        """A replica's stream broke off: finish it, hand it to another replica (raise Failed), or end it with
+        an error event."""
+        stream, response = exchange.stream, exchange.response
+        if stream.finished:  # every token is there: only the end was lost
+            if not stream.done:
+                await exchange.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        if not stream.sent_events:  # the client has nothing of it yet: send it again as it was
+            raise Failed(reason, engine_died=True)
+        if stream.can_resume():
+            remaining = stream.remaining_tokens()
+            if remaining is not None and remaining <= 0:  # it broke off after its last token
+                await exchange.write(stream.finish_events() + b"data: [DONE]\n\n")
+                await response.write_eof()
+                return response
+            if exchange.engine_deaths < RETRIES_AFTER_ENGINE_DEATH:
+                self.router.resumed += 1
+            raise Failed(reason + "; resuming it", engine_died=True)
+        await exchange.write(error_event(f"{reason}; this request's stream cannot be resumed elsewhere"))
+        await response.write_eof()
+        return response

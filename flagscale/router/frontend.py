@@ -1,0 +1,258 @@
+"""The router's HTTP face (aiohttp): the routes, the API key in front of them, and each request's way in.
+
+GET /health, GET /metrics (every replica's series merged, then the router processes'), GET /v1/models, the
+graph's route, and the engines' public paths (surface.py: an allowlist; any other path answers 404 here) proxied:
+the body read within deploy.max_body_bytes and checked (client_request.py), the model's policy and its routing
+picked, client-supplied kv_transfer_params dropped, then the request is carried to a replica (failover.py). A
+client that hangs up cancels its handler (aiohttp's handler_cancellation), which closes the upstream connection:
+the engine aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from flagscale import engines
+from flagscale.config.routing import RoutingSpec
+from flagscale.router.client_request import (
+    HOP_BY_HOP,
+    BadRequest,
+    check_payload,
+    error_response,
+    parse_body,
+    read_body,
+)
+from flagscale.router.exchange import Exchange
+from flagscale.router.metrics import SCRAPE_TIMEOUT_S, merge_replica_metrics
+from flagscale.router.policies import RequestInfo, rank_replicas
+from flagscale.router.replicas import Upstream
+from flagscale.router.resume import CHAT, COMPLETIONS, ClientStream, dumps
+from flagscale.router.surface import Surface
+
+log = logging.getLogger("flagscale.router")
+
+# The router's aiohttp server: a client that hangs up cancels its handler (and so the request upstream).
+RUNNER_OPTIONS = {"access_log": None, "handle_signals": False, "handler_cancellation": True}
+
+# Request headers never passed to an engine: hop-by-hop ones, and those an engine kind asks the router to drop.
+NOT_PASSED_ON = HOP_BY_HOP | engines.dropped_request_headers()
+
+
+class Frontend:
+    """The HTTP surface of `router` (the Router of flagscale/router/router.py: its spec, replicas, policies,
+    metrics and counters)."""
+
+    def __init__(self, router) -> None:
+        self.router = router
+        self._surface: Surface | None = None
+
+    @property
+    def surface(self) -> Surface:
+        """The public surface of the router's current spec (built again when an update changed the spec)."""
+        surface = self._surface
+        if surface is None or surface.spec is not self.router.spec:
+            surface = self._surface = Surface(self.router.spec)
+        return surface
+
+    def app(self) -> web.Application:
+        """The HTTP surface: /health, /metrics, /v1/models, the graph's route, the engines' public paths proxied
+        (the rest is 404: proxy, surface.py); the API key checked in front of all of it."""
+        # (bodies are read by read_body, bounded by spec.max_body_bytes, which an update may change)
+        app = web.Application(middlewares=[self._require_key])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_route("*", "/{tail:.*}", self.proxy)  # the graph's route too: it may change
+        return app
+
+    @web.middleware
+    async def _require_key(self, request: web.Request, handler):
+        """deploy.api_key: `Authorization: Bearer <key>` on every request but GET /health (and GET /metrics unless
+        protect_metrics), 401 in OpenAI's shape otherwise. Any other method on those paths needs the key too."""
+        spec = self.router.spec
+        key = spec.api_key
+        open_path = request.method == "GET" and (
+            request.path == "/health" or (request.path == "/metrics" and not spec.protect_metrics)
+        )
+        if key and not open_path:
+            given = request.headers.get("Authorization", "")
+            # (aiohttp keeps header bytes that are not UTF-8 as surrogates)
+            if not hmac.compare_digest(given.encode(errors="surrogateescape"), f"Bearer {key}".encode()):
+                body = {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error"}}
+                body["error"]["code"] = "invalid_api_key"
+                return web.json_response(body, status=401)
+        return await handler(request)
+
+    def upstream_headers(self, headers: dict) -> dict:
+        """Headers of a request to an engine: the client's, with the deployment's key (engines require it too)."""
+        key = self.router.spec.api_key
+        if key:
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
+
+    # ---- the router's own routes ------------------------------------------------------------------------
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Every engine replica's own series, labelled by replica, then the router's (flagscale/router/metrics.py)."""
+        router = self.router
+        timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+
+        async def scrape(upstream: Upstream):
+            record = upstream.record
+            labels = {
+                "serve_id": record.serve_id,
+                "replica": record.replica_id,
+                "role": record.role or "colocated",
+                "host": record.node_ip,
+            }
+            try:
+                headers = self.upstream_headers({})  # engines require the key on /metrics too
+                async with router.session.get(record.url + "/metrics", timeout=timeout, headers=headers) as resp:
+                    if resp.status == 200:
+                        return labels, await resp.text()
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+            router.metrics.scrape_failures.inc()
+            return None
+
+        scraped = await asyncio.gather(*(scrape(u) for u in list(router.table.by_replica.values())))
+        # every router process's own series, labelled by process (the others' as of their last report)
+        routers = [({"router_process": router.process}, router.metrics.text().decode())]
+        routers += [({"router_process": r.process}, r.metrics) for r in router.peer_reports if not r.stale]
+        text = merge_replica_metrics([s for s in scraped if s is not None]) + merge_replica_metrics(routers)
+        return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def health(self, request: web.Request | None) -> web.Response:
+        router = self.router
+        missing = [m for m in router.spec.models if not router.table.by_model.get(m)]
+        missing += [f"{m} (prefill)" for m in router.prefill_policies if not router.table.prefill_by_model.get(m)]
+        if router.draining:
+            return web.Response(status=503, text="draining\n")
+        if missing:
+            return web.Response(status=503, text=f"no ready replica for: {', '.join(missing)}\n")
+        return web.Response(text="ok\n")
+
+    async def models(self, request: web.Request) -> web.Response:
+        router, data = self.router, []
+        for serve_id in dict.fromkeys(router.spec.models.values()):
+            names = [m for m, sid in router.spec.models.items() if sid == serve_id]
+            ups = rank_replicas(router.table.by_model.get(names[0], []), 0, time.monotonic())
+            entries = None
+            for upstream in ups[:2]:
+                try:
+                    headers = self.upstream_headers({})
+                    async with router.session.get(upstream.record.url + "/v1/models", headers=headers) as resp:
+                        entries = (await resp.json())["data"]
+                        break
+                except Exception:
+                    upstream.breaker.failure(time.monotonic())
+            if entries is None:
+                entries = [{"id": n, "object": "model", "owned_by": "flagscale", "created": 0} for n in names]
+            data.extend(entries)
+        return web.json_response({"object": "list", "data": data})
+
+    # ---- the proxied requests ---------------------------------------------------------------------------
+
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        router, spec, surface, path = self.router, self.router.spec, self.surface, request.path
+        if router.graph is not None and request.method == "POST" and path == spec.graph_route:
+            return await self.run_graph(request)
+        if path in surface.own:  # the router's own route, asked with another method
+            allowed = surface.own[path]
+            message = f"{request.method} {path}: only {allowed}"
+            return error_response(405, message, "MethodNotAllowedError", headers={"Allow": allowed})
+        served = surface.served(path)
+        if served is None:  # not on the public surface: no engine sees it (docs/operations.md)
+            return error_response(404, f"{path} is not served here", "NotFoundError")
+        if router.draining:
+            return error_response(503, "server is shutting down", "ServiceUnavailableError")
+        try:
+            body = await read_body(request, spec.max_body_bytes)
+            payload = parse_body(body) if body else {}
+            check_payload(payload)
+        except BadRequest as exc:
+            return exc.response()
+        model = payload.get("model")
+        if model is None and len(set(spec.models.values())) == 1:
+            model = next(iter(spec.models))
+        if model not in spec.models:
+            known = ", ".join(spec.models)
+            return error_response(404, f"model {model!r} is not served here; models: {known}", "NotFoundError")
+        inference = served.get(surface.engine_of[model])
+        if inference is None:
+            return error_response(404, f"{path} is not served for model {model!r}", "NotFoundError")
+        if surface.strip(model, payload):  # where a decode engine pulls KV from is the router's to say
+            body = dumps(payload)
+        exchange = self._exchange(request, model, payload, body)
+        exchange.inference = inference
+        query = request.rel_url.raw_query_string
+        exchange.target = f"{path}?{query}" if query else path  # the path checked above, as it was checked
+        router.inflight += 1
+        router.metrics.inflight.inc()
+        status = 499  # the client went away (the handler was cancelled)
+        try:
+            response = await router.failover.route(exchange, payload)
+            status = response.status
+            return response
+        finally:
+            router.inflight -= 1
+            router.metrics.inflight.dec()
+            self._observe(exchange, status)
+
+    def _exchange(self, request: web.Request, model: str, payload: dict, body: bytes) -> Exchange:
+        spec = self.router.spec
+        info = RequestInfo(model, payload, {k.lower(): v for k, v in request.headers.items()})
+        stream = None
+        if request.method == "POST" and request.path in (COMPLETIONS, CHAT) and payload.get("stream") is True:
+            stream = ClientStream(request.path, payload, engine_resumes=model not in spec.no_resume)
+        routing = spec.routing.get(model, RoutingSpec())
+        exchange = Exchange(request, model, self.router.policies[model], info, body, stream, routing.max_migrations)
+        exchange.headers = self.upstream_headers(
+            {k: v for k, v in request.headers.items() if k.lower() not in NOT_PASSED_ON}
+        )
+        return exchange
+
+    def _observe(self, exchange: Exchange, status: int) -> None:
+        m, model = self.router.metrics, exchange.model
+        m.requests.labels(model, str(status)).inc()
+        m.e2e.labels(model).observe(time.monotonic() - exchange.started)
+        if exchange.first_byte_at is not None:
+            m.ttft.labels(model).observe(exchange.first_byte_at - exchange.started)
+        m.bytes.labels(model).inc(exchange.sent_bytes)
+        if exchange.moves:
+            m.moved.labels(model).inc(exchange.moves)
+        if exchange.stream is not None and exchange.stream.resumed:
+            m.resumed.labels(model).inc(exchange.stream.resumed)
+
+    async def run_graph(self, request: web.Request) -> web.Response:
+        """The graph's entry: JSON body -> graph driver -> the sink's output as JSON (`?trace=1`: with timings)."""
+        router = self.router
+        if router.draining:
+            return error_response(503, "server is shutting down", "ServiceUnavailableError")
+        try:
+            payload = parse_body(await read_body(request, router.spec.max_body_bytes) or b"{}")
+        except BadRequest as exc:
+            return exc.response()
+        with_trace = request.query.get("trace", "").lower() in ("1", "true", "yes")
+        router.inflight += 1
+        try:
+            reply = await router.graph.run.remote(payload, with_trace)
+        except Exception as exc:
+            log.exception("graph request failed")
+            return error_response(500, f"graph driver failed: {exc}", "InternalServerError")
+        finally:
+            router.inflight -= 1
+        status = reply.pop("status")
+        if status != 200:
+            return error_response(status, reply["error"], "BadRequestError" if status == 400 else "GraphNodeError")
+        try:
+            return web.json_response(reply if with_trace else reply["result"])
+        except TypeError as exc:
+            return error_response(500, f"the sink's output is not JSON serializable: {exc}", "InternalServerError")

@@ -1,0 +1,351 @@
+"""What the router processes of one deployment share (deploy.router_processes, docs/design.md).
+
+Every router process is a full router of its own (policies, queues, circuit breakers); they share the port with
+SO_REUSEPORT and the kernel spreads client connections over them. Three things need all of them, and go through
+Ray's GCS key-value store, as the replica registry does (flagscale/replica/registry.py):
+
+- each process publishes a report on every refresh: its stats (Router.stats's shape) and its own
+  `flagscale_router_*` series, so that `stats` and `/metrics` on any one process answer for all of them;
+- `stop` drains them all: the process asked to drain sets a drain request (with a deadline), every process
+  looks for it every refresh and stops taking requests, and the one asked waits until every process has
+  reported draining with nothing in flight.
+
+And one thing goes directly from process to process: routing hints (RoutingHints). Whenever a process sends a
+prompt to a replica, it tells the others which replica got which prefix-table keys, over loopback UDP (the
+processes all run on the endpoint's host), so every process's cache_aware table learns every prompt and they
+all route a prefix to where it went first, as one router would. A lost datagram costs a possible cache miss,
+never a request. Any local process can send to those ports, so each hint carries an HMAC under the deployment's
+secret (RouterSpec.peer_secret, from a 0600 file in the exp_dir: `secret_of`); one without a valid HMAC, or
+naming a replica (or a model of it) this process does not know, is dropped, and a hint's keys are bounded
+(HINT_MAX_KEYS), so the prefix tables they feed stay within their own bounds.
+
+A process that dies stops publishing; its report is dropped once older than STALE_AFTER_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from flagscale.cluster.ray_compat import kv_del, kv_get, kv_list, kv_put
+from flagscale.router.policies import RequestInfo
+from flagscale.router.policies.base import Replica
+from flagscale.router.policies.cache_aware import PREFIX_KEY_BYTES
+
+log = logging.getLogger("flagscale.router")
+
+KV_NAMESPACE = "flagscale"
+STALE_AFTER_S = 10.0  # a report not refreshed for this long is a process that is gone
+DRAIN_POLL_S = 0.25  # how often a draining process reports
+HINT_MAX_KEYS = 4096  # the prompt's first this many prefix blocks go in one hint (one datagram, < 64 KiB)
+HINT_TAG_BYTES = 32  # a hint's HMAC-SHA256 under the deployment's secret, in front of it
+SECRET_FILE = "router_peers.secret"  # in the exp_dir, 0600: the deployment's peer secret (secret_of)
+
+
+def secret_of(exp_dir: str | Path) -> str:
+    """The deployment's peer secret: read from the exp_dir's SECRET_FILE, made there (0600) by the first run. The
+    same across updates and restarts, so every router process Serve starts for the deployment has it."""
+    path = Path(exp_dir) / SECRET_FILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        secret = path.read_text().strip()
+        if len(secret) >= 32:
+            path.chmod(0o600)  # (a copy of the exp_dir may have lost its mode)
+            return secret
+        path.unlink()  # cut short (a write interrupted): made again
+        return secret_of(exp_dir)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path.read_text().strip()
+
+
+@dataclass
+class PeerReport:
+    process: str  # "<host>:<pid>"
+    pid: int
+    started_at: float
+    updated_at: float
+    stats: dict[str, Any]  # Router.collect_stats of that process
+    metrics: str  # its own flagscale_router_* series, Prometheus text
+    hints_port: int = 0  # the loopback UDP port it takes routing hints on (0: none)
+
+    @property
+    def stale(self) -> bool:
+        return time.time() - self.updated_at > STALE_AFTER_S
+
+
+def this_process() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _prefix(app: str) -> bytes:
+    return f"routers/{app}/".encode()
+
+
+def _drain_key(app: str) -> bytes:
+    return f"router-drain/{app}".encode()
+
+
+def publish(app: str, report: PeerReport) -> None:
+    report.updated_at = time.time()
+    kv_put(_prefix(app) + report.process.encode(), json.dumps(asdict(report)).encode(), namespace=KV_NAMESPACE)
+
+
+def withdraw(app: str, process: str) -> None:
+    kv_del(_prefix(app) + process.encode(), namespace=KV_NAMESPACE)
+
+
+def reports(app: str) -> list[PeerReport]:
+    """Every live router process's last report."""
+    found = []
+    for key in kv_list(_prefix(app), namespace=KV_NAMESPACE):
+        raw = kv_get(key, namespace=KV_NAMESPACE)
+        if raw is None:
+            continue
+        report = PeerReport(**json.loads(raw))
+        if not report.stale:
+            found.append(report)
+    return found
+
+
+def request_drain(app: str, timeout_s: float) -> None:
+    now = time.time()
+    kv_put(_drain_key(app), json.dumps({"set_at": now, "until": now + timeout_s}).encode(), namespace=KV_NAMESPACE)
+
+
+def drain_requested(app: str, started_at: float) -> bool:
+    """Is a drain under way that concerns a process started at `started_at`? (A request set before the process
+    started belongs to an earlier deployment of the same name.)"""
+    raw = kv_get(_drain_key(app), namespace=KV_NAMESPACE)
+    if raw is None:
+        return False
+    request = json.loads(raw)
+    return request["set_at"] >= started_at and time.time() < request["until"]
+
+
+def merge_stats(by_process: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Several processes' stats -> one: totals and per-replica counts summed, a replica's circuit the worst any
+    process sees, its prefix table the largest; under "processes", each process's own load."""
+    merged: dict[str, Any] = {"inflight": 0, "moved": 0, "resumed": 0, "replicas": {}, "processes": {}}
+    severity = {"closed": 0, "half_open": 1, "open": 2}
+    for process, stats in sorted(by_process.items()):
+        for key in ("inflight", "moved", "resumed"):
+            merged[key] += stats.get(key, 0)
+        served = 0
+        for replica_id, entry in stats.get("replicas", {}).items():
+            served += entry.get("served", 0)
+            into = merged["replicas"].get(replica_id)
+            if into is None:
+                merged["replicas"][replica_id] = dict(entry)
+                continue
+            for key in ("served", "inflight", "migrations", "circuit_opened", "sessions"):
+                if key in entry:
+                    into[key] = into.get(key, 0) + entry[key]
+            if "prefix_blocks" in entry:
+                into["prefix_blocks"] = max(into.get("prefix_blocks", 0), entry["prefix_blocks"])
+            if severity.get(entry.get("circuit"), 0) > severity.get(into.get("circuit"), 0):
+                into["circuit"] = entry["circuit"]
+        merged["processes"][process] = {
+            "pid": stats.get("pid"),
+            "inflight": stats.get("inflight", 0),
+            "served": served,
+            "moved": stats.get("moved", 0),
+            "resumed": stats.get("resumed", 0),
+            "draining": stats.get("draining", False),
+        }
+    return merged
+
+
+class RoutingHints(asyncio.DatagramProtocol):
+    """This process's end of the routing hints: `send` tells every peer (their ports, from their reports) where a
+    prompt went; a hint that comes in with a valid HMAC under `secret` is handed to
+    `on_hint(pool, model, replica_id, keys)`; others are dropped (counted in `dropped`)."""
+
+    def __init__(self, on_hint, secret: str) -> None:
+        self.on_hint = on_hint
+        self._key = secret.encode()
+        self.peers: list[int] = []
+        self.transport: asyncio.DatagramTransport | None = None
+        self.dropped = 0
+
+    @classmethod
+    async def open(cls, on_hint, secret: str) -> RoutingHints:
+        hints = cls(on_hint, secret)
+        await asyncio.get_running_loop().create_datagram_endpoint(lambda: hints, local_addr=("127.0.0.1", 0))
+        return hints
+
+    @property
+    def port(self) -> int:
+        return self.transport.get_extra_info("sockname")[1] if self.transport else 0
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def sign(self, message: bytes) -> bytes:
+        return hmac.new(self._key, message, hashlib.sha256).digest() + message
+
+    def send(self, pool: str, model: str, replica_id: str, keys: list[bytes]) -> None:
+        datagram = self.sign(encode_hint(pool, model, replica_id, keys))
+        for port in self.peers:
+            self.transport.sendto(datagram, ("127.0.0.1", port))
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        tag, message = data[:HINT_TAG_BYTES], data[HINT_TAG_BYTES:]
+        expected = hmac.new(self._key, message, hashlib.sha256).digest()
+        if addr[0] != "127.0.0.1" or not hmac.compare_digest(tag, expected):
+            self.dropped += 1
+            return
+        try:
+            hint = decode_hint(message)
+        except ValueError:
+            self.dropped += 1
+            return
+        self.on_hint(*hint)
+
+    def error_received(self, exc: Exception) -> None:
+        pass  # a peer that went away: its port leaves the list at the next refresh
+
+
+def encode_hint(pool: str, model: str, replica_id: str, keys: list[bytes]) -> bytes:
+    head = json.dumps([pool, model, replica_id]).encode()
+    return head + b"\n" + b"".join(keys[:HINT_MAX_KEYS])
+
+
+def decode_hint(data: bytes) -> tuple[str, str, str, list[bytes]]:
+    head, sep, body = data.partition(b"\n")
+    if not sep or len(body) % PREFIX_KEY_BYTES or len(body) > HINT_MAX_KEYS * PREFIX_KEY_BYTES:
+        raise ValueError("not a routing hint")
+    try:
+        pool, model, replica_id = json.loads(head)
+    except (ValueError, TypeError) as exc:
+        raise ValueError("not a routing hint") from exc
+    if not all(isinstance(s, str) for s in (pool, model, replica_id)):
+        raise ValueError("not a routing hint")
+    keys = [body[i : i + PREFIX_KEY_BYTES] for i in range(0, len(body), PREFIX_KEY_BYTES)]
+    return pool, model, replica_id, keys
+
+
+class PeerLink:
+    """A router process's side of the sharing: its report out and the others' in, the drain they share, the routing
+    hints. `router`: the Router of flagscale/router/router.py (its stats, metrics, policies, drain state)."""
+
+    def __init__(self, router) -> None:
+        self.router = router
+
+    async def publish(self) -> None:
+        """This process's report out, the others' in (and so where their routing hints go)."""
+        router = self.router
+        report = PeerReport(
+            process=router.process,
+            pid=os.getpid(),
+            started_at=router.started_at,
+            updated_at=0.0,
+            stats=router.collect_stats(),
+            metrics=router.metrics.text().decode(),
+            hints_port=router.hints.port if router.hints else 0,
+        )
+        app = router.spec.app
+        try:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, publish, app, report)
+            found = await loop.run_in_executor(None, reports, app)
+        except Exception as exc:  # GCS hiccup: the next refresh tries again
+            log.warning("publishing the router's report failed: %s", exc)
+            return
+        router.peer_reports = [r for r in found if r.process != router.process]
+        if router.hints is not None:
+            router.hints.peers = [r.hints_port for r in router.peer_reports if r.hints_port]
+
+    async def watch_drain(self) -> None:
+        """Another process was asked to drain the deployment (stop): this one drains too (it looks every refresh:
+        the one asked waits until every process has reported draining), then reports every DRAIN_POLL_S so that
+        the one asked sees when nothing is in flight anywhere."""
+        router = self.router
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(DRAIN_POLL_S if router.draining else router.spec.refresh_s)
+            if not router.draining:
+                try:
+                    asked = await loop.run_in_executor(None, drain_requested, router.spec.app, router.started_at)
+                except Exception:
+                    continue
+                router.draining = asked
+            if router.draining:
+                await self.publish()
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests and wait (bounded) for in-flight ones, in every router process of the deployment
+        (the others see the drain request within DRAIN_POLL_S); returns how many were still running."""
+        router = self.router
+        router.draining = True
+        asked_at, deadline = time.time(), time.monotonic() + timeout_s
+        sharing = router.sharing
+        if sharing:
+            try:
+                await asyncio.to_thread(request_drain, router.spec.app, timeout_s)
+            except Exception as exc:
+                log.warning("could not ask the other router processes to drain: %s", exc)
+                sharing = False
+        others = 0
+        while time.monotonic() < deadline:
+            if sharing:
+                others = await asyncio.to_thread(self._others_inflight, asked_at)
+            if not router.inflight and not others:
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        return router.inflight + others
+
+    def _others_inflight(self, asked_at: float) -> int:
+        """Requests the other processes still hold (one for a process that has not reported draining since)."""
+        left = 0
+        for report in reports(self.router.spec.app):
+            if report.process == self.router.process:
+                continue
+            drained = report.updated_at >= asked_at and report.stats.get("draining")
+            left += report.stats.get("inflight", 0) if drained else max(1, report.stats.get("inflight", 0))
+        return left
+
+    def stats(self, own: dict[str, Any]) -> dict[str, Any]:
+        """This process's stats merged with the others' (as of their last report)."""
+        router = self.router
+        by_process = {router.process: own}
+        if router.sharing:
+            try:
+                others = reports(router.spec.app)
+            except Exception:
+                others = router.peer_reports
+            by_process.update({r.process: r.stats for r in others if r.process != router.process})
+        return merge_stats(by_process)
+
+    def send_hint(self, pool: str, model: str, upstream: Replica, info: RequestInfo) -> None:
+        """Tell the other processes where this prompt went, so their cache-aware tables learn it too."""
+        hints = self.router.hints
+        keys = info.memo.get("prefix_keys")
+        if keys and hints is not None and hints.peers:
+            hints.send(pool, model, upstream.replica_id, keys)
+
+    def learn_hint(self, pool: str, model: str, replica_id: str, keys: list[bytes]) -> None:
+        """A peer's hint, learnt if it names a replica of that pool and model this process knows (a replica it
+        does not know would only grow its tables: it learns of replicas from the registry, not from hints)."""
+        router = self.router
+        prefill = pool == "prefill"
+        upstream = router.table.by_replica.get(replica_id)
+        if upstream is None or model not in upstream.record.models or prefill != (upstream.record.role == "prefill"):
+            if router.hints is not None:
+                router.hints.dropped += 1
+            return
+        policy = (router.prefill_policies if prefill else router.policies).get(model)
+        if policy is not None:
+            policy.learn(replica_id, keys)

@@ -1,0 +1,159 @@
+"""cache_aware (the default): the replica that was sent the longest prefix of the prompt, within a load bound.
+
+A prompt's prefix is tracked in blocks of characters (PrefixTable): the replica's engine caches the KV of what
+it was sent, so sending a conversation's next turn where its earlier turns went reuses that cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Any
+
+from flagscale.router.policies.base import Policy, RequestInfo, Settings, rank_replicas
+
+PREFIX_KEY_BYTES = 12  # a prefix block's key: blake2b of the blocks up to it, this many bytes
+# routing_options.max_prefix_chars's default (flagscale/config/schema.py); the policy passes its node's
+MAX_PREFIX_CHARS = 32_768
+
+
+def prompt_text(body: dict[str, Any], max_chars: int = MAX_PREFIX_CHARS) -> str:
+    """The text whose prefix decides cache reuse, up to `max_chars` characters: completions' `prompt`; chat's
+    conversation rendered as the concatenated role + content of its messages (so each turn of a chat extends the
+    previous turn's key). Parts of a type the engine will refuse count as empty text."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts, size = [], 0
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
+            if isinstance(content, list):  # content parts: keep the text ones
+                content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+            elif not isinstance(content, str):
+                content = ""
+            role = message.get("role")
+            parts.append(f"<{role if isinstance(role, str) else ''}>{content}")
+            size += len(parts[-1])
+            if size >= max_chars:
+                break
+        return "".join(parts)[:max_chars]
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt[:max_chars]
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str):
+            return first[:max_chars]  # a batch of prompts: the first one decides
+        ids = prompt if isinstance(first, int) else first if isinstance(first, list) else ()
+        return " ".join(map(str, ids[:max_chars]))[:max_chars] if isinstance(ids, list) else ""  # token ids
+    return ""
+
+
+class PrefixTable:
+    """An approximate prefix tree over character blocks: the prompt is cut into blocks of `block_chars`
+    characters, block i is keyed by a hash of blocks 0..i (a hash chain, so equal keys mean equal prefixes),
+    and each key maps to the replicas that were sent a prompt with that prefix. Bounded to `max_blocks` keys,
+    least recently used evicted first (deeper blocks of a prompt before shallower ones)."""
+
+    def __init__(self, block_chars: int = 64, max_blocks: int = 100_000):
+        self.block_chars = block_chars
+        self.max_blocks = max_blocks
+        self.blocks: OrderedDict[bytes, set[str]] = OrderedDict()
+
+    def keys(self, text: str) -> list[bytes]:
+        keys, digest = [], b""
+        for start in range(0, len(text) - self.block_chars + 1, self.block_chars):
+            digest = hashlib.blake2b(
+                digest + text[start : start + self.block_chars].encode(), digest_size=PREFIX_KEY_BYTES
+            ).digest()
+            keys.append(digest)
+        return keys
+
+    def match(self, keys: list[bytes]) -> dict[str, int]:
+        """Replica id -> how many leading blocks of the prompt it was sent."""
+        matched: dict[str, int] = {}
+        for depth, key in enumerate(keys, 1):
+            holders = self.blocks.get(key)
+            if not holders:
+                break
+            for replica_id in holders:
+                if matched.get(replica_id, 0) == depth - 1:  # it holds every block up to this one
+                    matched[replica_id] = depth
+        return matched
+
+    def insert(self, keys: list[bytes], replica_id: str) -> None:
+        for key in reversed(keys):  # the first block ends up most recently used: evicted last
+            holders = self.blocks.get(key)
+            if holders is None:
+                self.blocks[key] = {replica_id}
+            else:
+                holders.add(replica_id)
+                self.blocks.move_to_end(key)
+        while len(self.blocks) > self.max_blocks:
+            self.blocks.popitem(last=False)
+
+    def remove_replica(self, replica_id: str) -> None:
+        for key in list(self.blocks):
+            holders = self.blocks[key]
+            holders.discard(replica_id)
+            if not holders:
+                del self.blocks[key]
+
+    def size(self, replica_id: str) -> int:
+        return sum(1 for holders in self.blocks.values() if replica_id in holders)
+
+
+class CacheAware(Policy):
+    """Prefix-cache-aware routing: the replica that was sent the longest prefix of this prompt (blocks of the
+    PrefixTable) goes first, unless its in-flight requests exceed the least busy replica's by more than
+    `balance_abs_threshold`: then the least_load order. No match, or a match shorter than `cache_threshold` of
+    the prompt (e.g. only a shared system prompt): least_load, so new conversations still spread. The replica
+    picked is recorded as holding the prompt's blocks (when the request is sent: the engine caches it as it runs).
+    """
+
+    name = "cache_aware"
+
+    def __init__(self, spec: Settings):
+        super().__init__(spec)
+        self.table = PrefixTable(self.spec.prefix_block_chars, self.spec.max_prefix_blocks)
+
+    def _prompt_keys(self, request: RequestInfo) -> list[bytes]:
+        if "prefix_keys" not in request.memo:
+            text = prompt_text(request.body, self.spec.max_prefix_chars)
+            request.memo["prefix_keys"] = self.table.keys(text)
+            request.memo["prompt_chars"] = len(text)
+        return request.memo["prefix_keys"]
+
+    def select(self, upstreams, request, now):
+        ranked = rank_replicas(upstreams, self.next_turn(), now)
+        keys = self._prompt_keys(request)
+        if len(ranked) < 2:
+            return ranked
+        matched = self.table.match(keys)
+        if not matched:
+            return ranked
+        least = min(u.inflight for u in ranked)
+        best = None
+        for upstream in ranked:  # ranked order breaks ties between equally long matches
+            depth = matched.get(upstream.replica_id, 0)
+            if depth and (best is None or depth > matched[best.replica_id]):
+                best = upstream
+        if best is None or best.inflight > least + self.spec.balance_abs_threshold:
+            return ranked
+        matched_chars = matched[best.replica_id] * self.table.block_chars
+        if matched_chars < self.spec.cache_threshold * request.memo["prompt_chars"]:
+            return ranked  # only a small part is cached (say a shared system prompt): spread by load
+        return [best] + [u for u in ranked if u is not best]
+
+    def before_request(self, upstream, request):
+        self.table.insert(self._prompt_keys(request), upstream.replica_id)
+
+    def learn(self, replica_id, prefix_keys):
+        self.table.insert(prefix_keys, replica_id)
+
+    def on_replica_left(self, replica_id):
+        self.table.remove_replica(replica_id)
+
+    def stats(self, replica_id):
+        return {"prefix_blocks": self.table.size(replica_id)}

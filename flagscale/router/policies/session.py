@@ -1,0 +1,54 @@
+"""session: a session's requests stick to the replica that served its first one."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from flagscale.router.policies.base import Policy, RequestInfo, Settings, rank_replicas
+
+SESSION_HEADER = "x-session-id"
+
+
+class Session(Policy):
+    """Affinity by the OpenAI `user` field, else the X-Session-Id header: a session's requests go to the replica
+    that served its first one while that replica is there and its circuit closed; requests without a session,
+    and a session's first request, go by least_load. The session table is an LRU of `max_sessions`."""
+
+    name = "session"
+
+    def __init__(self, spec: Settings):
+        super().__init__(spec)
+        self.sessions: OrderedDict[str, str] = OrderedDict()  # session key -> replica id
+
+    @staticmethod
+    def key(request: RequestInfo) -> str | None:
+        user = request.body.get("user")
+        if isinstance(user, str) and user:
+            return "user:" + user
+        header = request.headers.get(SESSION_HEADER)
+        return "header:" + header if header else None
+
+    def select(self, upstreams, request, now):
+        ranked = rank_replicas(upstreams, self.next_turn(), now)
+        key = self.key(request)
+        replica_id = self.sessions.get(key) if key else None
+        if replica_id is not None:
+            sticky = [u for u in ranked if u.replica_id == replica_id]
+            return sticky + [u for u in ranked if u.replica_id != replica_id]
+        return ranked
+
+    def before_request(self, upstream, request):
+        key = self.key(request)
+        if key is None:
+            return
+        self.sessions[key] = upstream.replica_id
+        self.sessions.move_to_end(key)
+        while len(self.sessions) > self.spec.max_sessions:
+            self.sessions.popitem(last=False)
+
+    def on_replica_left(self, replica_id):
+        for key in [k for k, r in self.sessions.items() if r == replica_id]:
+            del self.sessions[key]
+
+    def stats(self, replica_id):
+        return {"sessions": sum(1 for r in self.sessions.values() if r == replica_id)}

@@ -1,0 +1,282 @@
+"""The OpenAI-compatible entry point: a lean byte-streaming router in front of the engines' own servers.
+
+It runs inside a Ray Serve replica (so Serve places, health-checks and restarts it) but serves HTTP itself with
+aiohttp on its own event loop thread. `Router` is that replica: its life (the thread, Serve's reconfigure, drain,
+stats, health) and the state its parts share. The parts, one module each:
+
+- frontend.py: the HTTP face (routes, API key, each request's way in: body checks, model, policy);
+- admission.py: at most max_ongoing_requests per replica, a bounded queue beyond (503 with Retry-After);
+- failover.py: the replicas in the policy's order (policies/), every retry and resume decision;
+- exchange.py + upstream_http.py + resume.py: the relay of a streamed answer, piece by piece from the replica's
+  connection to the client's, with no task woken per piece;
+- pd.py: the prefill step of disaggregated models;
+- replicas.py + circuit_breaker.py: the replicas as read from the registry, their load and circuits;
+- peers.py: what the router processes of one deployment share (reports, drains, routing hints);
+- metrics.py: /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS, RoutingSpec
+from flagscale.replica import registry
+from flagscale.replica.cpu_layout import RouterPinning
+from flagscale.router import peers
+from flagscale.router.admission import AdmissionQueue
+from flagscale.router.failover import Failover
+from flagscale.router.frontend import RUNNER_OPTIONS, Frontend
+from flagscale.router.metrics import RouterMetrics
+from flagscale.router.pd import Prefill
+from flagscale.router.policies import Policy, make_policy
+from flagscale.router.replicas import ReplicaTable, Upstream, probe_half_open, tell_policies
+from flagscale.router.spec import RouterSpec
+from flagscale.router.upstream_http import UpstreamClient
+
+try:  # the router's event loop: uvloop where installed (requirements/base.txt), asyncio's otherwise
+    import uvloop
+except ImportError:  # pragma: no cover
+    uvloop = None
+
+log = logging.getLogger("flagscale.router")
+
+# Idle upstream connections are closed before vLLM's server closes them (uvicorn keep-alive, 5 s by default:
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so the router does not send a request on a connection being closed.
+UPSTREAM_KEEPALIVE_S = 4.0
+UPSTREAM_CONNECT_TIMEOUT_S = 5.0
+
+
+def upstream_session() -> aiohttp.ClientSession:
+    """The router's aiohttp client for its own calls to the replicas: health probes, /metrics, /v1/models,
+    prefill (the requests it relays go through upstream_http). Call inside its event loop."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+        auto_decompress=False,
+    )
+
+
+class Router:
+    """The router's Ray Serve replica: its event loop thread, Serve's calls (reconfigure, drain, stats, health),
+    the replica table's refresh, and the state its parts share (frontend, admission, failover, prefill, peers):
+    `table`, the `policies` and `prefill_policies` per model, `metrics`, the clients (`session`, aiohttp's, for
+    its own calls; `upstream_client` for relayed requests), the counters (`inflight`, `moved`, `resumed`),
+    `draining`, and what it knows of the other router processes (`sharing`, `process`, `peer_reports`, `hints`)."""
+
+    def __init__(self, spec: RouterSpec, *engines, graph=None):
+        self.spec = spec
+        self._engines = engines  # handles keep the engine deployments part of this application
+        self.graph = graph  # DeploymentHandle of the graph driver, when the config has custom nodes
+        self._init_state()
+        self._pinning = None
+        self.started_at = time.time()
+        if spec.pin_cpus:
+            # (in a Serve replica, where Ray is loaded already; the benchmark's routers run without Ray)
+            import ray
+
+            self._pinning = RouterPinning(ray.get_runtime_context().get_node_id())
+        self._started = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve_forever, name="flagscale-router", daemon=True)
+        self._thread.start()
+        if not self._started.wait(30):
+            raise RuntimeError(f"router did not start listening on {spec.host}:{spec.port} within 30s")
+        if self._failure is not None:
+            raise RuntimeError(f"router cannot listen on {spec.host}:{spec.port}: {self._failure}")
+
+    def reconfigure(self, config: dict[str, Any]) -> None:
+        """Serve calls this after __init__ and on every update whose router spec changed (models added or
+        removed, routing policies): applied on the router's event loop, keeping the policies (and their prefix
+        tables) of models whose routing did not change."""
+        spec = self.spec.reconfigured(config)
+        loop = getattr(self, "_loop", None)
+        if loop is None or not loop.is_running():
+            self._apply_spec(spec)
+            return
+        done = asyncio.run_coroutine_threadsafe(self._apply_spec_and_refresh(spec), loop)
+        done.result(timeout=30)
+
+    async def _apply_spec_and_refresh(self, spec: RouterSpec) -> None:
+        self._apply_spec(spec)
+        await self._refresh()
+
+    def _apply_spec(self, spec: RouterSpec) -> None:
+        old = self.spec
+        self.spec = spec
+        for upstream in self.table.by_replica.values():
+            upstream.max_ongoing = self._max_ongoing(upstream)
+        for policies, old_routing, routing, models, pools in (
+            (self.policies, old.routing, spec.routing, spec.models, self.table.by_model),
+            (
+                self.prefill_policies,
+                old.prefill_routing,
+                spec.prefill_routing,
+                spec.prefill_routing,
+                self.table.prefill_by_model,
+            ),
+        ):
+            for model in list(policies):
+                if model not in models or old_routing.get(model) != routing.get(model):
+                    del policies[model]
+            for model in models:
+                if model not in policies:
+                    policies[model] = make_policy(routing.get(model, RoutingSpec()))
+                    for upstream in pools.get(model, []):
+                        policies[model].on_replica_joined(upstream)
+
+    def _init_state(self) -> None:
+        """The request path's state (the unit tests build a Router with this only: no Ray, no thread)."""
+        self.table = ReplicaTable()
+        self.policies: dict[str, Policy] = {
+            model: make_policy(self.spec.routing.get(model, RoutingSpec())) for model in self.spec.models
+        }
+        self.prefill_policies: dict[str, Policy] = {
+            model: make_policy(spec) for model, spec in self.spec.prefill_routing.items()
+        }
+        self.metrics = RouterMetrics()
+        # the relayed requests' client (upstream_http); self.session, aiohttp's, does the router's own calls
+        self.upstream_client = UpstreamClient(UPSTREAM_KEEPALIVE_S, UPSTREAM_CONNECT_TIMEOUT_S)
+        self.inflight = 0
+        self.moved = 0  # requests moved to another replica after theirs failed them
+        self.resumed = 0  # of them, streams resumed mid-way
+        self.draining = False
+        self.process = peers.this_process()
+        self.peer_reports: list[peers.PeerReport] = []  # the other processes' last reports
+        self.sharing = False  # shares reports and drains with the other router processes (spec.share_with_peers)
+        self.hints = None  # the datagram endpoint routing hints come in on (peers.RoutingHints)
+        self.admission = AdmissionQueue()
+        self.frontend = Frontend(self)
+        self.failover = Failover(self)
+        self.prefill = Prefill(self)
+        self.peers = peers.PeerLink(self)
+
+    # ---- event loop thread -------------------------------------------------------------------
+
+    def _serve_forever(self) -> None:
+        loop = uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._start())
+        except BaseException as exc:  # port in use, bad host...
+            self._failure = exc
+            self._started.set()
+            return
+        self._started.set()
+        loop.run_forever()
+
+    async def _start(self) -> None:
+        self.session = upstream_session()
+        runner = web.AppRunner(self.web_app(), **RUNNER_OPTIONS)
+        await runner.setup()
+        # every router process of the deployment listens on the same port; the kernel spreads connections
+        site = web.TCPSite(runner, self.spec.host, self.spec.port, backlog=1024, reuse_address=True, reuse_port=True)
+        await site.start()
+        await self._refresh()
+        loop = asyncio.get_running_loop()
+        if self.spec.share_with_peers:
+            self.sharing = True
+            if self.spec.peer_secret:  # (without one, no hints: they could not be told from anyone else's)
+                self.hints = await peers.RoutingHints.open(self.peers.learn_hint, self.spec.peer_secret)
+            await self.peers.publish()
+            loop.create_task(self.peers.watch_drain())
+        loop.create_task(self._refresh_forever())
+
+    def web_app(self) -> web.Application:
+        """The HTTP surface (flagscale/router/frontend.py)."""
+        return self.frontend.app()
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.refresh_s)
+            try:
+                await self._refresh()
+            except Exception as exc:  # GCS hiccup: keep the last table
+                log.warning("replica refresh failed: %s", exc)
+            await self._probe_half_open()
+            if self.spec.share_with_peers:
+                await self.peers.publish()
+
+    async def _probe_half_open(self) -> None:
+        """Replicas whose circuit cool-down is over get one /health probe, so an idle router readmits them too."""
+        await probe_half_open(list(self.table.by_replica.values()), self.session)
+
+    async def _refresh(self) -> None:
+        records = await asyncio.get_running_loop().run_in_executor(None, registry.list_replicas, self.spec.app)
+        old = self.table
+        self.table = table = ReplicaTable.of(records, old)
+        for upstream in table.by_replica.values():
+            upstream.max_ongoing = self._max_ongoing(upstream)
+        tell_policies(self.policies, old.by_model, table.by_model)
+        tell_policies(self.prefill_policies, old.prefill_by_model, table.prefill_by_model)
+        if self._pinning is not None:
+            self._pinning.update(records)
+        for key in list(self.admission.waiting):  # replicas may have joined, limits changed: every waiter looks again
+            self.admission.wake(key, everyone=True)
+
+    def _max_ongoing(self, upstream: Upstream) -> int:
+        return self.spec.max_ongoing.get(upstream.record.serve_id, DEFAULT_MAX_ONGOING_REQUESTS)
+
+    # ---- Serve-side methods (called through deployment handles) ------------------------------
+
+    def check_health(self) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("router event loop thread died")
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests and wait (bounded) for in-flight ones, in every router process of the deployment
+        (peers.PeerLink.drain); returns how many were still running."""
+        return await self.peers.drain(timeout_s)
+
+    def stats(self) -> dict:
+        """Per replica: served, in-flight, circuit, the routing policy's table, summed over every router process
+        of the deployment (peers.merge_stats; the others' as of their last report, at most refresh_s old), and
+        each process's own load under "processes". This process's part is read on its event loop thread, which
+        is the one changing the policies' tables."""
+        loop = getattr(self, "_loop", None)
+        if loop is not None and loop.is_running() and threading.current_thread() is not self._thread:
+
+            async def collect() -> dict:
+                return self.collect_stats()
+
+            own = asyncio.run_coroutine_threadsafe(collect(), loop).result(timeout=10)
+        else:
+            own = self.collect_stats()
+        return self.peers.stats(own)
+
+    def collect_stats(self) -> dict:
+        counts: dict[str, dict] = defaultdict(dict)
+        for upstream in self.table.by_replica.values():
+            entry = {
+                "serve_id": upstream.record.serve_id,
+                "url": upstream.record.url,
+                "served": upstream.served,
+                "inflight": upstream.inflight,
+                "circuit": upstream.breaker.state(),
+                "circuit_opened": upstream.breaker.opened,
+                "migrations": upstream.migrations,
+            }
+            policies = self.prefill_policies if upstream.record.role == "prefill" else self.policies
+            for model in upstream.record.models:
+                policy = policies.get(model)
+                if policy is not None:
+                    entry["routing"] = policy.name
+                    entry.update(policy.stats(upstream.replica_id))
+            counts[upstream.record.replica_id] = entry
+        return {
+            "pid": os.getpid(),
+            "draining": self.draining,
+            "inflight": self.inflight,
+            "moved": self.moved,
+            "resumed": self.resumed,
+            "replicas": dict(counts),
+        }

@@ -1,0 +1,70 @@
+"""What a router is given: the models it serves, their routing, its bounds (RouterSpec), and what of it a running
+router takes in place (Serve's user_config -> Router.reconfigure)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from flagscale.config.routing import Admission, RoutingSpec
+from flagscale.replica import registry
+
+_DEFAULT_ADMISSION = Admission()
+
+
+@dataclass
+class RouterSpec:
+    app: str
+    host: str
+    port: int
+    models: dict[str, str]  # served model name -> serve_id
+    refresh_s: float = registry.ROUTER_REFRESH_S
+    graph_route: str | None = None  # deployment graph entry (POST, JSON in/out), served by the graph driver
+    pin_cpus: bool = True  # stay off the cores of engine workers on this host (flagscale/replica/cpu_layout.py)
+    routing: dict[str, RoutingSpec] = field(default_factory=dict)  # served model name -> its node's routing
+    # Disaggregated models: served model name -> how its prefill replica is picked (docs/disaggregation.md).
+    prefill_routing: dict[str, RoutingSpec] = field(default_factory=dict)
+    api_key: str | None = field(default=None, repr=False)  # deploy.api_key: required on every route but /health
+    protect_metrics: bool = True  # deploy.protect_metrics: /metrics needs the key too
+    max_ongoing: dict[str, int] = field(default_factory=dict)  # serve_id -> requests one replica is sent at once
+    max_body_bytes: int = _DEFAULT_ADMISSION.max_body_bytes
+    max_queued_requests: int = _DEFAULT_ADMISSION.max_queued_requests  # per model
+    queue_timeout_s: float = _DEFAULT_ADMISSION.queue_timeout_s
+    # served model names whose engine gives no token ids (capabilities.resume_from_tokens): a stream of theirs moves
+    # to another replica only before its first byte
+    no_resume: list[str] = field(default_factory=list)
+    # served model name -> its engine kind (flagscale/engines/), whose public paths the router passes on
+    # (flagscale/router/surface.py); a model not named here: the default engine's
+    engines: dict[str, str] = field(default_factory=dict)
+    # The deployment's secret that authenticates the router processes' routing hints to each other (peers.py):
+    # in the init args only (Serve's status shows user_configs), never in repr, logs or the state file.
+    peer_secret: str | None = field(default=None, repr=False)
+    # deploy.router_processes > 1 (each process a Router): share load, metrics, drains and routing hints with the
+    # others (flagscale/router/peers.py; needs Ray's GCS). Off only where no Ray runs (benchmarks, tests).
+    share_with_peers: bool = True
+
+    # What a running router takes in place (Serve's user_config -> Router.reconfigure). Where it listens, and the
+    # API key (Serve shows user_configs in its status), are fixed for the router replica's life.
+    RECONFIGURABLE = (
+        "models",
+        "refresh_s",
+        "graph_route",
+        "routing",
+        "prefill_routing",
+        "protect_metrics",
+        "max_ongoing",
+        "max_body_bytes",
+        "max_queued_requests",
+        "queue_timeout_s",
+        "no_resume",
+        "engines",
+    )
+
+    def user_config(self) -> dict[str, Any]:
+        return {key: value for key, value in asdict(self).items() if key in self.RECONFIGURABLE}
+
+    def reconfigured(self, config: dict[str, Any]) -> RouterSpec:
+        config = dict(config)
+        for key in ("routing", "prefill_routing"):
+            config[key] = {model: RoutingSpec(**spec) for model, spec in config.get(key, {}).items()}
+        return replace(self, **config)

@@ -1,0 +1,80 @@
+"""The installed `flagscale` command for real, from a directory outside the checkout: its help and errors, then one
+real `flagscale serve demo` (FlagScale's --port, --model-path and --engine-args on the way) -> a completion ->
+`--status` -> `--stop`. Every example's dryrun is tests/e2e/test_examples.py."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from tests.conftest import flagscale_command, run_flagscale, wait_for
+
+PORT = 19391
+
+
+def test_the_console_script_is_installed():
+    assert flagscale_command()[0].endswith("flagscale"), "no flagscale script beside this Python: run `make setup`"
+
+
+def test_help_and_errors(tmp_path):
+    help_ = run_flagscale("--help", cwd=tmp_path, timeout=60)
+    assert help_.returncode == 0 and "serve" in help_.stdout and "run" in help_.stdout, help_.output
+    serve_help = run_flagscale("serve", "--help", cwd=tmp_path, timeout=60)
+    for flag in ("--stop", "--test", "--tune", "--status", "--logs", "--dryrun", "--bench", "--port", "--model-path"):
+        assert flag in serve_help.stdout, flag
+    unknown = run_flagscale("serve", "no_such_model", cwd=tmp_path, timeout=60)
+    assert unknown.returncode == 2 and "serve no_such_model: no example of that name" in unknown.stderr, unknown.output
+    bad_json = run_flagscale("serve", "demo", "--engine-args", "{oops", cwd=tmp_path, timeout=60)
+    assert bad_json.returncode == 2 and "--engine-args: not valid JSON" in bad_json.stderr, bad_json.output
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, demo_model_path):
+    cwd = tmp_path_factory.mktemp("cli")
+    common = ("--port", str(PORT), f"experiment.exp_dir={cwd / 'exp'}")
+    result = run_flagscale(
+        "serve",
+        "demo",
+        "--model-path",
+        str(demo_model_path),
+        "--engine-args",
+        json.dumps({"max_num_seqs": 4, "served_model_name": "cli-demo"}),
+        *common,
+        cwd=cwd,
+        timeout=900,
+    )
+    try:
+        yield {"cwd": cwd, "common": common, "run": result}
+    finally:
+        if (cwd / "exp" / "state.json").exists():  # a test failed before the stop test ran
+            run_flagscale("serve", "demo", "--stop", *common, cwd=cwd, timeout=300)
+
+
+def test_serve_demo_serves_with_the_flags_applied(served):
+    assert served["run"].returncode == 0, served["run"].output
+
+    def models():
+        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/models", timeout=10) as resp:
+            return [m["id"] for m in json.load(resp)["data"]]
+
+    assert wait_for(models, 60, "/v1/models") == ["cli-demo"]
+    body = json.dumps({"model": "cli-demo", "prompt": "hello", "max_tokens": 4}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{PORT}/v1/completions", body, {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        assert json.load(resp)["choices"][0]["text"] is not None
+
+
+def test_status_then_stop(served):
+    status = run_flagscale(
+        "serve", "demo", "--status", "output=json", *served["common"], cwd=served["cwd"], timeout=120
+    )
+    assert status.returncode == 0, status.output
+    report = json.loads(status.stdout)
+    assert report["healthy"] is True, report
+    stopped = run_flagscale("serve", "demo", "--stop", *served["common"], cwd=served["cwd"], timeout=300)
+    assert stopped.returncode == 0, stopped.output
+    assert not (served["cwd"] / "exp" / "state.json").exists()
