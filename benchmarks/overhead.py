@@ -383,7 +383,7 @@ def process_role(proc: psutil.Process) -> str:
         ("ServeController", "serve controller"),
         (":router", "router replica"),
         ("ServeReplica", "engine replica actor"),
-        ("flagscale.serve.engine_proc", "engine watchdog"),
+        ("flagscale.replica.engine_proc", "engine watchdog"),
         ("EngineCore", "vllm engine core"),
         ("api_server", "vllm api server"),
     ):

@@ -65,8 +65,8 @@ from model import SIZES, ensure_model, parameter_count  # noqa: E402  (benchmark
 
 from flagscale.actions.bench import report_row, vllm_bench_argv, vllm_bench_worker  # noqa: E402
 from flagscale.config.schema import BenchConfig  # noqa: E402
+from flagscale.engines.metrics import engine_metrics  # noqa: E402
 from flagscale.net import port_is_free  # noqa: E402
-from flagscale.serve.metrics import engine_metrics  # noqa: E402
 
 console = overhead.console
 MODEL_NAME = overhead.MODEL_NAME  # conf/serve/demo.yaml's served_model_name

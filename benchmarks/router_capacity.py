@@ -10,7 +10,7 @@ Two upstreams:
   aiohttp server that answers /v1/completions with a stream in exactly vLLM's chunk format (token ids when asked,
   the prompt's ids on the first chunk, finish_reason on the last, usage when asked), advancing every running
   stream by one token per `--step-ms` like an engine's batch step. The routers are the project's Router class
-  (flagscale/serve/router.py: the real request path, resumable streams, keys, metrics), started as plain
+  (flagscale/router/: the real request path, resumable streams, keys, metrics), started as plain
   processes sharing one port with SO_REUSEPORT, each reading a fixed replica list instead of Ray's registry.
   This measures the router alone, with nothing else on the machine limiting it but the cores. (Without Ray
   the processes share no reports or routing hints: a cost per request, not per token.) `--router floor` puts
@@ -153,9 +153,10 @@ def serve_replay(port: int, step_ms: float) -> None:
 def serve_router(port: int, upstream_urls: list[str]) -> None:
     """One router process: the project's Router, its replica list fixed to the replay upstreams (instead of
     Ray's registry), listening on `port` beside the others (SO_REUSEPORT)."""
-    from flagscale.serve import registry
-    from flagscale.serve.router import Router, RouterSpec
-    from flagscale.serve.routing import RoutingSpec
+    from flagscale.config.routing import RoutingSpec
+    from flagscale.replica import registry
+    from flagscale.router.router import Router
+    from flagscale.router.spec import RouterSpec
 
     records = [
         registry.ReplicaRecord(
@@ -416,7 +417,7 @@ def replica_urls(exp_dir: Path) -> list[str]:
     front of them)."""
     from flagscale.cluster.ray_node import connect_kv
     from flagscale.cluster.state import RunState
-    from flagscale.serve import registry
+    from flagscale.replica import registry
 
     state = RunState.load(exp_dir)
     if state is None:

@@ -49,8 +49,8 @@ import overhead  # noqa: E402  (benchmarks/overhead.py: the orchestrator's run /
 import psutil  # noqa: E402
 from model import SIZES, ensure_model, parameter_count  # noqa: E402  (benchmarks/gpu/model.py)
 
+from flagscale.engines.metrics import engine_metrics  # noqa: E402
 from flagscale.net import port_is_free  # noqa: E402
-from flagscale.serve.metrics import engine_metrics  # noqa: E402
 
 console = overhead.console
 MODEL_NAME = overhead.MODEL_NAME  # conf/serve/demo.yaml's served_model_name

@@ -14,6 +14,7 @@ started (also on error, Ctrl-C or SIGTERM) by the ids it recorded, never by name
 
   python benchmarks/gpu/bench_gpu.py --size 1b --clients 4 --concurrency 1 64 256 --rounds 3
   python benchmarks/gpu/bench_gpu.py --size 1b --clients 4 --concurrency 64 --replicas 2 --gpus-per-replica 0.5
+  python benchmarks/gpu/bench_gpu.py --size 8b --dummy-weights --engine-arg tensor_parallel_size=2 --placement-check
   .venv/bin/python benchmarks/gpu/bench_gpu.py --size tiny --quick          # CPU smoke test of the mechanics
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -37,14 +39,18 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checks import GPU_SAFE_ENV  # noqa: E402  (benchmarks/gpu/checks.py)
+
 # Everything this script starts inherits os.environ: set before any child exists. Multicast (NVLS) stays off on the
 # lent machines; FlashInfer is not carried there, so vLLM's sampler must not import it.
-GPU_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(GPU_SAFE_ENV)
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
+import checks  # noqa: E402
 import overhead  # noqa: E402  (benchmarks/overhead.py)
 import psutil  # noqa: E402
+from model import SIZES, ensure_model, parameter_count  # noqa: E402
 from overhead import (  # noqa: E402
     MODEL_NAME,
     cpu_seconds,
@@ -59,9 +65,6 @@ from overhead import (  # noqa: E402
 from flagscale.actions.bench import report_row, vllm_bench_argv, vllm_bench_worker  # noqa: E402
 from flagscale.config.schema import BenchConfig  # noqa: E402
 from flagscale.net import port_is_free  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import SIZES, ensure_model, parameter_count  # noqa: E402
 
 console = overhead.console
 PORT_RANGE = range(8600, 8700)  # clear of 8000-8010 (make serve) and 18700-18960 (the e2e tests)
@@ -88,6 +91,9 @@ METRICS = (
     ("E2EL p50 ms", "e2el_ms", "p50"),
 )
 QUANTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9)
+PARALLEL_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+REQUESTS_METRIC = "vllm:request_success_total"
+TOKENS_METRIC = "vllm:generation_tokens_total"
 
 
 def parse_args() -> argparse.Namespace:
@@ -114,7 +120,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=None, help="default 512 (32 with --quick)")
     parser.add_argument("--output-len", type=int, default=None, help="default 128 (16 with --quick)")
     parser.add_argument(
+        "--waves",
+        type=int,
+        default=None,
+        help="prompts per client per pass = max(8, WAVES x concurrency) (instead of --num-prompts' default)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="smoke test: 1 round, 1 client, c=2, 6 prompts, 32/16 tokens"
+    )
+    parser.add_argument(
+        "--dummy-weights",
+        action="store_true",
+        help="model without weight files (config.json + tokenizer) served with load_format dummy (random weights "
+        "made by vLLM): 8B-70B shapes start without writing or reading their weights",
+    )
+    parser.add_argument(
+        "--placement-check",
+        action="store_true",
+        help="on a GPU: before the load, each orchestrator's replicas' and ranks' GPUs (status) against nvidia-smi; "
+        "after the stop, that no process is left on any GPU (in the JSON's placement / after_stop_gpu_apps)",
     )
     parser.add_argument(
         "--replicas",
@@ -192,15 +216,9 @@ def parse_args() -> argparse.Namespace:
 def num_prompts_for(args: argparse.Namespace, concurrency: int) -> int:
     if args.num_prompts:
         return args.num_prompts
+    if args.waves:
+        return max(8, args.waves * concurrency)
     return 6 if args.quick else max(50, 4 * concurrency)
-
-
-def gpu_count() -> int:
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
 def parse_engine_args(items: list[str]) -> dict[str, Any]:
@@ -260,6 +278,35 @@ class Orch(overhead.Orchestrator):
             *overrides,
         ]
         self.label = f"{name}: "
+        self.replicas = replicas
+        self.devices_per_replica = math.prod(int(engine_args.get(k, 1)) for k in PARALLEL_ARGS)
+        self.whole_gpus = gpus_per_replica is None or gpus_per_replica >= 1
+        self.replica_urls: dict[str, str] = {}  # replica id -> engine URL (from status), for the router's share
+
+    def status(self) -> dict[str, Any]:
+        return checks.status_json(self.cli("status"), cwd=str(REPO))
+
+    def engine_processes(self) -> list[psutil.Process]:
+        """Every process of every replica's engine (server, engine core, ranks)."""
+        out = []
+        for pid in self.engine_pids():
+            for member in checks.tree(pid):
+                with contextlib.suppress(psutil.Error):
+                    out.append(psutil.Process(member))
+        return out
+
+    def engine_counters(self) -> dict[str, dict[str, float]]:
+        """replica id -> its engine's finished requests and generated tokens so far (its own /metrics)."""
+        from flagscale.router.metrics import engine_metrics
+
+        out = {}
+        for rid, url in self.replica_urls.items():
+            try:
+                metrics = engine_metrics(url, 10.0)
+            except (OSError, ValueError):
+                continue
+            out[rid] = {"requests": metrics.get(REQUESTS_METRIC, 0.0), "tokens": metrics.get(TOKENS_METRIC, 0.0)}
+        return out
 
 
 # ------------------------------------------------------------------------------------------------ load + stats
@@ -359,6 +406,57 @@ def run_pass(
     return row
 
 
+def replica_share(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """What each replica's engine did during one pass (its own counters' deltas) and how evenly the router spread
+    it: imbalance = busiest / least busy - 1 (requests and tokens; 0 is perfectly even)."""
+    delta = {
+        rid: {key: after[rid][key] - before.get(rid, {}).get(key, 0.0) for key in ("requests", "tokens")}
+        for rid in after
+    }
+    out: dict[str, Any] = {"per_replica": delta}
+    for key in ("requests", "tokens"):
+        values = [d[key] for d in delta.values()]
+        out[f"{key}_imbalance"] = (max(values) / min(values) - 1) if len(values) > 1 and min(values) > 0 else None
+    return out
+
+
+def check_placement(systems: dict[str, Any]) -> dict[str, Any]:
+    """Each orchestrator's replicas' and ranks' GPUs (status) against nvidia-smi (checks.placement)."""
+    found = {}
+    for name, system in systems.items():
+        if not isinstance(system, Orch):
+            continue
+        report = system.status()
+        found[name] = checks.placement(report, system.devices_per_replica, system.whole_gpus)
+        found[name]["status_replicas"] = [
+            {k: r.get(k) for k in ("replica_id", "state", "engine_pid", "gpus", "ranks", "url")}
+            for r in report.get("replicas", [])
+        ]
+        table = subprocess.run(
+            system.cli("status"),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+        found[name]["status_table"] = table.stdout
+        console.print(table.stdout, markup=False, highlight=False, soft_wrap=True)
+        for problem in found[name]["problems"]:
+            console.print(f"[red]placement, {name}: {problem}[/]")
+        for replica in found[name]["replicas"]:
+            ranks = "; ".join(
+                f"rank {r['rank']} pid {r['pid']} status {r['status_gpus']} nvidia-smi {r['smi_gpus']}"
+                for r in replica["ranks"]
+            )
+            console.print(
+                f"placement, {name}: replica {replica['replica_id'][:8]} status GPUs {replica['status_gpus']}, "
+                f"its processes on {replica['smi_gpus']}" + (f"; {ranks}" if ranks else ""),
+                soft_wrap=True,
+            )
+    return found
+
+
 def stat_of(row: dict[str, Any], key: str, stat: str | None) -> float:
     value = row[key] if stat is None else row[key].get(stat)
     return float("nan") if value is None else value
@@ -370,6 +468,9 @@ def median_rows(rounds: list[dict[str, Any]], system: str, concurrency: int) -> 
     medians["failed requests"] = sum(p["failed"] for p in passes)
     router = [p["router_us_per_token"] for p in passes if p.get("router_us_per_token")]
     medians["router CPU us/token"] = statistics.median(router) if router else None
+    imbalance = [p["replica_share"]["requests_imbalance"] for p in passes if p.get("replica_share")]
+    imbalance = [x for x in imbalance if x is not None]
+    medians["replica requests imbalance"] = statistics.median(imbalance) if imbalance else None
     return medians
 
 
@@ -393,28 +494,6 @@ def gpu_memory_mb(groups: dict[str, list[psutil.Process]]) -> dict[str, Any]:
             pid, mb = (int(x.strip()) for x in line.split(","))
             used[pid] = mb
     return {name: sum(used.get(p.pid, 0) for p in procs) for name, procs in groups.items()}
-
-
-def env_check(groups: dict[str, list[psutil.Process]]) -> dict[str, Any]:
-    """Which of the processes each system started lack one of GPU_SAFE_ENV (should be none). A process that
-    rewrote its title (vLLM's EngineCore and workers, Ray's agents: setproctitle reuses the memory /proc/PID/environ
-    shows) cannot be checked this way; it is counted as unreadable (it inherited its parent's environment)."""
-    report: dict[str, Any] = {}
-    for name, procs in groups.items():
-        checked, unreadable, missing = 0, 0, []
-        for proc in procs:
-            try:
-                env = proc.environ()
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            if "PATH" not in env:
-                unreadable += 1
-                continue
-            checked += 1
-            if any(env.get(k) != v for k, v in GPU_SAFE_ENV.items()):
-                missing.append({"pid": proc.pid, "cmd": " ".join(proc.cmdline())[:120]})
-        report[name] = {"checked": checked, "unreadable": unreadable, "missing": missing}
-    return report
 
 
 def render(report: dict[str, Any]) -> None:
@@ -527,11 +606,13 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
 def main() -> int:
     args = parse_args()
     overhead.STARTUP_TIMEOUT_S = args.startup_timeout
-    gpus = gpu_count()
+    gpus = checks.gpu_count()
     on_gpu = gpus > 0
     if not on_gpu and args.size != "tiny":
         console.print(f"[yellow]no GPU found: the {args.size} model will be built and served on CPU[/]")
     engine_args = dict(GPU_ENGINE_ARGS if on_gpu else CPU_ENGINE_ARGS)
+    if args.dummy_weights:
+        engine_args["load_format"] = "dummy"
     if args.gpu_memory_utilization:
         util = args.gpu_memory_utilization
     elif on_gpu:
@@ -551,7 +632,7 @@ def main() -> int:
             console.print(f"[yellow]the GPU memory fractions of all systems add up to {total:.2f} of one GPU[/]")
 
     with console.status(f"building / finding the {args.size} model ..."):
-        model_dir = ensure_model(args.size, cache_dir=args.cache_dir, log=console.print)
+        model_dir = ensure_model(args.size, cache_dir=args.cache_dir, log=console.print, weights=not args.dummy_weights)
     console.print(f"model: {model_dir} ({parameter_count(args.size) / 1e9:.2f} B parameters)")
     ports = pick_ports(list(args.ports) if args.ports else [None, None, None])
     work_dir = Path(tempfile.mkdtemp(prefix="flagscale-bench-gpu-", dir="/tmp"))
@@ -578,6 +659,7 @@ def main() -> int:
         soft_wrap=True,
     )
     signal.signal(signal.SIGTERM, interrupt)
+    report: dict[str, Any] = {}
     try:
         startup: dict[str, float] = {}
         ready: dict[str, float | None] = {}
@@ -605,10 +687,37 @@ def main() -> int:
             return {name: system.processes() for name, system in systems.items()}
 
         servers = {name: system.url for name, system in systems.items()}
-        envs = env_check(watched())
+        # NVLink multicast off in every engine process (ranks included) and every process on a GPU, or no load.
+        engines = {"plain": plain.processes()}
+        engines.update({f"{n} engines": s.engine_processes() for n, s in systems.items() if isinstance(s, Orch)})
+        envs = checks.env_check(engines, [app["pid"] for app in checks.gpu_apps()])
+        problems = checks.env_problems(envs)  # fatal: an engine process or a GPU process without them
+        envs.update({f"{n} (all processes)": e for n, e in checks.env_check(watched()).items()})
+        console.print(
+            "env check: "
+            + "; ".join(
+                f"{n}: {e['checked']} ok ({e['inherited']} via a parent), {len(e['unknown'])} unreadable"
+                for n, e in envs.items()
+            ),
+            soft_wrap=True,
+        )
+        if problems:
+            raise RuntimeError(f"processes without {', '.join(GPU_SAFE_ENV)}:\n" + "\n".join(problems))
         bad = {name: e["missing"] for name, e in envs.items() if e["missing"]}
         if bad:
             console.print(f"[red]processes without {', '.join(GPU_SAFE_ENV)}: {bad}[/]")
+        placement: dict[str, Any] = {}
+        if args.placement_check and on_gpu:
+            try:
+                placement = check_placement(systems)
+            except Exception as exc:  # noqa: BLE001 - a check that broke must not cost the run's numbers
+                console.print(f"[red]placement check failed: {exc!r}[/]")
+                placement = {"error": repr(exc)}
+        for system in systems.values():
+            if isinstance(system, Orch) and system.replicas > 1:
+                system.replica_urls = {
+                    r["replica_id"]: r["url"] for r in system.status()["replicas"] if r["state"] == "READY"
+                }
         rounds: list[dict[str, Any]] = []
         with contextlib.ExitStack() as stack:
             clients = [
@@ -623,7 +732,11 @@ def main() -> int:
                         with console.status(
                             f"round {round_index + 1}/{args.rounds}: {system}, {args.clients} x c={concurrency} ..."
                         ):
+                            counted = systems[system].replica_urls if isinstance(systems[system], Orch) else {}
+                            before = systems[system].engine_counters() if counted else {}
                             row = run_pass(clients, pool, url, model_dir, args, round_index, concurrency, watched)
+                            if counted:
+                                row["replica_share"] = replica_share(before, systems[system].engine_counters())
                         row["router_us_per_token"] = router_cpu_us_per_token(row["cpu_s"], row["output_tokens"], system)
                         results[system][str(concurrency)] = row
                         console.print(
@@ -638,6 +751,18 @@ def main() -> int:
                         if row["router_us_per_token"]:
                             top += f"; router {row['router_us_per_token']:.1f} us CPU per output token"
                         console.print(f"    CPU s: {top}", soft_wrap=True, style="dim")
+                        if row.get("replica_share"):
+                            share = row["replica_share"]
+                            per = ", ".join(
+                                f"{rid[:8]} {d['requests']:.0f} req / {d['tokens']:.0f} tok"
+                                for rid, d in share["per_replica"].items()
+                            )
+                            console.print(
+                                f"    replicas: {per}; imbalance (busiest/least - 1) requests "
+                                f"{share['requests_imbalance']}, tokens {share['tokens_imbalance']}",
+                                soft_wrap=True,
+                                style="dim",
+                            )
                 rounds.append(results)
 
         memory = {"plain": {"vllm": memory_mb(plain.processes())}}
@@ -670,6 +795,8 @@ def main() -> int:
                 "gpus_per_replica": args.gpus_per_replica,
                 "replica_engine_args": replica_args if args.replicas else None,
                 "keep_plain": args.keep_plain,
+                "dummy_weights": args.dummy_weights,
+                "waves": args.waves,
                 "model": str(model_dir),
                 "dataset": "random",
                 "streaming": True,
@@ -692,6 +819,7 @@ def main() -> int:
             "memory": memory,
             "gpu_memory_mb": gpu_mem,
             "env_check": envs,
+            "placement": placement,
             "medians": medians,
             "ratios_orchestrator_over_plain": {
                 c: {
@@ -739,6 +867,14 @@ def main() -> int:
                 except Exception as exc:  # noqa: BLE001 - stop the others regardless
                     console.print(f"[red]stopping {name} failed: {exc}[/]")
         console.print(f"stopped every server; logs in {work_dir}")
+        if args.placement_check and on_gpu:
+            left = checks.wait_no_gpu_apps(60)
+            console.print(
+                f"[red]after stop, still on a GPU: {left}[/]" if left else "after stop: no process on any GPU"
+            )
+            if report:
+                report["after_stop_gpu_apps"] = left
+                output.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

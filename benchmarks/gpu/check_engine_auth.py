@@ -1,4 +1,4 @@
-"""Does the engines' key middleware (flagscale/serve/engine_auth.py) guard a plain vLLM server of the installed
+"""Does the engines' key middleware (flagscale/engines/vllm_auth.py) guard a plain vLLM server of the installed
 version? Starts `python -m vllm.entrypoints.openai.api_server --middleware ...RequireApiKey` on a random-weight model
 (model.py) with VLLM_API_KEY set, asks each path with and without the key, prints one line per request and exits 0
 only if every path but /health refused a request without the key and took one with it.
@@ -23,8 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gpu.model import ensure_model  # noqa: E402
+from flagscale.engines.vllm_auth import KEY_ENV, MIDDLEWARE  # noqa: E402
 from flagscale.net import free_port  # noqa: E402
-from flagscale.serve.engine_auth import KEY_ENV, MIDDLEWARE  # noqa: E402
 
 # (method, path, JSON body or None): the OpenAI routes vLLM guards itself and the ones it leaves open.
 PATHS = [

@@ -6,7 +6,11 @@ is written in well under a minute on a GPU. The tokenizer is the project's demo 
 vocab 512, trained locally by flagscale.demo_model). Nothing is downloaded. The directory is keyed by
 size, shape and seed under the FlagScale cache and marked finished by a `.complete` file.
 
+Without weights (`weights=False`, `--no-weights`) only config.json and the tokenizer are written: what vLLM's
+`load_format: dummy` needs (it fills the weights with random values itself), so 8B-70B shapes start cheaply.
+
   python benchmarks/gpu/model.py --size 1b     # prints the model directory
+  python benchmarks/gpu/model.py --size 8b --no-weights
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from flagscale.demo_model import DEMO_SHAPE, _train_tokenizer, default_cache_dir, materialize  # noqa: E402
+from flagscale.demo_model import DEMO_SHAPE, _train_tokenizer, materialize  # noqa: E402
+from flagscale.paths import default_cache_dir  # noqa: E402
 
 VOCAB = DEMO_SHAPE["vocab_size"]  # the demo tokenizer's vocabulary: 512
 SIZES: dict[str, dict[str, int]] = {
@@ -68,11 +73,12 @@ def parameter_count(size: str) -> int:
     return layers * per_layer + 2 * VOCAB * h + h
 
 
-def model_dir(size: str, seed: int = SEED, cache_dir: Path | None = None) -> Path:
+def model_dir(size: str, seed: int = SEED, cache_dir: Path | None = None, weights: bool = True) -> Path:
     key = hashlib.sha256(
         json.dumps({"seed": seed, "format": 1, **shape_of(size)}, sort_keys=True).encode()
     ).hexdigest()[:12]
-    return (cache_dir or default_cache_dir()) / f"bench-llama-{size}-{key}"
+    kind = "" if weights else "config-"  # config.json + tokenizer only: for vLLM's load_format dummy
+    return (cache_dir or default_cache_dir()) / f"bench-llama-{size}-{kind}{key}"
 
 
 def _tensor_shapes(size: str) -> list[tuple[str, tuple[int, ...], bool]]:
@@ -159,23 +165,31 @@ def default_device() -> str:
 
 
 def ensure_model(
-    size: str, seed: int = SEED, cache_dir: Path | None = None, device: str | None = None, log=print
+    size: str,
+    seed: int = SEED,
+    cache_dir: Path | None = None,
+    device: str | None = None,
+    log=print,
+    weights: bool = True,
 ) -> Path:
-    """The model directory for `size`, generated on first use (on `device`, default the GPU if there is one)."""
-    target = model_dir(size, seed, cache_dir)
+    """The model directory for `size`, generated on first use (on `device`, default the GPU if there is one).
+    `weights=False`: config.json and tokenizer only, for an engine that loads with `load_format: dummy`."""
+    target = model_dir(size, seed, cache_dir, weights)
     if (target / ".complete").exists():
         return target
-    device = device or default_device()
+    device = (device or default_device()) if weights else "-"
     started = time.monotonic()
 
     def build(staging: Path) -> None:
         _train_tokenizer(staging)
         _write_config(staging, size)
-        _write_weights(staging, size, seed, device)
+        if weights:
+            _write_weights(staging, size, seed, device)
 
     materialize(target, build)
+    what = f"on {device}" if weights else "without weights (load_format dummy)"
     log(
-        f"built {size} model ({parameter_count(size) / 1e9:.2f} B parameters) on {device} "
+        f"built {size} model ({parameter_count(size) / 1e9:.2f} B parameters) {what} "
         f"in {time.monotonic() - started:.1f}s: {target}"
     )
     return target
@@ -187,5 +201,9 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--cache-dir", type=Path, default=None)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument(
+        "--no-weights", action="store_true", help="config.json + tokenizer only (serve with load_format dummy)"
+    )
     a = parser.parse_args()
-    print(ensure_model(a.size, a.seed, a.cache_dir, a.device, log=lambda m: print(m, file=sys.stderr)))
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    print(ensure_model(a.size, a.seed, a.cache_dir, a.device, log=log, weights=not a.no_weights))

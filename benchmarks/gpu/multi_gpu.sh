@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 31's 2-GPU runs, one after another, each stopping what it started (docs/benchmarks.md, "Two H100s"):
+#   tp2    8B-class shape (dummy weights), tensor_parallel_size 2: plain `vllm ... --tensor-parallel-size 2` vs the
+#          orchestrator, alternating, c=1/64/256; placement checks (status vs nvidia-smi) and nothing left after stop
+#   dp2    the same shape at TP=1: plain vLLM on one GPU vs the orchestrator's 2 replicas (one GPU each), c=1 (the
+#          TP=1 baseline of the TP=2/TP=1 ratio) and at saturation; each replica's share of the load
+#   tests  tests/gpu (placement, env, replacement, stop)
+# On the GPU machine after ../shared/gpu/README.md's install, from the repo root, in a session of its own:
+#   setsid nohup bash benchmarks/gpu/multi_gpu.sh /tmp/bench tp2 dp2 tests > /tmp/bench/chain.log 2>&1 < /dev/null &
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast off, always
+export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+out=${1:-/tmp/bench}
+shift || true
+mkdir -p "$out"
+steps=${*:-tp2 dp2 tests}
+model="--size 8b --dummy-weights --input-len 512 --output-len 128 --clients 1 --waves 2 --keep-plain --placement-check"
+for step in $steps; do
+  echo "=== $step start $(date -u +%T)"
+  case $step in
+    tp2) python3 benchmarks/gpu/bench_gpu.py $model --engine-arg tensor_parallel_size=2 --rounds 3 \
+           --concurrency 1 64 256 --output "$out/tp2.json" ;;
+    dp2) python3 benchmarks/gpu/bench_gpu.py $model --replicas 2 --gpus-per-replica 1 --no-orchestrator \
+           --gpu-memory-utilization 0.43 --replica-gpu-memory-utilization 0.43 --rounds 2 \
+           --concurrency 1 256 512 --output "$out/dp2.json" ;;
+    tests) python3 -m pytest tests/gpu -v -p no:cacheprovider --junitxml="$out/tests-gpu.xml" ;;
+    *) echo "unknown step $step" ;;
+  esac
+  echo "=== $step exit $? $(date -u +%T)"
+  nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader
+done
+echo "=== chain done $(date -u +%T)"
