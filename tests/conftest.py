@@ -23,18 +23,24 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: fl
     """Poll `predicate` until it returns something truthy, and return that. State that other processes change
     (process trees, replicas, HTTP endpoints, metrics) is asserted through this, never read once: a fresh, busy
     machine gets there later. An exception from `predicate` (an assert included) counts as "not yet"; after
-    `timeout` seconds an AssertionError names `what` and the last value or exception seen."""
+    `timeout` seconds an AssertionError names `what` and the last value or exception seen.
+
+    A predicate that is itself costly (a CLI process that imports Ray and joins the cluster: seconds of CPU) is
+    not run back to back: the pause after each try is at least as long as the try took, so polling holds at most
+    half a core of the 2 that CI has, and the state being waited for (an engine starting) gets the rest."""
     deadline = time.monotonic() + timeout
     while True:
+        began = time.monotonic()
         try:
             last: object = predicate()
             if last:
                 return last
         except Exception as exc:  # noqa: BLE001 - reported below if it never passes
             last = exc
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
-        time.sleep(interval)
+        time.sleep(min(max(interval, now - began), max(deadline - now, 0.0)))
 
 
 @dataclass

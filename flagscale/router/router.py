@@ -31,7 +31,7 @@ from aiohttp import web
 from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS, RoutingSpec
 from flagscale.replica import registry
 from flagscale.replica.cpu_layout import RouterPinning
-from flagscale.router import peers
+from flagscale.router import own_port, peers
 from flagscale.router.admission import AdmissionQueue
 from flagscale.router.failover import Failover
 from flagscale.router.frontend import RUNNER_OPTIONS, Frontend
@@ -181,6 +181,13 @@ class Router:
         # every router process of the deployment listens on the same port; the kernel spreads connections
         site = web.TCPSite(runner, self.spec.host, self.spec.port, backlog=1024, reuse_address=True, reuse_port=True)
         await site.start()
+        foreign = own_port.foreign_listeners(self.spec.host, self.spec.port, os.environ.get(own_port.DEPLOYMENT_ENV))
+        if foreign:
+            await runner.cleanup()
+            raise RuntimeError(
+                f"port {self.spec.port} is served by another deployment too: {', '.join(foreign)} listens there "
+                "(stop it, or give this one another experiment.runner.deploy.port)"
+            )
         await self._refresh()
         loop = asyncio.get_running_loop()
         if self.spec.share_with_peers:

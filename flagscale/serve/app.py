@@ -15,7 +15,7 @@ from flagscale.plan import ROUTER_DEPLOYMENT, EnginePlan, Plan
 from flagscale.replica.autoscaling import with_engine_load_policy
 from flagscale.replica.engine import EngineReplica, EngineSpec
 from flagscale.replica.registry import version_of
-from flagscale.router import peers
+from flagscale.router import own_port, peers
 from flagscale.router.router import Router
 from flagscale.router.spec import RouterSpec
 from flagscale.serve.graph import GRAPH_DRIVER_DEPLOYMENT, CustomNode, GraphDriver, NodeSpec
@@ -52,7 +52,12 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
         # the count is a scale of this deployment, not a restart of its replicas
         num_replicas=plan.router_processes,
         # multi-host: on the head host, where deploy.host is; an existing Ray cluster: on its head node
-        ray_actor_options={"num_cpus": 0, **_resources(launchers.get(plan.launcher).router_resources())},
+        ray_actor_options={
+            "num_cpus": 0,
+            **_resources(launchers.get(plan.launcher).router_resources()),
+            # who else may listen on the port: routers of this deployment only (flagscale/router/own_port.py)
+            "runtime_env": {"env_vars": {own_port.DEPLOYMENT_ENV: deployment_name(plan)}},
+        },
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         # The rest of its spec reaches a running router through reconfigure(): an update never restarts it
         user_config=spec.user_config(),
@@ -93,6 +98,11 @@ def _one_at_a_time(replicas: int, spare: bool) -> dict:
         "rolling_update_percentage": 1 / replicas,
         "max_surge_percent": math.ceil(100 / replicas) if spare else 0,
     }
+
+
+def deployment_name(plan: Plan) -> str:
+    """What tells this deployment's router processes from another's on the same port: its app and exp_dir."""
+    return f"{plan.app_name}@{plan.exp_dir}"
 
 
 def router_spec(plan: Plan) -> RouterSpec:

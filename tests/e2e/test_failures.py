@@ -85,3 +85,46 @@ def test_failed_run_leaves_no_process(tmp_path):
     assert proc.returncode != 0, out
     assert sessions, "the run should have recorded the Ray session it started"
     assert not [p for s in sessions for p in session_members(s)]
+
+
+def test_a_second_deployment_on_the_port_is_refused_when_the_router_binds(tmp_path):
+    """The run checks the port before it starts anything; a listener that comes after that check (another
+    deployment's router, which shares the port with SO_REUSEPORT) is found by the router right after it binds."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    nodes = [{"serve_id": "demo", "engine": "vllm", "engine_args": demo_engine_args()}]
+    exp_dir = tmp_path / "exp"
+    conf = write_config(tmp_path / "conf", nodes, exp_dir, PORT)
+    run = subprocess.Popen(
+        [sys.executable, str(REPO / "run.py"), "--config-path", str(conf), "--config-name", "serve"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
+    other = None
+    try:
+        # The other deployment: a socket on the same port with SO_REUSEPORT, opened once the run has checked the
+        # port and launched Ray (its state file), before Serve starts the router.
+        wait_for(lambda: (exp_dir / "state.json").exists() or run.poll() is not None, 300, "the run to launch Ray")
+        assert run.poll() is None, run.communicate(timeout=60)[0]
+        listen = (
+            "import socket, time\n"
+            "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
+            f"s.bind(('127.0.0.1', {PORT})); s.listen(); print('listening', flush=True); time.sleep(600)\n"
+        )
+        other = subprocess.Popen([sys.executable, "-c", listen], stdout=subprocess.PIPE, text=True)
+        assert other.stdout.readline().strip() == "listening"
+        out = run.communicate(timeout=600)[0]
+        assert run.returncode != 0, out
+        assert f"port {PORT} is served by another deployment too" in out and f"pid {other.pid}" in out, out
+        assert "stopped everything this run started" in out
+    finally:
+        if other is not None:
+            other.kill()
+            other.wait(30)
+        if run.poll() is None:
+            run.kill()
