@@ -289,6 +289,9 @@ def _deploy(plan: Plan, console: Console, no_spare: frozenset[str] = frozenset()
     deploy_app(build_app(plan, no_spare), plan.app_name)
 
 
+FATAL_AT_START = ("EngineStartError", "RouterListenError")  # (flagscale/replica/engine.py, router/router.py)
+
+
 def _wait_until_serving(plan: Plan, console: Console, t0: float) -> None:
     """Until the application runs, every engine replica of the planned version is in the router's registry (and
     no other), and the endpoint answers."""
@@ -307,8 +310,10 @@ def _wait_until_serving(plan: Plan, console: Console, t0: float) -> None:
             app = serve.status().applications.get(plan.app_name)
             if app is not None:
                 for name, dep in app.deployments.items():
-                    # An engine whose server exited during start-up will not do better on Serve's retries.
-                    if dep.status in ("DEPLOY_FAILED", "UNHEALTHY") or "EngineStartError" in (dep.message or ""):
+                    # An engine whose server exited during start-up, or a router that cannot have its port, will
+                    # not do better on Serve's retries.
+                    message = dep.message or ""
+                    if dep.status in ("DEPLOY_FAILED", "UNHEALTHY") or any(e in message for e in FATAL_AT_START):
                         raise DeployError(_cause(dep.message), f"deployment {name}")
                     if SERVE_WAITING_FOR_RESOURCES in (dep.message or ""):
                         pending_since.setdefault(name, now)

@@ -65,6 +65,11 @@ def upstream_session() -> aiohttp.ClientSession:
     )
 
 
+class RouterListenError(RuntimeError):
+    """The router cannot have its port (taken, shared with another deployment, a bad host): Serve's retries
+    would not do better, so the run reports it at once (flagscale/actions/run.py)."""
+
+
 class Router:
     """The router's Ray Serve replica: its event loop thread, Serve's calls (reconfigure, drain, stats, health),
     the replica table's refresh, and the state its parts share (frontend, admission, failover, prefill, peers):
@@ -91,7 +96,7 @@ class Router:
         if not self._started.wait(30):
             raise RuntimeError(f"router did not start listening on {spec.host}:{spec.port} within 30s")
         if self._failure is not None:
-            raise RuntimeError(f"router cannot listen on {spec.host}:{spec.port}: {self._failure}")
+            raise RouterListenError(f"router cannot listen on {spec.host}:{spec.port}: {self._failure}")
 
     def reconfigure(self, config: dict[str, Any]) -> None:
         """Serve calls this after __init__ and on every update whose router spec changed (models added or
