@@ -51,6 +51,7 @@ class ReplicaTable:
                 upstream = Upstream(record)
             else:
                 upstream.record = record
+            upstream.breaker.heartbeat(record.updated_at)
             table.by_replica[record.replica_id] = upstream
             pools = table.prefill_by_model if record.role == "prefill" else table.by_model
             for model in record.models:

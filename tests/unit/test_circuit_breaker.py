@@ -212,3 +212,16 @@ def test_stats_show_circuit_and_routing_table_per_replica():
     entry = stats["replicas"]["r"]
     assert entry["served"] == 1 and entry["inflight"] == 0 and entry["circuit"] == "closed"
     assert entry["routing"] == "cache_aware" and entry["prefix_blocks"] == 1  # the prompt "x": one block of 1
+
+
+def test_an_opened_circuit_waits_for_a_heartbeat_of_the_replica_after_it_opened():
+    """The replica publishes only after its own health check (which checks that the engine it started holds the
+    port): a circuit opened at wall time T does not go half-open on a heartbeat from before T."""
+    breaker = CircuitBreaker(threshold=3, cooldown_s=5)
+    breaker.heartbeat(time.time() - 1)
+    breaker.trip(now=0.0)
+    assert breaker.state(6.0) == "open" and not breaker.allows(6.0) and not breaker.begin(6.0)
+    breaker.heartbeat(time.time() + 0.001)
+    assert breaker.state(6.0) == "half_open" and breaker.begin(6.0)
+    breaker.success()
+    assert breaker.state(6.0) == "closed"
