@@ -62,8 +62,8 @@ class AdmissionQueue:
             return upstream
         if waiters is None:
             waiters = self.waiting[key] = []
-        if len(waiters) >= spec.max_queued_requests:
-            raise Overloaded(f"{len(waiters)} requests are already waiting (deploy.max_queued_requests)")
+        if len(waiters) >= spec.share(spec.max_queued_requests):
+            raise Overloaded(f"{len(waiters)} requests are already waiting here (deploy.max_queued_requests)")
         loop = asyncio.get_running_loop()
         ticket, deadline = next(self._tickets), loop.time() + spec.queue_timeout_s
         while True:

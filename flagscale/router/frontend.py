@@ -29,6 +29,7 @@ from flagscale.router.client_request import (
     read_body,
 )
 from flagscale.router.exchange import Exchange
+from flagscale.router.failover import RETRY_AFTER_S
 from flagscale.router.metrics import SCRAPE_TIMEOUT_S, merge_replica_metrics
 from flagscale.router.policies import RequestInfo, rank_replicas
 from flagscale.router.replicas import Upstream
@@ -51,6 +52,7 @@ class Frontend:
     def __init__(self, router) -> None:
         self.router = router
         self._surface: Surface | None = None
+        self.graph_inflight = 0  # graph requests in flight through this process (bounded: spec.graph_max_ongoing)
 
     @property
     def surface(self) -> Surface:
@@ -241,7 +243,15 @@ class Frontend:
         except BadRequest as exc:
             return exc.response()
         with_trace = request.query.get("trace", "").lower() in ("1", "true", "yes")
+        if self.graph_inflight >= router.spec.share(router.spec.graph_max_ongoing):
+            return error_response(
+                503,
+                f"the graph has {router.spec.graph_max_ongoing} requests in flight (its driver's max_ongoing_requests)",
+                "ServiceUnavailableError",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         router.inflight += 1
+        self.graph_inflight += 1
         try:
             reply = await router.graph.run.remote(payload, with_trace)
         except Exception as exc:
@@ -249,6 +259,7 @@ class Frontend:
             return error_response(500, f"graph driver failed: {exc}", "InternalServerError")
         finally:
             router.inflight -= 1
+            self.graph_inflight -= 1
         status = reply.pop("status")
         if status != 200:
             return error_response(status, reply["error"], "BadRequestError" if status == 400 else "GraphNodeError")

@@ -236,7 +236,7 @@ class Router:
             self.admission.wake(key, everyone=True)
 
     def _max_ongoing(self, upstream: Upstream) -> int:
-        return self.spec.max_ongoing.get(upstream.record.serve_id, DEFAULT_MAX_ONGOING_REQUESTS)
+        return self.spec.share(self.spec.max_ongoing.get(upstream.record.serve_id, DEFAULT_MAX_ONGOING_REQUESTS))
 
     # ---- Serve-side methods (called through deployment handles) ------------------------------
 

@@ -3,6 +3,7 @@ router takes in place (Serve's user_config -> Router.reconfigure)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -10,6 +11,7 @@ from flagscale.config.routing import Admission, RoutingSpec
 from flagscale.replica import registry
 
 _DEFAULT_ADMISSION = Admission()
+GRAPH_MAX_ONGOING = 1000  # the graph driver deployment's max_ongoing_requests (flagscale/serve/app.py)
 
 
 @dataclass
@@ -42,6 +44,14 @@ class RouterSpec:
     # deploy.router_processes > 1 (each process a Router): share load, metrics, drains and routing hints with the
     # others (flagscale/router/peers.py; needs Ray's GCS). Off only where no Ray runs (benchmarks, tests).
     share_with_peers: bool = True
+    # deploy.router_processes: the kernel spreads clients over them, so each admits its share of every limit (a
+    # replica's max_ongoing, the queue, the graph route's): N processes together admit what one would
+    processes: int = 1
+    graph_max_ongoing: int = GRAPH_MAX_ONGOING  # graph requests in flight at once, all processes together
+
+    def share(self, limit: int) -> int:
+        """This process's share of a deployment-wide limit (at least 1)."""
+        return max(1, math.ceil(limit / max(1, self.processes)))
 
     # What a running router takes in place (Serve's user_config -> Router.reconfigure). Where it listens, and the
     # API key (Serve shows user_configs in its status), are fixed for the router replica's life.
@@ -58,6 +68,8 @@ class RouterSpec:
         "queue_timeout_s",
         "no_resume",
         "engines",
+        "processes",
+        "graph_max_ongoing",
     )
 
     def user_config(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from flagscale.replica.engine import EngineReplica, EngineSpec
 from flagscale.replica.registry import version_of
 from flagscale.router import own_port, peers
 from flagscale.router.router import Router
-from flagscale.router.spec import RouterSpec
+from flagscale.router.spec import GRAPH_MAX_ONGOING, RouterSpec
 from flagscale.serve.graph import GRAPH_DRIVER_DEPLOYMENT, CustomNode, GraphDriver, NodeSpec
 
 HEALTH_CHECK_PERIOD_S = 5
@@ -133,6 +133,7 @@ def router_spec(plan: Plan) -> RouterSpec:
         engines={name: e.engine for e in plan.engines for name in e.model_names},
         # the same for every router process Serve starts for this deployment, in its init args only
         peer_secret=peers.secret_of(plan.exp_dir),
+        processes=plan.router_processes,
     )
 
 
@@ -160,7 +161,7 @@ def build_graph_driver(plan: Plan) -> Application:
         name=GRAPH_DRIVER_DEPLOYMENT,
         num_replicas=1,
         ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=1000,
+        max_ongoing_requests=GRAPH_MAX_ONGOING,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )
     return with_version(driver, version_of(asdict(plan.graph))).bind(plan.graph, **nodes)

@@ -229,3 +229,57 @@ def test_the_peer_secret_is_stable_private_and_never_shown(tmp_path):
     assert peers.secret_of(tmp_path / "other") != secret  # per deployment
     spec = RouterSpec(app="a", host="127.0.0.1", port=1, models={"m": "s"}, peer_secret=secret)
     assert secret not in repr(spec) and secret not in json.dumps(spec.user_config())
+
+
+def test_each_process_admits_its_share_of_every_limit():
+    """N router processes share the port, and the kernel spreads clients over them: each admits 1/N of a replica's
+    max_ongoing_requests, of the queue and of the graph route, so that together they admit what one would."""
+    from dataclasses import replace
+
+    from flagscale.replica.registry import ReplicaRecord
+    from flagscale.router.replicas import Upstream
+
+    router = bare_router([], "round_robin")
+    record = ReplicaRecord("a", "s", "r", ["m"], "http://127.0.0.1:1", "n", "127.0.0.1", 1, 2, "", 0.0)
+    router.spec = replace(router.spec, max_ongoing={"s": 9}, max_queued_requests=5, graph_max_ongoing=3)
+    assert router._max_ongoing(Upstream(record)) == 9
+    router.spec = replace(router.spec, processes=2)
+    assert router._max_ongoing(Upstream(record)) == 5  # rounded up: never 0
+    assert router.spec.share(router.spec.max_queued_requests) == 3
+    assert router.spec.share(1) == 1
+    assert "processes" in router.spec.user_config()  # a scale of the router deployment reaches running routers
+
+
+def test_the_graph_route_answers_503_beyond_its_share_of_requests_in_flight():
+    """The graph route has a bound too: the driver's max_ongoing_requests, shared by the router processes."""
+    from dataclasses import replace
+
+    release = asyncio.Event()
+    started = []
+
+    class Driver:
+        class run:  # noqa: N801 - stands in for a DeploymentHandle's method
+            @staticmethod
+            async def remote(payload, with_trace):
+                started.append(payload)
+                await release.wait()
+                return {"status": 200, "result": {"ok": True}}
+
+    router = bare_router([], "round_robin")
+    router.graph = Driver()
+    router.spec = replace(router.spec, graph_route="/graph", graph_max_ongoing=4, processes=2)
+
+    async def main():
+        async with router_listening(router) as url, aiohttp.ClientSession() as client:
+            held = [asyncio.create_task(client.post(url + "/graph", json={"i": i})) for i in range(2)]
+            while len(started) < 2:
+                await asyncio.sleep(0.01)
+            async with client.post(url + "/graph", json={"i": 2}) as over:
+                assert over.status == 503 and over.headers["Retry-After"], await over.text()
+                assert "requests in flight" in (await over.json())["error"]["message"]
+            release.set()
+            for task in held:
+                async with await task as answer:
+                    assert answer.status == 200 and await answer.json() == {"ok": True}
+
+    asyncio.run(main())
