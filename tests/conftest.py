@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import itertools
+import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,10 +103,90 @@ def streamed_chat_chunks(client, model: str, max_tokens: int = 12) -> list:
 def run_cli(
     conf_dir: Path, *overrides: str, timeout: float = 900, name: str = "serve", columns: int = 200
 ) -> CliResult:
-    argv = [sys.executable, str(REPO / "run.py"), "--config-path", str(conf_dir), "--config-name", name, *overrides]
+    """`python run.py --config-path conf_dir --config-name name *overrides`, as a process of its own: forked from
+    the suite's CLI zygote (tests/cli_zygote.py: the imports done once), or started afresh where there is none
+    (FLAGSCALE_TEST_FRESH_CLI=1)."""
+    args = ["--config-path", str(conf_dir), "--config-name", name, *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": str(columns)}
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    zygote = CliZygote.get()
+    if zygote is not None:
+        return zygote.run(args, env, timeout)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "run.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=env,
+    )
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+class CliZygote:
+    """The client of tests/cli_zygote.py: one per test session, started on first use."""
+
+    _instance: CliZygote | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> CliZygote | None:
+        if os.environ.get("FLAGSCALE_TEST_FRESH_CLI") == "1":
+            return None
+        with cls._lock:
+            if cls._instance is None or cls._instance.proc.poll() is not None:
+                cls._instance = cls()
+            return cls._instance
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="flagscale-cli-"))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "cli_zygote.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            start_new_session=True,
+        )
+        self.write_lock = threading.Lock()
+        self.changed = threading.Condition()
+        self.pids: dict[int, int] = {}  # request id -> child pid
+        self.codes: dict[int, int] = {}  # child pid -> exit code
+        self.ids = itertools.count()
+        ready = json.loads(self.proc.stdout.readline() or "{}")
+        assert "ready" in ready, "tests/cli_zygote.py did not start (FLAGSCALE_TEST_FRESH_CLI=1 runs without it)"
+        threading.Thread(target=self._read, daemon=True).start()
+        atexit.register(self.proc.kill)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            message = json.loads(line)
+            with self.changed:
+                if "id" in message:
+                    self.pids[message["id"]] = message["pid"]
+                else:
+                    self.codes[message["pid"]] = message["returncode"]
+                self.changed.notify_all()
+
+    def run(self, args: list[str], env: dict[str, str], timeout: float, cwd: Path = REPO, entry="run") -> CliResult:
+        request_id = next(self.ids)
+        out, err = self.dir / f"{request_id}.out", self.dir / f"{request_id}.err"
+        request = {"id": request_id, "argv": args, "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+        request["entry"] = entry
+        with self.write_lock:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        with self.changed:
+            assert self.changed.wait_for(lambda: request_id in self.pids, 60), "the CLI zygote did not fork"
+            pid = self.pids.pop(request_id)
+            if not self.changed.wait_for(lambda: pid in self.codes, timeout):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(["run.py", *args], timeout)
+            code = self.codes.pop(pid)
+        result = CliResult(code, out.read_text(errors="replace"), err.read_text(errors="replace"))
+        out.unlink()
+        err.unlink()
+        return result
 
 
 def demo_engine_args(**extra) -> dict:
@@ -195,9 +281,13 @@ def flagscale_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "flagscale.cli"]
 
 
-def run_flagscale(*args: str, cwd: Path, timeout: float = 900, columns: int = 200) -> CliResult:
-    """`flagscale ...` run for real from `cwd` (outside the checkout: the shipped configs are found from anywhere)."""
+def run_flagscale(*args: str, cwd: Path, timeout: float = 900, columns: int = 200, forked=False) -> CliResult:
+    """`flagscale ...` run for real from `cwd` (outside the checkout: the shipped configs are found from anywhere):
+    the installed console script, or with `forked`, its entry function in a child of the CLI zygote (run_cli)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": str(columns)}
+    zygote = CliZygote.get() if forked else None
+    if zygote is not None:
+        return zygote.run(list(args), env, timeout, cwd=cwd, entry="flagscale")
     proc = subprocess.run(
         [*flagscale_command(), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
     )

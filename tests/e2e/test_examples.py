@@ -1,5 +1,6 @@
-"""Every config the project ships (conf/ and examples/) passes dryrun through the `flagscale` command, run from
-outside the checkout: nothing started. What a config needs that this machine lacks is given on the command line as
+"""Every config the project ships (conf/ and examples/) passes dryrun through the `flagscale` command's entry, run
+from outside the checkout, each in a process of its own forked from the suite's CLI zygote (tests/cli_zygote.py;
+tests/e2e/test_cli.py runs the installed script itself): nothing started. What a config needs that this machine lacks is given on the command line as
 a user would: a hostfile of test hosts (dryrun connects to none), the demo model for GPU-sized model ids. The
 existing-Ray-cluster example is checked to load and validate up to connecting, which fails naming the address."""
 
@@ -52,7 +53,7 @@ def what_it_needs(example: str, tmp_path: Path, demo_model_path: Path, request=N
 def test_shipped_config_dryruns(conf_dir, name, tmp_path, demo_model_path, request):
     needs = what_it_needs(conf_dir.parent.name, tmp_path, demo_model_path, request)
     argv = [*command(conf_dir, name), f"experiment.exp_dir={tmp_path / 'exp'}", *needs]
-    result = run_flagscale(*argv, cwd=tmp_path, timeout=300)
+    result = run_flagscale(*argv, cwd=tmp_path, timeout=300, forked=True)
     assert result.returncode == 0, result.output
     assert "dryrun: nothing was started" in result.stdout
     assert "router: 1 process(es)" in result.stdout  # CPU deployments: one router process by default
@@ -61,7 +62,7 @@ def test_shipped_config_dryruns(conf_dir, name, tmp_path, demo_model_path, reque
 def test_70b_at_tp8_plans_eight_ranks_per_replica(tmp_path, demo_model_path):
     needs = what_it_needs("gpu_70b", tmp_path, demo_model_path)
     argv = ["serve", "gpu_70b", "--dryrun", "serve=tp8", f"experiment.exp_dir={tmp_path / 'exp'}", *needs]
-    result = run_flagscale(*argv, cwd=tmp_path, timeout=300)
+    result = run_flagscale(*argv, cwd=tmp_path, timeout=300, forked=True)
     assert result.returncode == 0, result.output
     assert "TP 8 x PP 1 x DP 1" in " ".join(result.stdout.split()), result.stdout
 
@@ -69,7 +70,7 @@ def test_70b_at_tp8_plans_eight_ranks_per_replica(tmp_path, demo_model_path):
 def test_existing_ray_cluster_example_loads_and_names_the_address_it_needs(tmp_path):
     address = f"127.0.0.1:{free_port()}"
     argv = ["serve", "ray_cluster", "--dryrun", f"experiment.runner.address={address}"]
-    result = run_flagscale(*argv, f"experiment.exp_dir={tmp_path / 'exp'}", cwd=tmp_path, timeout=120)
+    result = run_flagscale(*argv, f"experiment.exp_dir={tmp_path / 'exp'}", cwd=tmp_path, timeout=120, forked=True)
     assert result.returncode != 0
     assert f"nobody answers at {address}" in result.stderr, result.output
     assert not any(word in result.output for word in SCHEMA_WORDS), result.output
