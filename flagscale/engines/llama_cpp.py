@@ -37,6 +37,7 @@ MANAGED_ARGS = {
     "api_key_file": "set experiment.runner.deploy.api_key (the router needs it too)",
     "alias": "set served_model_name",
     "metrics": "always on: the load and status come from /metrics",
+    "api_prefix": "the router and the replica's health check reach the engine's paths at its root",
 }
 # FlagScale's engine-neutral keys -> llama-server's (an own key of the same meaning, if also set, wins)
 # (served_model_name -> --alias is done in argv: a user's own `alias` is refused, not overridden)

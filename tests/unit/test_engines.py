@@ -230,7 +230,7 @@ def test_llama_cpp_unknown_key_names_it_and_the_closest_flags(fake_llama_server,
     assert str(info.value).startswith("serve[0](tiny).engine_args.n_gpu_layer")
 
 
-@pytest.mark.parametrize("key", ["api_key", "api_key_file", "alias", "metrics"])
+@pytest.mark.parametrize("key", ["api_key", "api_key_file", "alias", "metrics", "api_prefix"])
 def test_llama_cpp_managed_keys_are_refused(fake_llama_server, gguf, key):
     with pytest.raises(ConfigError, match=key):
         llama_argv({key: "x"}, gguf)
