@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
+import ray
 from ray import serve
 from ray.serve import Application
 
@@ -56,7 +57,7 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
             "num_cpus": 0,
             **_resources(launchers.get(plan.launcher).router_resources()),
             # who else may listen on the port: routers of this deployment only (flagscale/router/own_port.py)
-            "runtime_env": {"env_vars": {own_port.DEPLOYMENT_ENV: deployment_name(plan)}},
+            "runtime_env": _router_runtime_env(plan),
         },
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         # The rest of its spec reaches a running router through reconfigure(): an update never restarts it
@@ -103,6 +104,13 @@ def _one_at_a_time(replicas: int, spare: bool) -> dict:
 def deployment_name(plan: Plan) -> str:
     """What tells this deployment's router processes from another's on the same port: its app and exp_dir."""
     return f"{plan.app_name}@{plan.exp_dir}"
+
+
+def _router_runtime_env(plan: Plan) -> dict:
+    """The job's runtime env (on an existing cluster: py_modules with the flagscale package), plus the deployment's
+    name: Serve gives a deployment that has a runtime_env of its own nothing of the job's (but its working_dir)."""
+    job = dict(ray.get_runtime_context().runtime_env or {}) if ray.is_initialized() else {}
+    return {**job, "env_vars": {**job.get("env_vars", {}), own_port.DEPLOYMENT_ENV: deployment_name(plan)}}
 
 
 def router_spec(plan: Plan) -> RouterSpec:
