@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from flagscale.cluster.processes import session_members
-from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
+from tests.conftest import REPO, demo_engine_args, run_cli, wait_for, write_config
 
 PORT = 18611
+
+
+def start_run(conf) -> subprocess.Popen:
+    """`run` as a process this test watches while it starts (its output: stdout, stderr merged)."""
+    argv = [sys.executable, str(REPO / "run.py"), "--config-path", str(conf), "--config-name", "serve"]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
 
 
 def run_and_expect_failure(tmp_path, nodes):
@@ -57,18 +65,7 @@ def test_failed_run_leaves_no_process(tmp_path):
     exp_dir = tmp_path / "exp"
     conf = write_config(tmp_path / "conf", nodes, exp_dir, PORT)
     # Watch the state file the run writes as soon as it launches Ray, to learn the session it must stop.
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO
-
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "run.py"), "--config-path", str(conf), "--config-name", "serve"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-    )
+    proc = start_run(conf)
     sessions: set[int] = set()
 
     def exited_noting_sessions() -> bool:
@@ -90,21 +87,10 @@ def test_failed_run_leaves_no_process(tmp_path):
 def test_a_second_deployment_on_the_port_is_refused_when_the_router_binds(tmp_path):
     """The run checks the port before it starts anything; a listener that comes after that check (another
     deployment's router, which shares the port with SO_REUSEPORT) is found by the router right after it binds."""
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO
-
     nodes = [{"serve_id": "demo", "engine": "vllm", "engine_args": demo_engine_args()}]
     exp_dir = tmp_path / "exp"
     conf = write_config(tmp_path / "conf", nodes, exp_dir, PORT)
-    run = subprocess.Popen(
-        [sys.executable, str(REPO / "run.py"), "--config-path", str(conf), "--config-name", "serve"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-    )
+    run = start_run(conf)
     other = None
     try:
         # The other deployment: a socket on the same port with SO_REUSEPORT, opened once the run has checked the
