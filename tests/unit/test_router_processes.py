@@ -272,8 +272,9 @@ def test_the_graph_route_answers_503_beyond_its_share_of_requests_in_flight():
     async def main():
         async with router_listening(router) as url, aiohttp.ClientSession() as client:
             held = [asyncio.create_task(client.post(url + "/graph", json={"i": i})) for i in range(2)]
-            while len(started) < 2:
-                await asyncio.sleep(0.01)
+            async with asyncio.timeout(30):  # bounded: both requests reach the driver
+                while len(started) < 2:
+                    await asyncio.sleep(0.01)
             async with client.post(url + "/graph", json={"i": 2}) as over:
                 assert over.status == 503 and over.headers["Retry-After"], await over.text()
                 assert "requests in flight" in (await over.json())["error"]["message"]
