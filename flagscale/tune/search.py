@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from flagscale.tune.trial import (
     goodput_of,
     latency_columns,
     load_levels,
+    refused_by_engine,
     stop_deployment,
 )
 
@@ -66,6 +68,12 @@ class Search:
     @property
     def dims(self) -> list[str]:
         return list(self.space.dims)
+
+    def engine_args_key(self, candidate: Candidate) -> str:
+        """The engine arguments the candidate's replicas start with: candidates that share them differ only in
+        resources (replica count, placement)."""
+        node = candidate.config.serve[self.space.node_index]
+        return json.dumps(engine_args_of(node, candidate.config), sort_keys=True, default=str)
 
     def rows(self) -> list[dict[str, Any]]:
         return [c.row for c in self.candidates]
@@ -184,6 +192,7 @@ def run_search(search: Search, console: Console) -> int:
     with log_path.open("a") as log_file:
         log_console = Console(file=log_file, width=160, highlight=False, soft_wrap=True)
         worker = BenchWorker(private_file(search.out_dir / "bench.log"), resolve_api_key(search.config, search.sources))
+        refused: dict[str, Candidate] = {}  # engine args -> the candidate whose engine exited at start with them
         try:
             for number, candidate in enumerate(todo, 1):
                 if control.max_time is not None and time.monotonic() - started > control.max_time:
@@ -193,9 +202,16 @@ def run_search(search: Search, console: Console) -> int:
                         f"[yellow]max_time {control.max_time:g}s reached: {len(todo) - number + 1} not run[/]"
                     )
                     break
+                tag = f"[{number}/{len(todo)}]"
+                same_args = refused.get(search.engine_args_key(candidate))
+                if same_args is not None:
+                    _refused_before(candidate, same_args, console, tag)
+                    search.save()
+                    continue
                 if number > 1 and control.interval:
                     time.sleep(control.interval)
-                _trial(search, candidate, worker, console, log_console, f"[{number}/{len(todo)}]")
+                if _trial(search, candidate, worker, console, log_console, tag):
+                    refused[search.engine_args_key(candidate)] = candidate
                 search.save()
         except KeyboardInterrupt:
             console.print("[yellow]interrupted: history.csv keeps what was measured; stopping the deployment[/]")
@@ -235,7 +251,19 @@ def _slo_text(slo: dict[str, dict[str, float]]) -> str:
     )
 
 
-def _trial(search: Search, candidate: Candidate, worker: BenchWorker, console: Console, log_console: Console, tag: str):
+def _refused_before(candidate: Candidate, same_args: Candidate, console: Console, tag: str) -> None:
+    """A candidate whose engine arguments an earlier trial's engine refused at start fails the same way: recorded
+    as failed with that cause, without deploying it again."""
+    reason = f"not run: same engine args as {describe(same_args.values)}, whose engine exited at start: "
+    reason += same_args.row["reason"]
+    candidate.row.update(status="failed", reason=reason[:500], elapsed_s=0.0)
+    console.print(f"{tag} {escape(describe(candidate.values))}: [red]failed[/]: {escape(reason)}", soft_wrap=True)
+
+
+def _trial(
+    search: Search, candidate: Candidate, worker: BenchWorker, console: Console, log_console: Console, tag: str
+) -> bool:
+    """Deploy and load one candidate; records its row. True when its engine exited at start (refused its args)."""
     tuner = search.config.experiment.auto_tuner
     control, slo = tuner.control, tuner.slo
     t0 = time.monotonic()
@@ -281,7 +309,10 @@ def _trial(search: Search, candidate: Candidate, worker: BenchWorker, console: C
         candidate.row.update(status="failed", reason=reason)
         console.print(f" [red]failed[/]: {escape(reason)}", soft_wrap=True)
         stop_deployment(search.exp_dir, 0, log_console)  # nothing half-deployed is carried into the next trial
+        candidate.row["elapsed_s"] = round(time.monotonic() - t0, 1)
+        return refused_by_engine(exc)
     candidate.row["elapsed_s"] = round(time.monotonic() - t0, 1)
+    return False
 
 
 def _finish(search: Search, console: Console, log_console: Console) -> int:

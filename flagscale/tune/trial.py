@@ -274,6 +274,15 @@ def _deploy(candidate, sources, exp_dir: str, startup_timeout_s: float, log_cons
     return "run"
 
 
+# flagscale/replica/engine.py's words for an engine server that exited before it was healthy: it refused its
+# arguments (or its model), which no other replica count or placement changes.
+ENGINE_EXITED_AT_START = "during start-up"
+
+
+def refused_by_engine(exc: BaseException) -> bool:
+    return ENGINE_EXITED_AT_START in str(exc) and "exited with code" in str(exc)
+
+
 def failure_reason(exc: BaseException, lines: int = 3) -> str:
     """The first lines of the cause, on one line (a CSV cell)."""
     text = str(exc)

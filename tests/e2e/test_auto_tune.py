@@ -1,9 +1,10 @@
 """End to end: action=auto_tune on a FlagScale-shaped config (issue 23).
 
 Real Ray, real vLLM (CPU) engines on the demo model, vLLM's serving benchmark through the router. The space is
-`instance` x `max_num_seqs` = 4 candidates, two of which the engine refuses at start (max_num_seqs above
-max_num_batched_tokens: vLLM's parser accepts it, its scheduler config does not), plus one value pruning skips
-(its KV cache cannot fit what gpu_memory_utilization gives). The first search is interrupted (SIGINT) once a trial
+`instance` x `max_num_seqs` = 4 candidates, two of which the engine refuses (max_num_seqs above
+max_num_batched_tokens: vLLM's parser accepts it, its scheduler config does not): the first one's engine exits at
+start, and the second, with the same engine args, is failed for the same cause without a start. Plus one value
+pruning skips (its KV cache cannot fit what gpu_memory_utilization gives). The first search is interrupted (SIGINT) once a trial
 is recorded: nothing is left running, history.csv keeps the trial. The second search on the same exp_dir skips it,
 goes on past the failing candidates, and leaves the best serving (run_best), which answers; then it is stopped.
 """
@@ -121,6 +122,8 @@ def test_auto_tune_interrupted_resumed_past_failing_candidates_leaves_the_best_s
         for failing in ((512, 1), (512, 2)):
             assert rows[failing]["status"] == "failed", rows[failing]
             assert "max_num_batched_tokens" in rows[failing]["reason"], rows[failing]["reason"]
+        assert "same engine args as max_num_seqs=512 instance=1" in rows[(512, 2)]["reason"]
+        assert rows[(512, 2)]["elapsed_s"] == 0
         assert rows[(100000, 1)]["status"] == "skipped" and rows[(100000, 1)]["reason"].startswith("memory:")
         best = max((rows[(4, 1)], rows[(4, 2)]), key=lambda r: r["goodput_per_device"])
         assert f"best: max_num_seqs=4 instance={best['instance']}" in out

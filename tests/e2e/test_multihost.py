@@ -2,9 +2,9 @@
 Ray started on each over SSH from a hostfile, real vLLM (CPU) engines, requests through the router.
 
 One set of hosts is shared by the module, in order:
-  run with 2 replicas (land on two hosts) -> requests -> status host table -> stop -> no Ray process anywhere;
-  a vLLM node pinned to type=chipB runs only on the chipB host, a llama.cpp node beside it on the chipA hosts ->
-  kill a worker's Ray node -> status says dead, both models still answer -> stop;
+  a vLLM node pinned to type=chipB runs only on the chipB host, a llama.cpp node of 2 replicas beside it lands one
+  on each chipA host -> requests -> status host table -> kill a worker's Ray node -> status says dead, both models
+  still answer -> stop -> no Ray process anywhere;
   2 prefill replicas on the chipA hosts and 1 decode replica on the chipB host pass KV caches between hosts;
   a hostfile with an unreachable host fails within the SSH timeout, naming it, nothing left on the others.
 """
@@ -116,43 +116,10 @@ def serve_on_hosts(
     return conf, exp_dir, client
 
 
-def test_two_replicas_on_two_hosts_serve_and_stop_cleanly(hosts, hostfile, tmp_path, stop_on_failure):
-    conf, exp_dir, client = serve_on_hosts(
-        tmp_path, hosts, hostfile, stop_on_failure, "two-replicas", "demo", 2, "chipA"
-    )
-    state = json.loads((exp_dir / "state.json").read_text())
-    assert sorted(h["host"] for h in state["hosts"] if h["remote"]) == sorted(h.ip for h in hosts.hosts)
-    assert all(h["session"] and h["node_id"] for h in state["hosts"])
-
-    for _ in range(4):
-        completion = client.completions.create(model="demo", prompt="hello world", max_tokens=8)
-        assert completion.usage.completion_tokens == 8
-
-    h1, h2, h3 = (h.ip for h in hosts.hosts)
-
-    def one_replica_on_each_chip_a_host() -> bool:
-        result, report = status_json(conf)
-        assert result.returncode == 0, result.output
-        assert len({r["host"] for r in report["replicas"]}) == 2, report["replicas"]
-        by_host = {h["host"]: h for h in report["hosts"]}
-        assert all(h["ray_node"] == "alive" for h in by_host.values()), by_host
-        assert len(by_host[h1]["replicas"]) == 1 and len(by_host[h2]["replicas"]) == 1, by_host
-        assert not by_host[h3]["replicas"], by_host
-        return True
-
-    wait_for(one_replica_on_each_chip_a_host, 120, "status: one replica on each chipA host", interval=2)
-    table = run_cli(conf, "action=status", timeout=120)
-    assert "hosts" in table.stdout and "chipB" in table.stdout
-
-    stop = run_cli(conf, "action=stop", timeout=300)
-    assert stop.returncode == 0, stop.output
-    assert_no_ray_left(hosts)
-    assert not (exp_dir / "state.json").exists()
-
-
-def test_chip_pinned_node_runs_on_its_chip_and_a_dead_worker_shows(hosts, hostfile, tmp_path, stop_on_failure):
-    """vLLM node b pinned to the chipB host and, in the same deployment, a llama.cpp node (docs/engines.md) on the
-    two chipA hosts, both behind one endpoint; then a worker host dies."""
+def test_chip_pinned_nodes_spread_over_hosts_and_a_dead_worker_shows(hosts, hostfile, tmp_path, stop_on_failure):
+    """vLLM node b pinned to the chipB host and, in the same deployment, a llama.cpp node (docs/engines.md) of two
+    replicas, one on each chipA host, all behind one endpoint on the first host; then a worker host dies, and stop
+    leaves no Ray process on any host."""
     # FlagScale's experiment.node_args: engine args for the replicas on one host (max_num_seqs is 8 elsewhere).
     node_args = {hosts.hosts[2].ip: {"engine_args": {"max_num_seqs": 3}}}
     llama = {
@@ -164,17 +131,27 @@ def test_chip_pinned_node_runs_on_its_chip_and_a_dead_worker_shows(hosts, hostfi
     conf, exp_dir, client = serve_on_hosts(
         tmp_path, hosts, hostfile, stop_on_failure, "chip-b", "b", 1, "chipB", extra_nodes=[llama], node_args=node_args
     )
-    assert client.completions.create(model="b", prompt="hi", max_tokens=4).usage.completion_tokens == 4
-    assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).usage.completion_tokens >= 1
+    h1, h2, h3 = (h.ip for h in hosts.hosts)
+    state = json.loads((exp_dir / "state.json").read_text())
+    assert sorted(h["host"] for h in state["hosts"] if h["remote"]) == sorted([h1, h2, h3])
+    assert all(h["session"] and h["node_id"] for h in state["hosts"])
+    for _ in range(4):
+        assert client.completions.create(model="b", prompt="hello world", max_tokens=8).usage.completion_tokens == 8
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).usage.completion_tokens >= 1
 
     def each_engine_on_its_chip() -> bool:
-        _, report = status_json(conf)
+        result, report = status_json(conf)
+        assert result.returncode == 0, result.output
         placed = sorted((r["engine_kind"], r["host"]) for r in report["replicas"])
-        h1, h2, h3 = (h.ip for h in hosts.hosts)
         assert placed == sorted([("vllm", h3), ("llama_cpp", h1), ("llama_cpp", h2)]), report["replicas"]
+        by_host = {h["host"]: h for h in report["hosts"]}
+        assert all(h["ray_node"] == "alive" for h in by_host.values()), by_host
+        assert [len(by_host[ip]["replicas"]) for ip in (h1, h2, h3)] == [1, 1, 1], by_host
         return True
 
     wait_for(each_engine_on_its_chip, 120, "status: b on the chipB host, tiny on both chipA hosts", interval=2)
+    table = run_cli(conf, "action=status", timeout=120)
+    assert "hosts" in table.stdout and "chipB" in table.stdout, table.output
     (engine_log,) = (exp_dir / "serve_logs").glob("engine-b-*.log")
     command = next(line for line in engine_log.read_text().splitlines() if line.startswith("$ "))
     assert "--max-num-seqs 3" in command and "--max-num-seqs 8" not in command, command
@@ -203,6 +180,7 @@ def test_chip_pinned_node_runs_on_its_chip_and_a_dead_worker_shows(hosts, hostfi
     stop = run_cli(conf, "action=stop", timeout=300)
     assert stop.returncode == 0, stop.output
     assert_no_ray_left(hosts)
+    assert not (exp_dir / "state.json").exists()
 
 
 def test_disaggregated_pools_on_hosts_of_two_chip_types(hosts, hostfile, tmp_path, stop_on_failure):
