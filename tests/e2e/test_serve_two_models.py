@@ -2,7 +2,9 @@
 
 One deployment with two models (alpha with two replicas); the run is shared by the tests of this module,
 in order: serve -> completions and streamed chat from each model -> load spreads over alpha's replicas ->
-status -> bench action -> run twice refuses -> stop -> nothing left.
+a killed engine is replaced -> status -> `action=logs` (every replica's log, narrowed, followed) -> keys ->
+metrics -> bench action -> run twice changes nothing -> stop (a follower ends by itself; the logs stay) ->
+nothing left.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pytest
 from flagscale.cluster.processes import session_members
 from flagscale.replica.cpu_layout import affinity, parent_pids, process_tree
 from tests.conftest import demo_engine_args, run_cli, streamed_chat_chunks, wait_for, write_config
+from tests.e2e.log_follow import Follow, header, sections
 
 PORT = 18411
 MODELS = ("alpha", "beta")
@@ -226,6 +229,51 @@ def test_status_is_healthy(deployment, client):
     assert all(replica_id in table.stdout for replica_id in replica_ids), table.stdout
 
 
+def test_logs_show_every_replica_narrowed_down_and_followed(deployment, client):
+    """action=logs: the runner's log and each replica's under a header naming serve_id, replica, host and path,
+    with vLLM's own start-up lines; serve_id= and replica= narrow it down, unknown ones are refused with the valid
+    ones listed; follow=true prints a request's line as vLLM writes it and ends on Ctrl-C."""
+    conf, exp_dir = deployment["conf"], deployment["exp_dir"]
+    replicas = status_json(deployment)["replicas"]
+    alpha = [r for r in replicas if r["serve_id"] == "alpha"]
+    (beta,) = [r for r in replicas if r["serve_id"] == "beta"]
+
+    shown = run_cli(conf, "action=logs", "lines=1000", timeout=120)
+    assert shown.returncode == 0, shown.output
+    logs = sections(shown.stdout)
+    assert f"==> runner log (localhost): {exp_dir}/serve_logs/runner.log <==" in logs, list(logs)
+    for r in replicas:
+        assert header(r) in logs, list(logs)
+        assert f"Starting vLLM server on {r['url']}" in logs[header(r)]
+
+    shown = run_cli(conf, "action=logs", "serve_id=beta", timeout=120)  # the default: the last 50 lines of each
+    assert shown.returncode == 0, shown.output
+    assert list(sections(shown.stdout)) == [header(beta)]
+    assert len(sections(shown.stdout)[header(beta)].splitlines()) == 50
+    shown = run_cli(conf, "action=logs", f"replica={alpha[0]['replica_id'][:5]}", "lines=5", timeout=120)
+    assert shown.returncode == 0, shown.output
+    assert list(sections(shown.stdout)) == [header(alpha[0])]
+
+    refused = run_cli(conf, "action=logs", "serve_id=nope", timeout=120)
+    assert refused.returncode != 0
+    assert "no engine replica of serve_id 'nope'" in refused.stderr and "alpha, beta" in refused.stderr
+    refused = run_cli(conf, "action=logs", "replica=zzzzzzzzz", timeout=120)
+    assert refused.returncode != 0
+    assert all(f"{r['serve_id']}/{r['replica_id']}" in refused.stderr for r in replicas), refused.stderr
+
+    followers = [Follow(conf, "serve_id=alpha", "lines=1"), Follow(conf, "serve_id=beta", "lines=1")]
+    try:
+        wait_for(lambda: all(f.started for f in followers), 120, "both followers to start")
+        assert client.completions.create(model="beta", prompt="followed", max_tokens=4).usage
+        wait_for(lambda: '"POST /v1/completions HTTP/1.1" 200' in followers[1].stdout, 60, "the request's line")
+        assert not any(header(r) in followers[1].stdout for r in alpha)
+        for follower in followers:
+            assert follower.interrupt() == 0, follower.stderr
+    finally:
+        for follower in followers:
+            follower.kill()
+
+
 def http_status(url: str, key: str | None = None, body: dict | None = None) -> int:
     data = json.dumps(body).encode() if body is not None else None
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
@@ -348,12 +396,20 @@ def test_no_secret_in_any_file_under_exp_dir_nor_in_any_command_line(deployment,
     assert not found, found
 
 
-def test_stop_leaves_nothing(deployment, client):
+def test_stop_leaves_nothing_but_the_logs(deployment, client):
     assert deployment["sessions"]
     members_before = [p for s in deployment["sessions"] for p in session_members(s)]
     assert members_before, "the run's Ray processes should be alive before stop"
-    result = run_cli(deployment["conf"], "action=stop", timeout=300)
-    assert result.returncode == 0, result.output
+    (beta,) = [r for r in status_json(deployment)["replicas"] if r["serve_id"] == "beta"]
+    follower = Follow(deployment["conf"], "serve_id=beta", "lines=1")
+    try:
+        wait_for(lambda: follower.started, 120, "the follower to start")
+        result = run_cli(deployment["conf"], "action=stop", timeout=300)
+        assert result.returncode == 0, result.output
+        assert follower.wait(timeout=60) == 0, follower.stderr  # it saw the deployment go, and ended by itself
+        assert "is stopped; no more lines will come" in follower.stderr
+    finally:
+        follower.kill()
     assert not [p for s in deployment["sessions"] for p in session_members(s)]
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", PORT), timeout=2).close()
@@ -365,3 +421,10 @@ def test_stop_leaves_nothing(deployment, client):
     assert again.returncode == 0 and "nothing is running" in again.output
     status = run_cli(deployment["conf"], "action=status", timeout=120)
     assert status.returncode != 0 and "nothing is running" in status.output
+
+    # stopped: the logs are still there, found from the log dir
+    shown = run_cli(deployment["conf"], "action=logs", "serve_id=beta", "lines=1000", timeout=120)
+    assert shown.returncode == 0, shown.output
+    (text,) = sections(shown.stdout).values()
+    assert f"Starting vLLM server on {beta['url']}" in text and '"POST /v1/completions HTTP/1.1" 200' in text
+    assert f"replica {beta['replica_id']}, host localhost: {beta['log']}" in shown.stdout
