@@ -73,28 +73,52 @@ def signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
+# A Ray node's daemons, in the order `ray stop` ends them: the raylet first (its agents fate-share with it), the GCS
+# last. Sent SIGTERM all at once, the raylet, the GCS and the runtime env agent each wait out the whole grace period.
+FIRST, LAST = ("raylet",), ("gcs_server",)
+
+
 def stop_session(session: int, leader_start_ticks: int | None, grace_s: float = 10.0) -> list[int]:
     """SIGTERM the leader if it still runs (`ray start` usually exited once its daemons were up), then everyone
-    left in the session, then SIGKILL after the grace period. Returns the PIDs that had to be killed.
+    left in the session, a Ray node's raylet first and its GCS last, then SIGKILL after the grace period. Returns
+    the PIDs that had to be killed.
 
     `leader_start_ticks`: the leader's `ProcessInfo.start_ticks` as recorded at launch (None: unknown, no
     guard). When the leader's PID now belongs to a process started at another time, the session has ended
     and nothing is signalled."""
     if leader_pid_reused(session, leader_start_ticks):
         return []
+    deadline = time.monotonic() + grace_s
     if read_process(session) is not None:
         signal_all([session], signal.SIGTERM)
-        _wait_gone(lambda: read_process(session) is None, grace_s)
+        _wait_gone(lambda: read_process(session) is None, deadline - time.monotonic())
 
     def members() -> list[int]:
         return session_members(session, leader_start_ticks)
 
-    signal_all(members(), signal.SIGTERM)
-    _wait_gone(lambda: not members(), grace_s)
+    first, rest, last = _in_stop_order(members())
+    for bucket, share in ((first, 1 / 3), (rest, 1 / 2), (last, 1.0)):
+        signal_all(bucket, signal.SIGTERM)
+        alive = set(bucket)
+        _wait_gone(lambda alive=alive: not alive & set(members()), share * (deadline - time.monotonic()))
+    signal_all(members(), signal.SIGTERM)  # any started meanwhile (a worker the raylet was spawning)
+    _wait_gone(lambda: not members(), deadline - time.monotonic())
     left = members()
     signal_all(left, signal.SIGKILL)
     _wait_gone(lambda: not members(), 5)
     return left
+
+
+def _in_stop_order(pids: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """(raylets, everything else, GCS servers) of `pids`, by process name: these are our own session's processes."""
+    first, rest, last = [], [], []
+    for pid in pids:
+        try:
+            name = psutil.Process(pid).name()
+        except psutil.Error:
+            continue
+        (first if name in FIRST else last if name in LAST else rest).append(pid)
+    return first, rest, last
 
 
 def _wait_gone(done, timeout_s: float) -> None:
