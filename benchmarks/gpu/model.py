@@ -55,6 +55,14 @@ SIZES: dict[str, dict[str, int]] = {
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
     },
+    # Qwen2.5-32B's body in Llama form (vocab 512): 31.2 B parameters, 62 GB in bf16; with --dummy-weights only.
+    "32b": {
+        "hidden_size": 5120,
+        "intermediate_size": 27648,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+    },
 }
 MAX_POSITIONS = 8192
 SEED = 1234

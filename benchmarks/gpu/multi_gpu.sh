@@ -5,6 +5,11 @@
 #   dp2    the same shape at TP=1: plain vLLM on one GPU vs the orchestrator's 2 replicas (one GPU each), c=1 (the
 #          TP=1 baseline of the TP=2/TP=1 ratio) and at saturation; each replica's share of the load
 #   tests  tests/gpu (placement, env, replacement, stop)
+# 4 GPUs (nvidia-h100-x4):
+#   dp4    the 8B shape at TP=1: plain vLLM on one GPU vs the orchestrator's 4 replicas (one GPU each), c=1 and at
+#          saturation; each replica's share of the load
+#   tp4    a 32B shape (dummy weights), tensor_parallel_size 4: plain vs the orchestrator at c=1 and 64, ranks on
+#          four distinct GPUs (placement check)
 # On the GPU machine after ../shared/gpu/README.md's install, from the repo root, in a session of its own:
 #   setsid nohup bash benchmarks/gpu/multi_gpu.sh /tmp/bench tp2 dp2 tests > /tmp/bench/chain.log 2>&1 < /dev/null &
 set -u
@@ -23,6 +28,11 @@ for step in $steps; do
     dp2) python3 benchmarks/gpu/bench_gpu.py $model --replicas 2 --gpus-per-replica 1 --no-orchestrator \
            --gpu-memory-utilization 0.43 --replica-gpu-memory-utilization 0.43 --rounds 2 \
            --concurrency 1 256 512 --output "$out/dp2.json" ;;
+    dp4) python3 benchmarks/gpu/bench_gpu.py $model --replicas 4 --gpus-per-replica 1 --no-orchestrator \
+           --gpu-memory-utilization 0.43 --replica-gpu-memory-utilization 0.43 --rounds 2 \
+           --concurrency 1 512 1024 --output "$out/dp4.json" ;;
+    tp4) python3 benchmarks/gpu/bench_gpu.py ${model/--size 8b/--size 32b} --engine-arg tensor_parallel_size=4 \
+           --gpu-memory-utilization 0.43 --rounds 1 --concurrency 1 64 --output "$out/tp4.json" ;;
     tests) python3 -m pytest tests/gpu -v -p no:cacheprovider --junitxml="$out/tests-gpu.xml" ;;
     *) echo "unknown step $step" ;;
   esac
