@@ -297,7 +297,7 @@ class Orch(overhead.Orchestrator):
 
     def engine_counters(self) -> dict[str, dict[str, float]]:
         """replica id -> its engine's finished requests and generated tokens so far (its own /metrics)."""
-        from flagscale.router.metrics import engine_metrics
+        from flagscale.engines.metrics import engine_metrics
 
         out = {}
         for rid, url in self.replica_urls.items():
