@@ -93,8 +93,20 @@ def with_before_start(argv: list[str], before_start: str | None) -> list[str]:
     return ["bash", "-c", f'set -e\n{before_start}\nexec "$@"', "flagscale-before-start", *argv]
 
 
-# Keep a hostfile host's Ray worker ports away from the ports users pick for the router and engines.
-WORKER_PORTS = ("20000", "29999")
+# Ray's workers listen on ports of a range (Ray's default: 10002-19999, where users often put a service). Every node a
+# run starts takes this one instead, less the deployment's own port when that falls inside it: a worker that
+# took the port between the run's check and the router's bind would make the router fail.
+WORKER_PORTS = (20000, 29999)
+
+
+def worker_ports(serve_port: int | None) -> tuple[int, int]:
+    """The node's worker port range: WORKER_PORTS, cut at `serve_port` (keeping the larger side) when inside."""
+    low, high = WORKER_PORTS
+    if serve_port is None or not low <= serve_port <= high:
+        return low, high
+    return (low, serve_port - 1) if serve_port - low >= high - serve_port else (serve_port + 1, high)
+
+
 ROLES = ("head", "worker", "driver")
 
 
@@ -103,8 +115,8 @@ class RayNode:
     """One Ray node to start, as `ray start` is told (ray_start_argv). `role`: head, worker, or driver (the CPU-less
     node on this machine a multi-host run drives from). `this_machine`: the node runs beside the runner (the head of a
     run without a hostfile, or the driver node): Ray's fixed default listener ports become free ones, and a head
-    drops what a one-machine serving cluster does not use; a hostfile host's node keeps Ray's worker ports in
-    WORKER_PORTS instead."""
+    drops what a one-machine serving cluster does not use. Every node's workers take ports of WORKER_PORTS, never
+    `serve_port` (the deployment's port, where the node's host serves it)."""
 
     role: str
     port: int  # the head's GCS port
@@ -115,6 +127,7 @@ class RayNode:
     num_gpus: int | None = None  # None: Ray counts them
     resources: dict[str, float] | None = None  # custom resources; None: no --resources
     this_machine: bool = False
+    serve_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -141,8 +154,10 @@ def ray_start_argv(node: RayNode) -> list[str]:
         argv += ["--num-gpus", str(node.num_gpus)]
     if node.resources is not None:
         argv += ["--resources", json.dumps(node.resources)]
+    low, high = worker_ports(node.serve_port)
+    argv += ["--min-worker-port", str(low), "--max-worker-port", str(high)]
     if not node.this_machine:
-        return [*argv, "--min-worker-port", WORKER_PORTS[0], "--max-worker-port", WORKER_PORTS[1]]
+        return argv
     if head:
         argv += ["--ray-client-server-port", str(free_port()), "--dashboard-port", str(free_port())]
         # What a static serving cluster does not use (~160 MB RSS less on the head): the autoscaler monitor, and
@@ -223,14 +238,17 @@ def start_local_head(
     log_path: Path,
     timeout_s: float = 90,
     port: int | None = None,
+    serve_port: int | None = None,
 ) -> HostRecord:
     """No hostfile: a one-host cluster, the head on this machine through the local runner.
-    `port`: the GCS port (runner.ray_port); None: a free one (head_port)."""
+    `port`: the GCS port (runner.ray_port); None: a free one (head_port). `serve_port`: the deployment's port."""
     runner = LocalRunner()
     port = head_port(runner, port)
     temp_dir = prepare_ray_temp_dir(state.exp_dir)
     state.ray_address = f"127.0.0.1:{port}"
-    node = RayNode("head", port, temp_dir, num_cpus=num_cpus, num_gpus=num_gpus, this_machine=True)
+    node = RayNode(
+        "head", port, temp_dir, num_cpus=num_cpus, num_gpus=num_gpus, this_machine=True, serve_port=serve_port
+    )
     record = start_node(
         state,
         runner,

@@ -77,6 +77,7 @@ class LocalLauncher(OwnCluster):
                 before_start=plan.before_start,
                 log_path=plan.log_dir / "ray-head.log",
                 port=plan.ray_port,
+                serve_port=plan.port,
             )
         _link_ray_logs(state, plan.log_dir)
         return f"Ray head up at {state.ray_address}"

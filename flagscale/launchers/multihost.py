@@ -65,8 +65,10 @@ def host_node(
     num_cpus: int | None,
     temp_dir: str,
     ip_of: Callable[[str], str] = resolve_ip,
+    serve_port: int | None = None,
 ) -> RayNode:
-    """The Ray node of a hostfile host; `ip_of`: a hostfile host's IP (its ssh config HostName, resolved)."""
+    """The Ray node of a hostfile host; `ip_of`: a hostfile host's IP (its ssh config HostName, resolved);
+    `serve_port`: the deployment's port, kept out of the node's worker ports."""
     is_head = entry is head
     num_gpus, resources = entry.ray_resources(is_head)
     return RayNode(
@@ -78,6 +80,7 @@ def host_node(
         num_cpus=num_cpus,
         num_gpus=num_gpus or 0,
         resources=resources,
+        serve_port=serve_port,
     )
 
 
@@ -135,7 +138,9 @@ class SshClusterStart:
     def _start_host(self, entry: HostEntry):
         head = self.cluster.hostfile.head
         temp_dir = host_temp_dir(self.state.exp_dir, entry.host)
-        node = host_node(entry, head, self.ray_port, self.cluster.num_cpus_per_host, temp_dir, self.ip_of)
+        node = host_node(
+            entry, head, self.ray_port, self.cluster.num_cpus_per_host, temp_dir, self.ip_of, self.plan.port
+        )
         env = {**self.remote_env, **self.cluster.host_envs.get(entry.host, {}), **auth_env(f"{temp_dir}/auth_token")}
         return start_node(
             self.state,
@@ -157,7 +162,15 @@ class SshClusterStart:
         temp_dir = prepare_ray_temp_dir(self.state.exp_dir)
         self.state.extra["driver_ip"] = my_ip
         node = RayNode(
-            "driver", self.ray_port, temp_dir, head_ip=head_ip, node_ip=my_ip, num_cpus=0, num_gpus=0, this_machine=True
+            "driver",
+            self.ray_port,
+            temp_dir,
+            head_ip=head_ip,
+            node_ip=my_ip,
+            num_cpus=0,
+            num_gpus=0,
+            this_machine=True,
+            serve_port=self.plan.port,
         )
         start_node(
             self.state,

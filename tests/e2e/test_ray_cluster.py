@@ -34,7 +34,8 @@ PORT_B = 18962
 CHIP = "chipX"
 HEAD_IP = f"{netns.SUBNET}.1"  # this machine's address on the test hosts' bridge: the head's node IP
 RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts", "start", "--disable-usage-stats", "--num-cpus", "2"]
-# Ports a Ray node on this machine would take by default and other tests' clusters may hold.
+# Worker ports as the project's own nodes take them (flagscale/cluster/ray_node.py: WORKER_PORTS), away from the
+# ports the deployments below serve on (Ray's default range, 10002-19999, holds them).
 NODE_PORTS = ["--min-worker-port", "20000", "--max-worker-port", "29999"]
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
 

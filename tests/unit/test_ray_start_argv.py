@@ -102,7 +102,8 @@ def test_one_machine_head(calls, num_gpus):
         *ray_cli(), "start", "--head", "--port", "6379", "--num-cpus", "4", "--temp-dir", "/nonexistent/exp/ray",
         "--include-dashboard", "false", "--disable-usage-stats", "--ray-client-server-port", "41001", "--no-monitor",
         "--include-log-monitor", "false", "--dashboard-port", "41002", "--dashboard-agent-listen-port", "41003",
-        "--node-manager-port", "0", "--object-manager-port", "0",
+        "--node-manager-port", "0", "--object-manager-port", "0", "--min-worker-port", "20000",
+        "--max-worker-port", "29999",
     ]  # fmt: skip
     if num_gpus is not None:
         expected += ["--num-gpus", "2"]
@@ -124,7 +125,7 @@ def test_one_machine_head_runs_before_start_in_the_same_shell(calls):
     assert argv[4 : 4 + len(ray_cli()) + 2] == [*ray_cli(), "start", "--head"]
 
 
-def launch(tmp_path, hostfile_text: str, num_cpus: int | None, before_start: str | None = None):
+def launch(tmp_path, hostfile_text: str, num_cpus: int | None, before_start: str | None = None, port: int = 8000):
     path = tmp_path / "hostfile"
     path.write_text(hostfile_text)
     cluster = SimpleNamespace(
@@ -134,7 +135,7 @@ def launch(tmp_path, hostfile_text: str, num_cpus: int | None, before_start: str
         join_timeout_s=60,
         host_envs={"node-b": {"B": "2"}},
     )
-    plan = SimpleNamespace(cluster=cluster, ray_port=6379, before_start=before_start, log_dir=Path("/logs"))
+    plan = SimpleNamespace(cluster=cluster, ray_port=6379, before_start=before_start, log_dir=Path("/logs"), port=port)
     state = new_state()
     launcher = SshClusterStart(state, plan, {"PYTHONPATH": "/p"})
     recorded: list = []
@@ -190,6 +191,7 @@ def test_hostfile_head_workers_and_driver_node(calls, tmp_path):
             *ray_cli(), "start", "--address", "10.0.0.1:6379", "--node-ip-address", "10.0.0.9",
             "--num-cpus", "0", "--num-gpus", "0", "--temp-dir", "/nonexistent/exp/ray", "--disable-usage-stats",
             "--node-manager-port", "0", "--object-manager-port", "0", "--dashboard-agent-listen-port", "41001",
+            "--min-worker-port", "20000", "--max-worker-port", "29999",
         ],
     )  # fmt: skip
     assert (host, driver_env, driver_log) == (
@@ -232,3 +234,24 @@ def test_untyped_hostfile_without_num_cpus(calls, tmp_path):
     )  # fmt: skip
     [(_, driver_argv, _, _)] = calls  # no before_start on this machine's driver node
     assert driver_argv[: len(ray_cli()) + 1] == [*ray_cli(), "start"]
+
+
+def worker_port_flags(argv: list[str]) -> tuple[str, str]:
+    return argv[argv.index("--min-worker-port") + 1], argv[argv.index("--max-worker-port") + 1]
+
+
+@pytest.mark.parametrize(
+    ("serve_port", "expected"),
+    [(None, ("20000", "29999")), (8000, ("20000", "29999")), (28000, ("20000", "27999")), (21000, ("21001", "29999"))],
+)
+def test_one_machine_heads_workers_never_take_the_deployments_port(calls, serve_port, expected):
+    """A Ray worker that took the serving port between the run's check and the router's bind failed a run."""
+    start_local_head(new_state(), 4, None, {}, None, Path("/logs/ray-head.log"), port=6379, serve_port=serve_port)
+    [(_, argv, _, _)] = calls
+    assert worker_port_flags(argv) == expected
+
+
+def test_every_hostfile_node_keeps_the_deployments_port_out_of_its_worker_ports(calls, tmp_path):
+    _, remote = launch(tmp_path, "node-a slots=1\nnode-b slots=1\n", num_cpus=2, port=25000)
+    started = [c[1] for c in remote if c[1] not in ("make_dir", "put_file")] + [c[1] for c in calls]
+    assert len(started) == 3 and {worker_port_flags(argv) for argv in started} == {("20000", "24999")}
