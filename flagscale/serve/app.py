@@ -23,6 +23,10 @@ from flagscale.serve.graph import GRAPH_DRIVER_DEPLOYMENT, CustomNode, GraphDriv
 
 HEALTH_CHECK_PERIOD_S = 5
 HEALTH_CHECK_TIMEOUT_S = 30
+# Requests reach engines and routers over their own HTTP servers, never through Serve, so Serve counts none in flight
+# on these replicas: its graceful shutdown only sleeps one wait loop (default 2 s) before their own drain (the
+# engine replica's __del__, the router's drain at stop) runs. Graph nodes take requests through Serve: its default.
+NOT_SERVED_THROUGH_SERVE = {"graceful_shutdown_wait_loop_s": 0.2}
 
 
 def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application:
@@ -39,6 +43,7 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
             health_check_period_s=HEALTH_CHECK_PERIOD_S,
             health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
             graceful_shutdown_timeout_s=plan.drain_timeout_s,
+            **NOT_SERVED_THROUGH_SERVE,
             **with_engine_load_policy(engine.serve_scaling(default_max_ongoing=DEFAULT_MAX_ONGOING_REQUESTS)),
             **_placement_group(engine),
             **_one_at_a_time(engine.initial_replicas, spare=engine.serve_id not in no_spare),
@@ -60,6 +65,7 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
             "runtime_env": _router_runtime_env(plan),
         },
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        **NOT_SERVED_THROUGH_SERVE,
         # The rest of its spec reaches a running router through reconfigure(): an update never restarts it
         user_config=spec.user_config(),
     )
