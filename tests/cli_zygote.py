@@ -37,15 +37,6 @@ def preload() -> None:
     vllm_args.vllm_serve_parser()
 
 
-def reread_ray_env() -> None:
-    """Ray read its RAY_* settings (token auth among them) when this zygote imported it, from the environment the
-    zygote was started in: read them again from the request's, as a fresh process would."""
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
-
-
 def child(request: dict) -> None:
     """In the forked child: become the CLI process the request describes, run it, exit with its code."""
     code = 1
@@ -54,7 +45,11 @@ def child(request: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        reread_ray_env()
+        # Ray read its RAY_* settings (token auth among them) when this zygote imported it, from the zygote's
+        # environment: read again from the request's, as a fresh process would.
+        from flagscale.cluster.ray_compat import reload_ray_config
+
+        reload_ray_config()
         stdin = os.open(os.devnull, os.O_RDONLY)
         os.dup2(stdin, 0)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):

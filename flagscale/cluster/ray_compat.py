@@ -23,8 +23,9 @@ this file. What each wraps, and why the public API does not do:
 - connect_kv: `ray.experimental.internal_kv._initialize_internal_kv(ray._raylet.GcsClient(address=))`: the same
   key-value store for a process that is not a Ray driver (`logs` reads the replica registry so): a GCS client
   only, without a core worker, its threads or Python gRPC channels, and no ray.shutdown at exit.
-- reload_ray_config: `ray._raylet.Config.initialize("")`, which re-reads RAY_* env settings (RAY_AUTH_MODE)
-  that Ray read at import, as Ray itself does after setting them.
+- reload_ray_config: `ray._raylet.Config.initialize("")`, which re-reads the RAY_* env settings (RAY_AUTH_MODE)
+  that Ray read at import, then `AuthenticationTokenLoader.instance().reset_cache()`, which drops a token read
+  before; Ray's own test helpers do both, in this order, after setting them.
 - node_ip_init_kwargs: `ray.init(_node_ip_address=...)`, which attaches a driver to the Ray node of that IP.
 - check_gcs_auth: `ray._raylet.GcsClient(address=)`, which asks the GCS for the cluster id once: a refused token
   raises AuthenticationError at once, where `ray.init` retries it for ~20 s.
@@ -118,10 +119,12 @@ def connect_kv(gcs_address: str) -> None:
 
 
 def reload_ray_config() -> None:
-    """Make Ray re-read its RAY_* env settings (after RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH were set)."""
-    from ray._raylet import Config
+    """Make Ray re-read its RAY_* env settings and its auth token (after RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH were
+    set). The config first: Ray's own test helper orders it so, a token reload must not see the old mode."""
+    from ray._raylet import AuthenticationTokenLoader, Config
 
     Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def node_ip_init_kwargs(node_ip: str | None) -> dict[str, Any]:
