@@ -8,7 +8,8 @@ router and the clients then lose a lottery that changes from run to run: measure
 deployment swung between ~2,000 and ~5,000 output tok/s at concurrency 16 (docs/benchmarks.md).
 
 The layout applied here: the engine core joins its worker's cores (the two alternate, each yielding to
-the other), and everything else of the engine (API server, watchdog) gets the host's remaining cores;
+the other; where the engine core runs the worker itself, it is the worker), and everything else of the engine
+(API server, watchdog) gets the host's remaining cores;
 the router, when it runs on the same host, stays off the workers' cores too. Nothing changes when no
 worker is bound to a strict subset of the cores (GPU engines, or a worker bound to every core).
 """
@@ -88,7 +89,10 @@ def plan_engine_layout(root: int) -> EngineLayout | None:
     frontend_cpus = host_cpus - worker_cpus
     if not frontend_cpus:
         return None
-    engine_cores = sorted(({parents[pid] for pid in workers} & set(tree)) - {root, *workers})
+    # The engine core is a worker's parent, unless that parent is the server `root` started: then the worker *is*
+    # the engine core (vLLM with VLLM_ENABLE_V1_MULTIPROCESSING=0 runs a single-rank worker in the engine core).
+    server = {pid for pid in tree if parents.get(pid) == root}
+    engine_cores = sorted(({parents[pid] for pid in workers} & set(tree)) - {root, *server, *workers})
     frontend = [pid for pid in tree if pid not in workers and pid not in engine_cores]
     return EngineLayout(sorted(worker_cpus), sorted(frontend_cpus), engine_cores, frontend)
 

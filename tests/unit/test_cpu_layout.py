@@ -1,5 +1,6 @@
 """CPU layout of a CPU engine, on a real process tree shaped like vLLM's:
-watchdog -> API server -> engine core -> worker (the worker binds itself to core 0)."""
+watchdog -> API server -> engine core -> worker (the worker binds itself to core 0), or, with
+VLLM_ENABLE_V1_MULTIPROCESSING=0, watchdog -> API server -> engine core running the worker (binding itself)."""
 
 from __future__ import annotations
 
@@ -28,14 +29,14 @@ else:
 """
 
 
-def start_chain(tmp_path, bind: bool) -> tuple[subprocess.Popen, list[int]]:
+def start_chain(tmp_path, bind: bool, length: int = 4) -> tuple[subprocess.Popen, list[int]]:
     script = tmp_path / "chain.py"
     script.write_text(CHAIN)
-    root = subprocess.Popen([sys.executable, str(script), "3", "bind" if bind else "free"])
+    root = subprocess.Popen([sys.executable, str(script), str(length - 1), "bind" if bind else "free"])
 
     def chain_up() -> list[int]:
         tree = process_tree(root.pid)
-        assert len(tree) == 4 and (not bind or len(affinity(tree[-1]) or ()) == 1), tree
+        assert len(tree) == length and (not bind or len(affinity(tree[-1]) or ()) == 1), tree
         return tree
 
     try:
@@ -66,6 +67,23 @@ def test_engine_core_joins_the_worker_and_the_frontend_leaves_its_cores(tmp_path
         assert affinity(engine_core) == worker_cpus
         assert affinity(api_server) == affinity(watchdog) == host - worker_cpus
         assert affinity(worker) == worker_cpus
+    finally:
+        stop_chain(tree)
+        root.wait()
+
+
+def test_an_engine_core_running_its_worker_keeps_the_api_server_off_its_cores(tmp_path):
+    root, tree = start_chain(tmp_path, bind=True, length=3)
+    watchdog, api_server, engine_core = tree
+    try:
+        host = affinity(watchdog)
+        worker_cpus = affinity(engine_core)
+        layout = pin_engine(root.pid)
+        assert layout is not None
+        assert layout.engine_core_pids == []
+        assert set(layout.frontend_pids) == {watchdog, api_server}
+        assert affinity(api_server) == affinity(watchdog) == host - worker_cpus
+        assert affinity(engine_core) == worker_cpus
     finally:
         stop_chain(tree)
         root.wait()
