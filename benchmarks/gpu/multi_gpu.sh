@@ -5,6 +5,9 @@
 #   dp2    the same shape at TP=1: plain vLLM on one GPU vs the orchestrator's 2 replicas (one GPU each), c=1 (the
 #          TP=1 baseline of the TP=2/TP=1 ratio) and at saturation; each replica's share of the load
 #   tests  tests/gpu (placement, env, replacement, stop)
+#   pd2    PD over NIXL between the two GPUs (issue 32): benchmarks/pd.py, A = 2 colocated replicas (one GPU each) vs
+#          B = 1 prefill (GPU 0) + 1 decode (GPU 1); prefill-heavy 4k in / 64 out and decode-heavy 128 in / 1k out;
+#          the KV rate (GB/s) and the UCX transports the engines logged (needs NIXL: benchmarks/gpu/README.md)
 # 4 GPUs (nvidia-h100-x4):
 #   dp4    the 8B shape at TP=1: plain vLLM on one GPU vs the orchestrator's 4 replicas (one GPU each), c=1 and at
 #          saturation; each replica's share of the load
@@ -33,6 +36,10 @@ for step in $steps; do
            --concurrency 1 512 1024 --output "$out/dp4.json" ;;
     tp4) python3 benchmarks/gpu/bench_gpu.py ${model/--size 8b/--size 32b} --engine-arg tensor_parallel_size=4 \
            --gpu-memory-utilization 0.43 --rounds 1 --concurrency 1 64 --output "$out/tp4.json" ;;
+    pd2) python3 benchmarks/pd.py --size 1b --num-gpus 1 --gpu-memory-utilization 0.4 --max-num-seqs 256 \
+           --max-model-len 8192 --systems A B --rounds 2 --concurrency 16 --prefill-prompts 64 \
+           --prefill-input-len 4096 --prefill-output-len 64 --decode-prompts 48 --decode-input-len 128 \
+           --decode-output-len 1024 --slo-ttft-ms 1000 --slo-tpot-ms 20 --output "$out/pd2.json" ;;
     tests) python3 -m pytest tests/gpu -v -p no:cacheprovider --junitxml="$out/tests-gpu.xml" ;;
     *) echo "unknown step $step" ;;
   esac
