@@ -36,6 +36,7 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
     replica: the old one stops first)."""
     engines = []
     for engine in plan.engines:
+        scaling = with_engine_load_policy(engine.serve_scaling(default_max_ongoing=DEFAULT_MAX_ONGOING_REQUESTS))
         deployment = serve.deployment(
             EngineReplica,
             name=engine.serve_id,
@@ -44,12 +45,12 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
             health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
             graceful_shutdown_timeout_s=plan.drain_timeout_s,
             **NOT_SERVED_THROUGH_SERVE,
-            **with_engine_load_policy(engine.serve_scaling(default_max_ongoing=DEFAULT_MAX_ONGOING_REQUESTS)),
+            **scaling,
             **_placement_group(engine),
             **_one_at_a_time(engine.initial_replicas, spare=engine.serve_id not in no_spare),
         )
         spec = engine_spec(plan, engine)
-        engines.append(with_version(deployment, spec.version).bind(spec))
+        engines.append(with_version(deployment, engine_version(spec.version, scaling)).bind(spec))
     spec = router_spec(plan)
     router = serve.deployment(
         Router,
@@ -73,6 +74,15 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
     router = with_version(router, version_of([plan.app_name, plan.host, plan.port, plan.pin_cpus, plan.api_key]))
     graph = {"graph": build_graph_driver(plan)} if plan.graph else {}
     return router.bind(spec, *engines, **graph)
+
+
+def engine_version(spec_version: str, scaling: dict) -> str:
+    """An engine deployment's version: its spec's, and whether it autoscales. Serve (2.60) starts a replica's
+    custom autoscaling metrics only when the replica starts with an autoscaling config
+    (ReplicaMetricsManager.enable_custom_autoscaling_metrics; a later reconfigure does not start them), so a
+    replica updated in place from a fixed count to autoscaling would never report its engine's load, and the node
+    would never grow. Turning autoscaling on or off therefore replaces the replicas; changing its bounds does not."""
+    return version_of([spec_version, "autoscaled"]) if "autoscaling_config" in scaling else spec_version
 
 
 def engine_spec(plan: Plan, engine: EnginePlan) -> EngineSpec:

@@ -8,10 +8,11 @@ import asyncio
 
 from flagscale.config.routing import RoutingSpec
 from flagscale.config.schema import ServeConfig
+from flagscale.replica.autoscaling import with_engine_load_policy
 from flagscale.replica.registry import version_of
 from flagscale.router.router import Router
 from flagscale.router.spec import RouterSpec
-from flagscale.serve.app import _one_at_a_time
+from flagscale.serve.app import _one_at_a_time, engine_version
 from flagscale.update import MISSING, Change, changed_nodes, diff, snapshot
 
 
@@ -89,6 +90,16 @@ def test_versions_follow_what_replicas_are_built_from():
     assert _one_at_a_time(1, spare=True) == {"rolling_update_percentage": 1.0, "max_surge_percent": 100}
     assert _one_at_a_time(3, spare=True) == {"rolling_update_percentage": 1 / 3, "max_surge_percent": 34}
     assert _one_at_a_time(3, spare=False)["max_surge_percent"] == 0
+
+
+def test_turning_autoscaling_on_or_off_replaces_engine_replicas_and_its_bounds_do_not():
+    fixed = with_engine_load_policy({"num_replicas": 1})
+    autoscaled = with_engine_load_policy({"autoscaling_config": {"min_replicas": 1, "max_replicas": 2}})
+    wider = with_engine_load_policy({"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}})
+    assert engine_version("v", fixed) == "v"  # a fixed count: the spec's version
+    assert engine_version("v", autoscaled) != engine_version("v", fixed)
+    assert engine_version("v", autoscaled) == engine_version("v", wider)
+    assert engine_version("w", autoscaled) != engine_version("v", autoscaled)
 
 
 def test_router_takes_a_new_spec_in_place_keeping_unchanged_policies():
