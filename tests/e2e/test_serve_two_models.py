@@ -25,7 +25,7 @@ import pytest
 
 from flagscale.cluster.processes import session_members
 from flagscale.replica.cpu_layout import affinity, parent_pids, process_tree
-from tests.conftest import demo_engine_args, run_cli, streamed_chat_chunks, wait_for, write_config
+from tests.conftest import WORKER_PROCESS_ENVS, demo_engine_args, run_cli, streamed_chat_chunks, wait_for, write_config
 from tests.e2e.log_follow import Follow, header, sections
 
 PORT = 18411
@@ -54,7 +54,10 @@ def deployment(tmp_path_factory):
         nodes,
         exp_dir,
         PORT,
-        experiment={"runner": {"hostfile": None, "deploy": deploy}, "envs": {"HF_TOKEN": ENV_SECRET}},
+        experiment={
+            "runner": {"hostfile": None, "deploy": deploy},
+            "envs": {"HF_TOKEN": ENV_SECRET, **WORKER_PROCESS_ENVS},
+        },
     )
     os.environ[KEY_ENV] = API_KEY  # run_cli passes this process's environment on
     result = run_cli(conf, timeout=900)

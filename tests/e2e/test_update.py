@@ -1,10 +1,17 @@
-"""End to end: `run` on a running deployment updates it in place (issue 12).
+"""End to end: `run` on a running deployment updates it in place, and an autoscaled node scales (issue 12).
 
-Real Ray, a real vLLM (CPU) engine on the demo model, one replica. While two clients send requests without a
-pause (streamed and not), the config's `max_num_seqs` changes from 8 to 4 and `run` is given it again: Serve
-starts a replica with the new args, the router takes it in, the old one drains and stops. No request fails,
-and the replica serving afterwards runs with the new value. A change that cannot be applied in place (the
-port) is refused and changes nothing; the same config again changes nothing; dryrun shows the difference.
+Real Ray, a real vLLM (CPU) engine on the demo model, one replica; one deployment for the module's two tests.
+
+1. While two clients send requests without a pause (streamed and not), the config's `max_num_seqs` changes from
+   8 to 4 and `run` is given it again: Serve starts a replica with the new args, the router takes it in, the old
+   one drains and stops. No request fails, and the replica serving afterwards runs with the new value. A change
+   that cannot be applied in place (the port) is refused and changes nothing; the same config again changes
+   nothing; dryrun shows the difference.
+2. The same node made autoscaled by another in-place update (`min_replicas: 1, max_replicas: 2,
+   target_ongoing_requests: 2`). Requests reach the engines through the router, not through Serve, so what Serve
+   scales on is the load each vLLM server reports (flagscale/replica/autoscaling.py). Six clients streaming long
+   answers put ~6 requests on the one replica: status must show the target go to 2 and a second replica serving;
+   when the clients stop, back to 1. No request fails on the way, the drained replica's included. Then `stop`.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import threading
 
 import openai
 import psutil
+import pytest
 
 from tests.conftest import REPO, demo_engine_args, run_cli, wait_for, write_config
 
@@ -75,15 +83,26 @@ class SteadyLoad:
             thread.join(180)
 
 
-def test_changing_an_engine_arg_under_load_replaces_the_replica_without_a_failed_request(tmp_path):
-    def node(max_num_seqs: int) -> dict:
-        return {
-            "serve_id": "demo",
-            "engine": "vllm",
-            "engine_args": demo_engine_args(served_model_name="demo", max_num_seqs=max_num_seqs),
-            "resources": {"num_replicas": 1, "num_cpus": 1},
-        }
+def node(max_num_seqs: int, resources: dict | None = None) -> dict:
+    return {
+        "serve_id": "demo",
+        "engine": "vllm",
+        "engine_args": demo_engine_args(served_model_name="demo", max_num_seqs=max_num_seqs),
+        "resources": resources or {"num_replicas": 1, "num_cpus": 1},
+    }
 
+
+@pytest.fixture(scope="module")
+def module_dir(tmp_path_factory):
+    """The module's config and exp_dir; whatever a failed test left running is stopped at the end."""
+    tmp_path = tmp_path_factory.mktemp("update")
+    yield tmp_path
+    if (tmp_path / "exp" / "state.json").exists():
+        run_cli(tmp_path / "conf", "action=stop", timeout=300)
+
+
+def test_changing_an_engine_arg_under_load_replaces_the_replica_without_a_failed_request(module_dir):
+    tmp_path = module_dir
     exp = tmp_path / "exp"
     conf = write_config(tmp_path / "conf", [node(8)], exp, PORT)
     first = subprocess.Popen(
@@ -144,5 +163,61 @@ def test_changing_an_engine_arg_under_load_replaces_the_replica_without_a_failed
     finally:
         if first.poll() is None:
             first.wait(900)
+
+
+def scale(conf) -> tuple[int, int]:
+    """(Serve's target replicas, replicas serving) of the node."""
+    report = status_json(conf)
+    target = report["deployments"]["demo"]["scaling"]["target_replicas"]
+    return target, sum(1 for r in report["replicas"] if r["serve_id"] == "demo" and r["state"] == "READY")
+
+
+def test_an_autoscaled_node_scales_up_under_load_and_down_when_idle(module_dir):
+    resources = {
+        "num_cpus": 1,
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "target_ongoing_requests": 2,
+        "upscale_delay_s": 2,
+        "downscale_delay_s": 10,
+    }
+    conf = write_config(module_dir / "conf", [node(4, resources)], module_dir / "exp", PORT)
+    try:
+        updated = run_cli(conf, timeout=900)
+        assert updated.returncode == 0 and "updated" in updated.stdout, updated.output
+        assert wait_for(lambda: scale(conf) == (1, 1) and scale(conf), 60, "one replica at rest") == (1, 1)
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=300, max_retries=0)
+        stop, failures, served = threading.Event(), [], []
+
+        def keep_asking(index: int) -> None:
+            while not stop.is_set():
+                try:
+                    chunks = client.completions.create(
+                        model="demo",
+                        prompt=f"scale {index}",
+                        max_tokens=200,
+                        stream=True,
+                        extra_body={"ignore_eos": True},
+                    )
+                    finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+                    assert finish == "length", finish
+                    served.append(index)
+                except Exception as exc:  # noqa: BLE001 - every failure is the finding
+                    failures.append(f"{type(exc).__name__}: {exc}")
+
+        clients = [threading.Thread(target=keep_asking, args=(i,), daemon=True) for i in range(6)]
+        for thread in clients:
+            thread.start()
+        try:
+            wait_for(lambda: scale(conf) == (2, 2), 420, "Serve to scale the node to 2 replicas, both serving")
+        finally:
+            stop.set()
+            for thread in clients:
+                thread.join(300)
+        assert not failures, f"{len(failures)} requests failed: {failures[:3]}"
+        assert served
+        wait_for(lambda: scale(conf) == (1, 1), 240, "Serve to scale the idle node back to 1 replica")
+    finally:
         stopped = run_cli(conf, "action=stop", timeout=300)
         assert stopped.returncode == 0, stopped.output
