@@ -362,33 +362,6 @@ def kv_transfer_shape(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     }
 
 
-def ucx_kv_reads(log_paths: list[Path]) -> dict[str, Any]:
-    """What UCX picked for the KV reads, from the engines' UCX_PROTO_INFO tables: each table that starts with
-    "remote memory read by ucp_get* ... into cuda/... from cuda/..." (GPU memory pulled from a peer's GPU memory)
-    names the transport of each message-size range on its rows ("zero-copy | cuda_ipc/cuda" = CUDA IPC over
-    NVLink; "tcp/..." = a fallback through the host)."""
-    picked: dict[str, int] = {}
-    tables: list[str] = []
-    for path in log_paths:
-        with contextlib.suppress(OSError):
-            in_gpu_read = False
-            for line in path.read_text(errors="replace").splitlines():
-                if "|" not in line:
-                    continue
-                cells = [c.strip() for c in line.split("|")[1:-1]]
-                if len(cells) == 1:  # a table's title row
-                    title = cells[0]
-                    in_gpu_read = "remote memory read" in title and title.count("cuda") >= 2
-                    if in_gpu_read and len(tables) < 4:
-                        tables.append(f"{path.name}: {title}")
-                elif in_gpu_read and len(cells) >= 3 and "/" in cells[-1]:
-                    transport = cells[-1].split("/")[0]
-                    picked[transport] = picked.get(transport, 0) + 1
-                    if len(tables) < 8:
-                        tables.append(f"{path.name}:   {' | '.join(cells)}")
-    return {"gpu_read_transports": picked, "lines": tables}
-
-
 # ------------------------------------------------------------------------------------------------ report
 
 # (label, getter, format)
@@ -601,7 +574,7 @@ def deploy_and_measure(
         facts["router_totals"] = orch.status().get("router")
         if disaggregated:
             logs = [Path(r["log"]) for r in orch.replicas if r.get("log")]
-            facts["ucx"] = ucx_kv_reads(logs or sorted(orch.exp_dir.rglob("engine-*.log")))
+            facts["ucx"] = checks.ucx_kv_reads(logs or sorted(orch.exp_dir.rglob("engine-*.log")))
             rows = [row for r in rounds for by_system in r.values() for row in by_system.values()]
             rate, shape = kv_rate_gb_s(rows), kv_transfer_shape(rows)
             facts["kv_gb_s"], facts["kv_per_transfer"] = rate, shape

@@ -14,6 +14,7 @@ import contextlib
 import json
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -211,3 +212,33 @@ def placement(report: dict[str, Any], devices_per_replica: int, whole_gpus: bool
                     problems.append(f"GPU {gpu} held by replicas {seen[gpu]} and {rep['replica_id']}")
                 seen[gpu] = rep["replica_id"]
     return {"replicas": replicas, "gpu_apps": apps, "problems": problems}
+
+
+# ------------------------------------------------------------------------------------------------ NIXL / UCX
+
+
+def ucx_kv_reads(log_paths: list[Path]) -> dict[str, Any]:
+    """What UCX picked for the KV reads, from the engines' UCX_PROTO_INFO tables: each table that starts with
+    "remote memory read by ucp_get* ... into cuda/... from cuda/..." (GPU memory pulled from a peer's GPU memory)
+    names the transport of each message-size range on its rows ("zero-copy | cuda_ipc/cuda" = CUDA IPC over
+    NVLink; "tcp/..." = a fallback through the host)."""
+    picked: dict[str, int] = {}
+    tables: list[str] = []
+    for path in log_paths:
+        with contextlib.suppress(OSError):
+            in_gpu_read = False
+            for line in path.read_text(errors="replace").splitlines():
+                if "|" not in line:
+                    continue
+                cells = [c.strip() for c in line.split("|")[1:-1]]
+                if len(cells) == 1:  # a table's title row
+                    title = cells[0]
+                    in_gpu_read = "remote memory read" in title and title.count("cuda") >= 2
+                    if in_gpu_read and len(tables) < 4:
+                        tables.append(f"{path.name}: {title}")
+                elif in_gpu_read and len(cells) >= 3 and "/" in cells[-1]:
+                    transport = cells[-1].split("/")[0]
+                    picked[transport] = picked.get(transport, 0) + 1
+                    if len(tables) < 8:
+                        tables.append(f"{path.name}:   {' | '.join(cells)}")
+    return {"gpu_read_transports": picked, "lines": tables}
