@@ -22,7 +22,7 @@ import yaml
 
 from flagscale.cluster.processes import session_members
 from flagscale.tune import history
-from tests.conftest import REPO, demo_engine_args, run_cli, wait_for, write_config
+from tests.conftest import FAST_START_ENVS, REPO, demo_engine_args, run_cli, wait_for, write_config
 
 PORT = 19241
 SPACE = {"max_num_seqs": [4, 512, 100000], "instance": [1, 2]}
@@ -60,7 +60,7 @@ def rows_by_candidate(exp) -> dict[tuple, dict]:
     return {(r["max_num_seqs"], r["instance"]): r for r in history.read(exp / "auto_tuner" / "history.csv")}
 
 
-def test_auto_tune_interrupted_resumed_past_failing_candidates_leaves_the_best_serving(tmp_path):
+def test_auto_tune_interrupted_resumed_past_failing_candidates_leaves_the_best_serving(tmp_path, monkeypatch):
     conf = tuner_conf(tmp_path)
     exp = tmp_path / "exp"
 
@@ -136,6 +136,10 @@ def test_auto_tune_interrupted_resumed_past_failing_candidates_leaves_the_best_s
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
         answer = client.completions.create(model="demo", prompt="hello", max_tokens=4)
         assert answer.choices[0].text is not None
+        # the written config reads every experiment.envs value from the environment (it keeps no value there)
+        assert "set VLLM_ENABLE_V1_MULTIPROCESSING first" in out
+        for name, value in FAST_START_ENVS.items():
+            monkeypatch.setenv(name, value)
         again = run_cli(exp / "auto_tuner" / "best", timeout=300)
         assert again.returncode == 0 and "nothing to change" in again.stdout, again.output
         sessions = sessions_of(exp)
