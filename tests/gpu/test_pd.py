@@ -10,15 +10,19 @@ off; stop leaves no process on a GPU.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import checks  # benchmarks/gpu/checks.py (tests/gpu/conftest.py puts it on the path)
 import pytest
 
-from flagscale.net import free_port
-from tests.conftest import run_cli, wait_for, write_config
-from tests.gpu.test_placement import ENGINE, Deployment, assert_env_everywhere, assert_stop_leaves_no_gpu_process
+from tests.conftest import wait_for
+from tests.gpu.test_placement import (
+    ENGINE,
+    Deployment,
+    assert_env_everywhere,
+    assert_stop_leaves_no_gpu_process,
+    deployed,
+)
 
 pytestmark = pytest.mark.skipif(checks.gpu_count() < 2, reason="needs 2 GPUs")
 
@@ -26,25 +30,10 @@ pytestmark = pytest.mark.skipif(checks.gpu_count() < 2, reason="needs 2 GPUs")
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     pytest.importorskip("nixl", reason="NIXL is carried separately (benchmarks/gpu/README.md)")
-    root = tmp_path_factory.mktemp("pd")
-    port = free_port()
-    node = {
-        "serve_id": "demo",
-        "engine": "vllm",
-        "engine_args": ENGINE,
-        "resources": {"num_replicas": 1, "num_gpus": 1},
-        "disaggregation": {"kv_connector": "NixlConnector"},
-    }
-    envs = {**checks.GPU_SAFE_ENV, "UCX_PROTO_INFO": "y"}
-    conf = write_config(root / "conf", [node], root / "exp", port, experiment={"envs": envs})
-    deployment = Deployment(conf, port)
-    try:
-        result = run_cli(conf, "action=run", timeout=900)
-        assert result.returncode == 0, result.output[-4000:]
-        yield deployment
-    finally:
-        with contextlib.suppress(Exception):
-            deployment.stop()
+    disaggregation = {"disaggregation": {"kv_connector": "NixlConnector"}}
+    resources = {"num_replicas": 1, "num_gpus": 1}  # per pool: one prefill and one decode replica, a GPU each
+    with deployed(tmp_path_factory.mktemp("pd"), ENGINE, resources, disaggregation, {"UCX_PROTO_INFO": "y"}) as d:
+        yield d
 
 
 def by_role(deployment: Deployment) -> dict[str, dict]:

@@ -63,10 +63,18 @@ class Deployment:
 
 
 @contextlib.contextmanager
-def deployed(root: Path, engine_args: dict, resources: dict):
+def deployed(root: Path, engine_args: dict, resources: dict, node_extra: dict | None = None, envs: dict | None = None):
+    """One node `demo` deployed (NVLink multicast off in experiment.envs, plus `envs`), stopped after."""
     port = free_port()
-    node = {"serve_id": "demo", "engine": "vllm", "engine_args": engine_args, "resources": resources}
-    conf = write_config(root / "conf", [node], root / "exp", port, experiment={"envs": dict(checks.GPU_SAFE_ENV)})
+    node = {
+        "serve_id": "demo",
+        "engine": "vllm",
+        "engine_args": engine_args,
+        "resources": resources,
+        **(node_extra or {}),
+    }
+    envs = {**checks.GPU_SAFE_ENV, **(envs or {})}
+    conf = write_config(root / "conf", [node], root / "exp", port, experiment={"envs": envs})
     deployment = Deployment(conf, port)
     try:
         result = run_cli(conf, "action=run", timeout=900)
