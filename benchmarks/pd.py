@@ -349,6 +349,25 @@ def kv_rate_gb_s(rows: list[dict[str, Any]]) -> float | None:
 KV_RATE_FLOOR_GB_S = 10.0  # below this on a GPU pair the KV did not move GPU to GPU at link speed (issue 32)
 
 
+def kv_verdict(picked: dict[str, int], rate: float | None, shape: dict, step_ms: float) -> dict[str, str]:
+    """On GPUs: {"fell_back": why} when the KV did not move GPU to GPU at link speed, {"rate_bound": why} when it
+    moved over cuda_ipc but vLLM's timing cannot show the link's rate: vLLM times a transfer from posting the read
+    to the decode engine's next check for completions, once per scheduler step (`step_ms`, TPOT p50), so a
+    transfer never looks shorter than about one step."""
+    if not picked or set(picked) - {"cuda_ipc"}:
+        return {"fell_back": f"UCX read GPU memory with {sorted(picked) or 'nothing logged'}, not cuda_ipc"}
+    if rate is None or shape["ms"] is None:
+        return {"fell_back": "cuda_ipc was picked, but the decode engine counted no transfer"}
+    if rate >= KV_RATE_FLOOR_GB_S:
+        return {}
+    if shape["ms"] < 3 * step_ms:
+        return {
+            "rate_bound": f"cuda_ipc; {shape['ms']:.1f} ms per transfer against a {step_ms:.1f} ms decode step "
+            "(TPOT p50): the rate is a lower bound set by the engine's step, not by the link"
+        }
+    return {"fell_back": f"cuda_ipc, yet {rate:.2f} GB/s in transfers longer than 3 decode steps"}
+
+
 def kv_transfer_shape(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     """Per NIXL transfer on the decode engine(s): MB, ms and descriptors (one per KV block and layer)."""
     count = sum(nixl_transfers(row) for row in rows)
@@ -585,18 +604,7 @@ def deploy_and_measure(
                 soft_wrap=True,
             )
             if args.num_gpus is not None:
-                # vLLM times a transfer from posting the read to the decode engine's next check for completions,
-                # which it makes once per scheduler step: a transfer never looks shorter than about one step.
-                step_ms = statistics.median(row["tpot_ms"]["p50"] for row in rows)
-                if not picked or set(picked) - {"cuda_ipc"}:
-                    facts["fell_back"] = f"UCX read GPU memory with {sorted(picked) or 'nothing logged'}, not cuda_ipc"
-                elif (rate or 0) < KV_RATE_FLOOR_GB_S and (shape["ms"] or 0) < 3 * step_ms:
-                    facts["rate_bound"] = (
-                        f"cuda_ipc; {shape['ms']:.1f} ms per transfer against a {step_ms:.1f} ms decode step "
-                        f"(TPOT p50): the rate is a lower bound set by the engine's step, not by the link"
-                    )
-                elif (rate or 0) < KV_RATE_FLOOR_GB_S:
-                    facts["fell_back"] = f"cuda_ipc, yet {rate or 0:.2f} GB/s in transfers longer than 3 decode steps"
+                facts.update(kv_verdict(picked, rate, shape, statistics.median(r["tpot_ms"]["p50"] for r in rows)))
                 for key, style in (("fell_back", "red"), ("rate_bound", "yellow")):
                     if key in facts:
                         console.print(f"[{style}]{name}: {key.replace('_', ' ')}: {facts[key]}[/]", soft_wrap=True)
