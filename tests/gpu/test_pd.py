@@ -49,7 +49,8 @@ def test_prefill_and_decode_hold_different_gpus(pd):
 
 
 def test_a_request_kv_moves_gpu_to_gpu_over_cuda_ipc(pd):
-    before = by_role(pd)["decode"]["engine"].get("kv_transfers") or 0
+    replicas = wait_for(lambda: by_role(pd), 120, "a ready prefill and a ready decode replica")
+    before = replicas["decode"]["engine"].get("kv_transfers") or 0
     assert pd.complete()
 
     def counted() -> dict | None:
