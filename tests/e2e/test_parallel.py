@@ -18,7 +18,7 @@ from flagscale.replica.cpu_layout import affinity, process_tree
 from tests.conftest import REPO, demo_engine_args, run_cli, wait_for, write_config
 from tests.e2e.plain_vllm import answers, plain_answers
 
-PORT = 18961
+PORT = 19211
 CONFIGS = REPO.parent / "shared" / "flagscale-configs"
 two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 on CPU needs 2 cores")
 
