@@ -176,12 +176,18 @@ class PlainServer:
     url: str
     log_path: Path
     proc: subprocess.Popen | None = None
+    env: dict[str, str] | None = None  # added to this process's environment (e.g. CUDA_VISIBLE_DEVICES)
 
     def start(self) -> float:
         with open(self.log_path, "ab") as log:
             started = time.monotonic()
             self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env={**os.environ, **self.env} if self.env else None,
             )
 
         def exited() -> str | None:
@@ -382,6 +388,8 @@ def process_role(proc: psutil.Process) -> str:
         ("ray.util.client.server", "ray client server"),
         ("ServeController", "serve controller"),
         (":router", "router replica"),
+        ("vllm-router", "vllm-router"),
+        ("vllm_router", "vllm-router"),
         ("ServeReplica", "engine replica actor"),
         ("flagscale.replica.engine_proc", "engine watchdog"),
         ("EngineCore", "vllm engine core"),

@@ -182,6 +182,14 @@ def parse_args() -> argparse.Namespace:
         help="start plain vLLM once and keep it (saves a restart); default: it is stopped after its "
         "timed start-up so the orchestrator's start-up is timed alone, as overhead.py does",
     )
+    parser.add_argument(
+        "--plain",
+        choices=("one", "dp", "vllm-router"),
+        default="one",
+        help="the plain system every other is compared with: one vLLM server (default; on GPU 0), one vLLM server "
+        "with --data-parallel-size REPLICAS (vLLM's own balancing), or REPLICAS plain servers (one GPU each) behind "
+        "vllm-router",
+    )
     parser.add_argument("--startup-timeout", type=float, default=900, help="seconds per start-up")
     parser.add_argument(
         "--ports",
@@ -208,6 +216,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--replicas must be 0 (none) or at least 2")
     if args.no_orchestrator and not args.replicas:
         parser.error("--no-orchestrator needs --replicas")
+    if args.plain != "one" and (args.replicas < 2 or (args.gpus_per_replica or 1) != 1):
+        parser.error(f"--plain {args.plain} needs --replicas (at least 2) --gpus-per-replica 1: N GPUs each way")
     if args.replicas and args.gpus_per_replica is None:
         args.gpus_per_replica = round(1.0 / args.replicas, 4)
     return args
@@ -307,6 +317,51 @@ class Orch(overhead.Orchestrator):
                 continue
             out[rid] = {"requests": metrics.get(REQUESTS_METRIC, 0.0), "tokens": metrics.get(TOKENS_METRIC, 0.0)}
         return out
+
+
+class RoutedPlainServers:
+    """What a user could run instead of the orchestrator's replicas: `count` plain vLLM servers, one GPU each
+    (CUDA_VISIBLE_DEVICES), behind vllm-router (the vLLM project's Rust router, with its default policy). The
+    servers start together (one GPU each), then the router; start() returns the seconds from the first launch
+    to the first completion through the router."""
+
+    name = "vllm-router + plain servers"
+
+    def __init__(self, model_dir: Path, ports: list[int], router_port: int, work_dir: Path, engine_args: dict):
+        self.servers = []
+        for gpu, port in enumerate(ports):
+            server = overhead.PlainVLLM(model_dir, port, work_dir, engine_args)
+            server.log_path = work_dir / f"plain-vllm-gpu{gpu}.log"
+            server.env = {"CUDA_VISIBLE_DEVICES": str(gpu)}
+            self.servers.append(server)
+        self.router = overhead.PlainServer()
+        self.router.name = "vllm-router"
+        self.router.log_path = work_dir / "vllm-router.log"
+        script = Path(sys.executable).with_name("vllm-router")
+        launcher = [str(script)] if script.exists() else [sys.executable, "-m", "vllm_router.launch_router"]
+        self.router.argv = [
+            *launcher,
+            *("--host", "127.0.0.1", "--port", str(router_port), "--log-level", "warning"),
+            "--worker-urls",
+            *(server.url for server in self.servers),
+        ]
+        self.router.url = self.url = f"http://127.0.0.1:{router_port}"
+        self.argv = [self.router.argv, *(server.argv for server in self.servers)]
+        self.replica_urls: dict[str, str] = {}
+
+    def start(self) -> float:
+        began = time.monotonic()
+        with ThreadPoolExecutor(len(self.servers)) as pool:
+            list(pool.map(lambda server: server.start(), self.servers))
+        self.router.start()
+        return time.monotonic() - began
+
+    def processes(self) -> list[psutil.Process]:
+        return [p for member in (self.router, *self.servers) for p in member.processes()]
+
+    def stop(self) -> None:
+        for member in (self.router, *self.servers):
+            member.stop()
 
 
 # ------------------------------------------------------------------------------------------------ load + stats
@@ -635,10 +690,16 @@ def main() -> int:
         model_dir = ensure_model(args.size, cache_dir=args.cache_dir, log=console.print, weights=not args.dummy_weights)
     console.print(f"model: {model_dir} ({parameter_count(args.size) / 1e9:.2f} B parameters)")
     ports = pick_ports(list(args.ports) if args.ports else [None, None, None])
+    server_ports = pick_ports([*ports, *[None] * args.replicas])[3:] if args.plain == "vllm-router" else []
     work_dir = Path(tempfile.mkdtemp(prefix="flagscale-bench-gpu-", dir="/tmp"))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     output = args.output or REPO / "benchmarks" / "results" / f"gpu-{args.size}-{stamp}.json"
-    plain = overhead.PlainVLLM(model_dir, ports[0], work_dir, engine_args)
+    if args.plain == "vllm-router":
+        plain = RoutedPlainServers(model_dir, server_ports, ports[0], work_dir, replica_args)
+    elif args.plain == "dp":
+        plain = overhead.PlainVLLM(model_dir, ports[0], work_dir, {**replica_args, "data_parallel_size": args.replicas})
+    else:
+        plain = overhead.PlainVLLM(model_dir, ports[0], work_dir, engine_args)
     systems: dict[str, Any] = {"plain": plain}
     if not args.no_orchestrator:
         systems["orchestrator"] = Orch("orchestrator", ports[1], work_dir, model_dir, engine_args)
@@ -738,6 +799,9 @@ def main() -> int:
                             if counted:
                                 row["replica_share"] = replica_share(before, systems[system].engine_counters())
                         row["router_us_per_token"] = router_cpu_us_per_token(row["cpu_s"], row["output_tokens"], system)
+                        if system == "plain" and args.plain == "vllm-router":  # the compiled router's, alike
+                            seconds = row["cpu_s"].get("plain: vllm-router", 0.0)
+                            row["router_us_per_token"] = round(seconds / row["output_tokens"] * 1e6, 1) or None
                         results[system][str(concurrency)] = row
                         console.print(
                             f"round {round_index + 1} {system:>12} {args.clients}x c={concurrency:<4} "
@@ -795,6 +859,7 @@ def main() -> int:
                 "gpus_per_replica": args.gpus_per_replica,
                 "replica_engine_args": replica_args if args.replicas else None,
                 "keep_plain": args.keep_plain,
+                "plain": args.plain,
                 "dummy_weights": args.dummy_weights,
                 "waves": args.waves,
                 "model": str(model_dir),

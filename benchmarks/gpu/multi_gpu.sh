@@ -11,6 +11,9 @@
 # 4 GPUs (nvidia-h100-x4):
 #   dp4    the 8B shape at TP=1: plain vLLM on one GPU vs the orchestrator's 4 replicas (one GPU each), c=1 and at
 #          saturation; each replica's share of the load
+#   vr4    the router at >= 1,024 streams against what a user would run instead: the orchestrator's 4 replicas vs
+#          4 plain servers (one GPU each) behind vllm-router; router CPU per token of both
+#   dpn4   the same 4 replicas vs one plain `vllm serve --data-parallel-size 4` (vLLM's own balancing)
 #   tp4    a 32B shape (dummy weights), tensor_parallel_size 4: plain vs the orchestrator at c=1 and 64, ranks on
 #          four distinct GPUs (placement check)
 # On the GPU machine after ../shared/gpu/README.md's install, from the repo root, in a session of its own:
@@ -34,6 +37,10 @@ for step in $steps; do
     dp4) python3 benchmarks/gpu/bench_gpu.py $model --replicas 4 --gpus-per-replica 1 --no-orchestrator \
            --gpu-memory-utilization 0.43 --replica-gpu-memory-utilization 0.43 --rounds 2 \
            --concurrency 1 512 1024 --output "$out/dp4.json" ;;
+    vr4|dpn4) plain=$([ "$step" = vr4 ] && echo vllm-router || echo dp)
+         python3 benchmarks/gpu/bench_gpu.py $model --replicas 4 --gpus-per-replica 1 --no-orchestrator \
+           --plain "$plain" --gpu-memory-utilization 0.43 --replica-gpu-memory-utilization 0.43 --rounds 2 \
+           --concurrency 1024 2048 --output "$out/$step.json" ;;
     tp4) python3 benchmarks/gpu/bench_gpu.py ${model/--size 8b/--size 32b} --engine-arg tensor_parallel_size=4 \
            --gpu-memory-utilization 0.43 --rounds 1 --concurrency 1 64 --output "$out/tp4.json" ;;
     pd2) python3 benchmarks/pd.py --size 1b --num-gpus 1 --gpu-memory-utilization 0.4 --max-num-seqs 256 \
