@@ -800,7 +800,9 @@ def main() -> int:
                                 row["replica_share"] = replica_share(before, systems[system].engine_counters())
                         row["router_us_per_token"] = router_cpu_us_per_token(row["cpu_s"], row["output_tokens"], system)
                         if system == "plain" and args.plain == "vllm-router":  # the compiled router's, alike
-                            seconds = row["cpu_s"].get("plain: vllm-router", 0.0)
+                            seconds = sum(
+                                v for k, v in row["cpu_s"].items() if k.startswith("plain: ") and "router" in k
+                            )
                             row["router_us_per_token"] = round(seconds / row["output_tokens"] * 1e6, 1) or None
                         results[system][str(concurrency)] = row
                         console.print(
