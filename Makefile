@@ -43,9 +43,8 @@ status: setup
 stop: setup
 	$(FLAGSCALE) serve demo --stop
 
-# Two workers, a module (its deployment) at a time each: tests/conftest.py says how the work is split.
 test: setup sshd lint llama-cpp
-	$(PY) -m pytest -n 2 --dist loadfile tests
+	$(PY) -m pytest tests
 
 # One style for the whole tree (settings in pyproject.toml); `make format` applies it.
 lint: setup

