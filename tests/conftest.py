@@ -224,6 +224,20 @@ def demo_engine_args(**extra) -> dict:
     return args
 
 
+def llama_cpp_node(serve_id: str, **resources) -> dict:
+    """A llama.cpp node on the demo model as GGUF (`make llama-cpp` builds llama-server), for tests of the
+    orchestrator's own mechanics, where the engine's kind does not matter: a deployment serves in ~16 s where the
+    vLLM demo engine takes ~48 s on CI's 2 cores (vLLM's CPU backend spawns its engine core, which imports vLLM and
+    torch afresh). The suite keeps vLLM wherever a test reads vLLM's behaviour (its metrics, arguments, errors)."""
+    return {
+        "serve_id": serve_id,
+        "engine": "llama_cpp",
+        "engine_args": {"model": "${demo_model_gguf:}", "max_model_len": 512, "max_num_seqs": 8},
+        "engine_args_specific": {"llama_cpp": {"n_gpu_layers": 0}},
+        "resources": {"num_replicas": 1, **resources},
+    }
+
+
 @pytest.fixture(scope="session")
 def demo_model_path() -> Path:
     from flagscale.demo_model import ensure_demo_model

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from flagscale.cluster.processes import session_members
-from tests.conftest import REPO, demo_engine_args, run_cli, wait_for, write_config
+from tests.conftest import REPO, demo_engine_args, llama_cpp_node, run_cli, wait_for, write_config
 
 PORT = 18611
 
@@ -87,9 +87,8 @@ def test_failed_run_leaves_no_process(tmp_path):
 def test_a_second_deployment_on_the_port_is_refused_when_the_router_binds(tmp_path):
     """The run checks the port before it starts anything; a listener that comes after that check (another
     deployment's router, which shares the port with SO_REUSEPORT) is found by the router right after it binds."""
-    nodes = [{"serve_id": "demo", "engine": "vllm", "engine_args": demo_engine_args()}]
     exp_dir = tmp_path / "exp"
-    conf = write_config(tmp_path / "conf", nodes, exp_dir, PORT)
+    conf = write_config(tmp_path / "conf", [llama_cpp_node("demo")], exp_dir, PORT)
     run = start_run(conf)
     other = None
     try:

@@ -10,7 +10,7 @@ import time
 import urllib.request
 
 from flagscale.cluster.processes import session_members
-from tests.conftest import REPO, demo_engine_args, run_cli, write_config
+from tests.conftest import REPO, llama_cpp_node, run_cli, write_config
 
 PORT = 18911
 
@@ -23,9 +23,7 @@ def test_ctrl_c_stops_everything(tmp_path):
     """Started the way a shell starts a background job (SIGINT ignored, as CI runners often do):
     SIGINT must still stop the run."""
     exp_dir = tmp_path / "exp"
-    conf = write_config(
-        tmp_path / "conf", [{"serve_id": "fg", "engine": "vllm", "engine_args": demo_engine_args()}], exp_dir, PORT
-    )
+    conf = write_config(tmp_path / "conf", [llama_cpp_node("fg")], exp_dir, PORT)
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "run.py"), "--config-path", str(conf), "--config-name", "serve", "foreground=true"],
         stdout=subprocess.PIPE,

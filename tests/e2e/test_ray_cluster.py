@@ -6,7 +6,7 @@ In order, on that one cluster:
   bad input fails before anything starts: an address nobody answers, a wrong token, more replicas than the nodes hold;
   a deployment whose replica asks for a chip type only the worker has serves from there, shows both nodes in status,
   reads the worker's engine log through Ray, is updated in place;
-  a second one from another exp_dir coexists; a third with the first one's name is refused; each stop removes
+  a second one from another exp_dir (a llama.cpp engine) coexists; a third with the first one's name is refused; each stop removes
   only its own application, registry entries and engine processes, and the cluster runs on.
 """
 
@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from flagscale.cluster.processes import read_process, stop_session
-from tests.conftest import REPO, demo_engine_args, run_cli, wait_for, write_config
+from tests.conftest import REPO, demo_engine_args, llama_cpp_node, run_cli, wait_for, write_config
 from tests.e2e import netns
 
 RAY_PORT = 18960
@@ -127,16 +127,13 @@ def alive_engines(pids: list[int]) -> list[int]:
     return alive
 
 
-def config(tmp_path, name: str, port: int, replicas: int, accelerator: str | None = None):
+def config(tmp_path, name: str, port: int, replicas: int, accelerator: str | None = None, engine: str = "vllm"):
     resources = {"num_replicas": replicas, "num_cpus": 1, **({"accelerator": accelerator} if accelerator else {})}
-    nodes = [
-        {
-            "serve_id": "m",
-            "engine": "vllm",
-            "engine_args": demo_engine_args(served_model_name="m"),
-            "resources": resources,
-        }
-    ]
+    if engine == "llama_cpp":
+        nodes = [llama_cpp_node("m", **resources)]
+    else:
+        nodes = [{"serve_id": "m", "engine": "vllm", "engine_args": demo_engine_args(served_model_name="m")}]
+        nodes[0]["resources"] = resources
     runner = {"type": "ray", "address": f"{HEAD_IP}:{RAY_PORT}", "deploy": {"port": port, "startup_timeout_s": 600}}
     conf = write_config(tmp_path / f"conf-{name}", nodes, tmp_path / name, port, {"exp_name": name, "runner": runner})
     return conf, tmp_path / name
@@ -214,7 +211,7 @@ def test_deploy_serve_update_coexist_and_stop_only_its_own(cluster, tmp_path, st
     a_engines = view()["engines"]
     assert len(a_engines) == 1 and all("--max-num-seqs 6" in " ".join(psutil.Process(p).cmdline()) for p in a_engines)
 
-    conf_b, exp_b = config(tmp_path, "b", PORT_B, 1)
+    conf_b, exp_b = config(tmp_path, "b", PORT_B, 1, engine="llama_cpp")  # a second engine kind beside a's vLLM
     stop_on_failure((conf_b, exp_b))
     run_b = run_cli(conf_b, timeout=900)
     assert run_b.returncode == 0, run_b.output
