@@ -1,13 +1,15 @@
-"""End to end: no request is lost when a replica's vLLM server dies under streaming load (issue 11).
+"""End to end: routing and failover on one deployment (issue 11): cache-aware routing raises the engines' own
+prefix-cache hit rate, and no request is lost when a replica's vLLM server dies under streaming load.
 
-Real Ray, real vLLM (CPU) engines on the demo model, 2 replicas behind the router. Greedy streamed completions
+Real Ray, real vLLM (CPU) engines on the demo model, 2 replicas behind the router. First, on the fresh engines,
+the routing test (its docstring). Then greedy streamed completions
 and chats run 6 at a time; one replica's vLLM server is SIGKILLed while streams are running on it. Every
 request must complete, with exactly the text an unbroken run gives (the reference is taken first, through the
 same deployment), and the router must have resumed at least one stream mid-way (else the kill hit nothing
 and the test proves nothing). Then Serve replaces the dead replica, the router takes the new one in, and it
 serves; 4xx answers leave every circuit closed.
 
-On the same deployment, first: clients that hang up (non-streamed requests after they run, a stream after its
+Before that kill: clients that hang up (non-streamed requests after they run, a stream after its
 first tokens) get their requests aborted in the engines (vLLM counts them as finished_reason="abort").
 
 The deployment runs 2 router processes (deploy.router_processes); last, one of them is SIGKILLed under streaming
@@ -36,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flagscale.engines.metrics import engine_metrics
 from tests.conftest import REPO, demo_engine_args, run_cli, wait_for, write_config
+from tests.e2e import prefix_routing
 
 PORT = 19131
 TOKENS = 160
@@ -72,20 +75,22 @@ def stream(client: openai.OpenAI, kind: str, prompt: str) -> str:
     return text
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("failover")
+def two_replicas(root, routing: str, router_processes: int):
+    """The module's deployment config: the demo model, 2 replicas, `routing`, `router_processes` router processes."""
     node = {
         "serve_id": "demo",
         "engine": "vllm",
         "engine_args": demo_engine_args(served_model_name="demo"),
         "resources": {"num_replicas": 2, "num_cpus": 1},
-        "routing": "least_load",
+        "routing": routing,
     }
-    deploy = {"host": "127.0.0.1", "port": PORT, "startup_timeout_s": 600, "router_processes": 2}
-    conf = write_config(
-        tmp_path / "conf", [node], tmp_path / "exp", PORT, {"runner": {"hostfile": None, "deploy": deploy}}
-    )
+    deploy = {"host": "127.0.0.1", "port": PORT, "startup_timeout_s": 600, "router_processes": router_processes}
+    return write_config(root / "conf", [node], root / "exp", PORT, {"runner": {"hostfile": None, "deploy": deploy}})
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    conf = two_replicas(tmp_path_factory.mktemp("failover"), "least_load", 2)
     started = run_cli(conf, timeout=900)
     try:
         assert started.returncode == 0, started.output
@@ -93,6 +98,45 @@ def deployment(tmp_path_factory):
     finally:
         stopped = run_cli(conf, "action=stop", timeout=300)
         assert stopped.returncode == 0, stopped.output
+
+
+def test_cache_aware_routing_raises_the_prefix_cache_hit_rate(deployment):
+    """Issue 11's workload (tests/e2e/prefix_routing.py) on the fresh engines: 16 prefixes of several hundred tokens
+    x 3 requests, one at a time. Sending everything to one replica would give a hit rate of about 0.55; cache_aware
+    must reach 0.45 and beat least_load (measured on the same engines after `run` switched the routing in place, with
+    new prefixes) by 0.1. Then the router scaled to 2 processes in place, back to cache_aware: every request on a new
+    connection, both processes take some, and the hit rate stays (the processes share routing hints). Last, the
+    module's own settings (least_load, 2 router processes) again. Written to $ROUTING_E2E_REPORT when set."""
+    root = deployment.parent
+
+    def switch(routing: str, processes: int) -> None:
+        switched = run_cli(two_replicas(root, routing, processes), timeout=300)
+        assert switched.returncode == 0, switched.output
+
+    try:
+        switch("cache_aware", 1)
+        cache_aware = prefix_routing.measure(lambda: status_json(deployment), PORT, "cache_aware", seed=11)
+        switch("least_load", 1)
+        least_load = prefix_routing.measure(lambda: status_json(deployment), PORT, "least_load", seed=12)
+        switch("cache_aware", 2)
+        two_routers = prefix_routing.measure(lambda: status_json(deployment), PORT, "cache_aware", 13, processes=2)
+    finally:
+        switch("least_load", 2)
+    report = {"cache_aware": cache_aware, "least_load": least_load, "cache_aware_2_routers": two_routers}
+    print(json.dumps(report, indent=1))
+    if os.environ.get("ROUTING_E2E_REPORT"):
+        with open(os.environ["ROUTING_E2E_REPORT"], "w") as f:
+            json.dump(report, f, indent=1)
+    low, high = cache_aware["prompt_tokens"]
+    assert 250 <= low and high < 500, cache_aware["prompt_tokens"]  # long prompts, under max_model_len 512
+    assert cache_aware["queries"] >= prefix_routing.PREFIXES * prefix_routing.PER_PREFIX * low  # each one looked up
+    assert cache_aware["hit_rate"] >= 0.45, report
+    assert cache_aware["hit_rate"] > least_load["hit_rate"] + 0.1, report
+    assert min(cache_aware["served"]) > 0  # new prefixes still went to both replicas
+    assert all(r["prefix_blocks"] > 0 and r["circuit"] == "closed" for r in cache_aware["router"]), cache_aware
+    # two router processes: both took requests, and together they lost no hit rate
+    assert len(two_routers["processes"]) == 2 and min(two_routers["processes"].values()) > 0, two_routers
+    assert two_routers["hit_rate"] >= cache_aware["hit_rate"] - 0.03, report
 
 
 def engine_sample(replicas: list[dict], name: str, **labels: str) -> float:
