@@ -1,0 +1,39 @@
+"""benchmarks/gpu/bench_gpu.py's `--plain` alternatives to the orchestrator's replicas (issue 31, item 2): what they
+start, without starting it. The GPU runs themselves are in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "benchmarks" / "gpu")]
+_saved_env = dict(os.environ)
+import bench_gpu  # noqa: E402  (sets the GPU-safe variables in os.environ on import: put back below)
+
+os.environ.clear()
+os.environ.update(_saved_env)
+
+
+def test_vllm_router_fronts_one_plain_server_per_gpu(tmp_path):
+    routed = bench_gpu.RoutedPlainServers(tmp_path / "model", [8603, 8604, 8605], 8600, tmp_path, {"max_num_seqs": 4})
+    assert [s.env for s in routed.servers] == [{"CUDA_VISIBLE_DEVICES": str(gpu)} for gpu in range(3)]
+    assert len({s.log_path for s in routed.servers}) == 3  # a log each
+    assert all("--max-num-seqs" in s.argv and "4" in s.argv for s in routed.servers)
+    argv = routed.router.argv
+    urls = argv[argv.index("--worker-urls") + 1 :]
+    assert urls == ["http://127.0.0.1:8603", "http://127.0.0.1:8604", "http://127.0.0.1:8605"]
+    assert argv[argv.index("--port") + 1] == "8600" and routed.url == "http://127.0.0.1:8600"
+    assert "--policy" not in argv  # vllm-router's own default policy, as a user gets it
+
+
+@pytest.mark.parametrize("extra", [[], ["--replicas", "4", "--gpus-per-replica", "0.5"]])
+@pytest.mark.parametrize("plain", ["dp", "vllm-router"])
+def test_an_alternative_needs_whole_gpus_one_per_replica(monkeypatch, capsys, plain, extra):
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--plain", plain, *extra])
+    with pytest.raises(SystemExit):
+        bench_gpu.parse_args()
+    assert "needs --replicas" in capsys.readouterr().err
