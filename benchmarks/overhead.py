@@ -244,6 +244,13 @@ class PlainVLLM(PlainServer):
         ]
 
 
+def vllm_router_launcher() -> list[str]:
+    """The argv prefix that starts vllm-router (PyPI `vllm-router`): its script beside this interpreter, else its
+    module."""
+    script = Path(sys.executable).with_name("vllm-router")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm_router.launch_router"]
+
+
 def group_alive(group: int) -> bool:
     try:
         os.killpg(group, 0)
@@ -387,9 +394,9 @@ def process_role(proc: psutil.Process) -> str:
         ("runtime_env/agent", "ray runtime-env agent"),
         ("ray.util.client.server", "ray client server"),
         ("ServeController", "serve controller"),
-        (":router", "router replica"),
-        ("vllm-router", "vllm-router"),
+        ("vllm-router", "vllm-router"),  # before ":router": the vLLM project's router, not ours
         ("vllm_router", "vllm-router"),
+        (":router", "router replica"),
         ("ServeReplica", "engine replica actor"),
         ("flagscale.replica.engine_proc", "engine watchdog"),
         ("EngineCore", "vllm engine core"),

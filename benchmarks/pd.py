@@ -226,10 +226,8 @@ class VllmRouter(overhead.PlainVLLM):
     def __init__(self, prefill: list[str], decode: list[str], port: int, metrics_port: int, work_dir: Path):
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = work_dir / "vllm-router.log"
-        script = Path(sys.executable).with_name("vllm-router")
-        launcher = [str(script)] if script.exists() else [sys.executable, "-m", "vllm_router.launch_router"]
         self.argv = [
-            *launcher,
+            *overhead.vllm_router_launcher(),
             "--host",
             "127.0.0.1",
             "--port",

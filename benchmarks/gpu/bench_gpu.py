@@ -337,10 +337,8 @@ class RoutedPlainServers:
         self.router = overhead.PlainServer()
         self.router.name = "vllm-router"
         self.router.log_path = work_dir / "vllm-router.log"
-        script = Path(sys.executable).with_name("vllm-router")
-        launcher = [str(script)] if script.exists() else [sys.executable, "-m", "vllm_router.launch_router"]
         self.router.argv = [
-            *launcher,
+            *overhead.vllm_router_launcher(),
             *("--host", "127.0.0.1", "--port", str(router_port), "--log-level", "warning"),
             "--worker-urls",
             *(server.url for server in self.servers),

@@ -37,3 +37,18 @@ def test_an_alternative_needs_whole_gpus_one_per_replica(monkeypatch, capsys, pl
     with pytest.raises(SystemExit):
         bench_gpu.parse_args()
     assert "needs --replicas" in capsys.readouterr().err
+
+
+def test_vllm_routers_cpu_is_labelled_as_its_own_not_as_the_orchestrators_router():
+    import subprocess
+
+    import overhead  # benchmarks/overhead.py
+    import psutil
+
+    argv = [sys.executable, "-c", "import time; time.sleep(60)", "vllm_router.launch_router", "--worker-urls", "h:1"]
+    proc = subprocess.Popen(argv)
+    try:
+        assert overhead.process_role(psutil.Process(proc.pid)) == "vllm-router"
+    finally:
+        proc.kill()
+        proc.wait()
