@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -51,16 +52,19 @@ def node_of(args: argparse.Namespace) -> dict:
     from benchmarks.gpu.model import ensure_model
 
     engine_args = {
-        "model": str(ensure_model(args.size)),
+        "model": str(ensure_model(args.size, weights=not args.dummy_weights)),
         "served_model_name": "demo",
         "max_model_len": 2048,
         "enforce_eager": True,  # a start per trial: no CUDA-graph capture each time
-        "gpu_memory_utilization": 0.4,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
     }
-    return {"serve_id": "demo", "engine_args": engine_args, "resources": {"num_replicas": 1, "num_gpus": 0.5}}
+    if args.dummy_weights:
+        engine_args["load_format"] = "dummy"
+    resources = {"num_replicas": 1, "num_gpus": args.gpus_per_replica}
+    return {"serve_id": "demo", "engine_args": engine_args, "resources": resources}
 
 
-def write_conf(root: Path, name: str, space: dict, args: argparse.Namespace) -> Path:
+def write_conf(root: Path, name: str, space: dict, args: argparse.Namespace, run_best: bool = False) -> Path:
     conf = root / name
     (conf / "serve").mkdir(parents=True)
     main = {
@@ -73,7 +77,7 @@ def write_conf(root: Path, name: str, space: dict, args: argparse.Namespace) -> 
             "bench": {"input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.prompts},
             "auto_tuner": {
                 "space": space,
-                "control": {"interval": 5, "run_best": False, "max_time_per_task": 900},
+                "control": {"interval": 5, "run_best": run_best, "max_time_per_task": 900},
                 "slo": {"ttft_ms": {"p99": args.ttft_p99}, "tpot_ms": {"p99": args.tpot_p99}},
                 "concurrency": args.levels,
             },
@@ -89,16 +93,39 @@ def write_conf(root: Path, name: str, space: dict, args: argparse.Namespace) -> 
     return conf
 
 
-def search(conf: Path) -> tuple[list[dict], float]:
+def search(conf: Path, check_best: bool = False) -> tuple[list[dict], float, dict | None]:
+    """One auto_tune search; with `check_best` (run_best true) what the winner left serving shows before the stop."""
     t0 = time.monotonic()
     argv = [sys.executable, str(REPO / "run.py"), "--config-path", str(conf), "--config-name", "serve"]
+    serving = None
     try:
         proc = subprocess.run(argv, cwd=REPO, text=True, capture_output=True, timeout=7200)
+        if check_best and proc.returncode == 0:
+            serving = best_serving(argv)
     finally:
         subprocess.run([*argv, "action=stop"], cwd=REPO, capture_output=True, timeout=600)
     print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n")
     exp_dir = yaml.safe_load((conf / "serve.yaml").read_text())["experiment"]["exp_dir"]
-    return history.read(Path(exp_dir) / "auto_tuner" / history.FILE), time.monotonic() - t0
+    return history.read(Path(exp_dir) / "auto_tuner" / history.FILE), time.monotonic() - t0, serving
+
+
+def best_serving(argv: list[str]) -> dict:
+    """run_best's deployment: status's replicas (state, GPUs, ranks) and one completion through the router."""
+    status = subprocess.run([*argv, "action=status", "output=json"], cwd=REPO, text=True, capture_output=True)
+    report = json.loads(status.stdout) if status.returncode == 0 else {"error": status.stderr[-2000:]}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{PORT}/v1/completions",
+        json.dumps({"model": "demo", "prompt": "hello", "max_tokens": 8}).encode(),
+        {"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        answer = json.load(resp)
+    replicas = [{k: r.get(k) for k in ("replica_id", "state", "gpus", "ranks")} for r in report.get("replicas", [])]
+    return {
+        "healthy": report.get("healthy"),
+        "replicas": replicas,
+        "completion_tokens": answer["usage"]["completion_tokens"],
+    }
 
 
 def main() -> int:
@@ -112,6 +139,15 @@ def main() -> int:
     parser.add_argument("--tpot-p99", type=float, default=60.0, help="SLO, ms")
     parser.add_argument("--gpu", action="store_true", help="a random-weight Llama on the GPU instead of the demo model")
     parser.add_argument("--size", default="1b", help="--gpu: benchmarks/gpu/model.py's size")
+    parser.add_argument("--dummy-weights", action="store_true", help="--gpu: config.json only, load_format dummy")
+    parser.add_argument("--gpus-per-replica", type=float, default=0.5, help="--gpu: the node's num_gpus as written")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="--gpu: per replica")
+    parser.add_argument(
+        "--run-best", action="store_true", help="the tuned search leaves its best serving: checked, then stopped"
+    )
+    parser.add_argument(
+        "--output", type=Path, default=None, help="JSON path (default benchmarks/results/auto_tune-<ts>.json)"
+    )
     args = parser.parse_args()
     if args.gpu:
         for key, value in GPU_ENV.items():
@@ -120,20 +156,22 @@ def main() -> int:
     space = json.loads(args.space)
     with tempfile.TemporaryDirectory(prefix="tune-bench-") as tmp:
         root = Path(tmp)
-        default_rows, default_s = search(write_conf(root, "default", {"instance": [1]}, args))
-        tuned_rows, tuned_s = search(write_conf(root, "tuned", space, args))
+        default_rows, default_s, _ = search(write_conf(root, "default", {"instance": [1]}, args))
+        tuned_conf = write_conf(root, "tuned", space, args, run_best=args.run_best)
+        tuned_rows, tuned_s, serving = search(tuned_conf, check_best=args.run_best)
     default = default_rows[0]
     done = [r for r in tuned_rows if r.get("status") == "done" and r.get("goodput")]
     best = max(done, key=lambda r: r["goodput_per_device"]) if done else None
     result = {
-        "settings": vars(args),
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "default": default,
         "tuned_best": best,
         "tuned_rows": tuned_rows,
+        "best_serving": serving,
         "seconds": {"default": round(default_s), "tuned": round(tuned_s)},
     }
-    out = REPO / "benchmarks" / "results" / f"auto_tune-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(exist_ok=True)
+    out = args.output or REPO / "benchmarks" / "results" / f"auto_tune-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(
         f"\nSLO p99 TTFT <= {args.ttft_p99:g} ms, p99 TPOT <= {args.tpot_p99:g} ms; {args.prompts} prompts of "
@@ -150,6 +188,17 @@ def main() -> int:
             f"| {label} ({dims}) | {row.get('goodput')} | {row.get('goodput_per_device')} | {row.get('concurrency')} "
             f"| {row.get('ttft_p99_ms')} | {row.get('tpot_p99_ms')} | {seconds:.0f} |"
         )
+    print("\n| candidate | status | devices | goodput req/s | per device | at c | TTFT p99 ms | TPOT p99 ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in tuned_rows:
+        dims = " ".join(f"{k}={row[k]}" for k in space if k in row)
+        print(
+            f"| {dims} | {row.get('status')} {row.get('reason') or ''} | {row.get('devices')} | {row.get('goodput')} "
+            f"| {row.get('goodput_per_device')} | {row.get('concurrency')} | {row.get('ttft_p99_ms')} "
+            f"| {row.get('tpot_p99_ms')} |"
+        )
+    if serving is not None:
+        print(f"\nrun_best left serving: {json.dumps(serving)}")
     if best is not None and default.get("goodput_per_device"):
         print(f"\ntuned / default goodput per device: {best['goodput_per_device'] / default['goodput_per_device']:.2f}")
     print(f"results: {out}")
