@@ -2,11 +2,12 @@
 
 Real Ray, real vLLM (CPU) engines on the demo model, vLLM's serving benchmark through the router. The space is
 `instance` x `max_num_seqs` = 4 candidates, two of which the engine refuses (max_num_seqs above
-max_num_batched_tokens: vLLM's parser accepts it, its scheduler config does not): the first one's engine exits at
-start, and the second, with the same engine args, is failed for the same cause without a start. Plus one value
-pruning skips (its KV cache cannot fit what gpu_memory_utilization gives). The first search is interrupted (SIGINT) once a trial
-is recorded: nothing is left running, history.csv keeps the trial. The second search on the same exp_dir skips it,
-goes on past the failing candidates, and leaves the best serving (run_best), which answers; then it is stopped.
+max_num_batched_tokens: vLLM's parser accepts it, its scheduler config does not): they come first, so the first
+one's engine exits at start, and the second, with the same engine args, is failed for the same cause without a
+start. Plus one value pruning skips (its KV cache cannot fit what gpu_memory_utilization gives). The first search
+is interrupted (SIGINT) once a trial is done: nothing is left running, history.csv keeps the trials. The second
+search on the same exp_dir skips the three it finished (failed ones included), runs the last, and leaves the best
+serving (run_best, in place from the last trial's deployment), which answers; then it is stopped.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from flagscale.tune import history
 from tests.conftest import FAST_START_ENVS, REPO, demo_engine_args, run_cli, wait_for, write_config
 
 PORT = 19241
-SPACE = {"max_num_seqs": [4, 512, 100000], "instance": [1, 2]}
+# The refused values first: their failures are recorded by the first search, and run_best then starts from the
+# last good trial's deployment instead of from nothing (a failed trial stops the deployment).
+SPACE = {"max_num_seqs": [512, 4, 100000], "instance": [1, 2]}
 
 
 def tuner_conf(tmp_path):
@@ -114,7 +117,7 @@ def test_auto_tune_interrupted_resumed_past_failing_candidates_leaves_the_best_s
         second = run_cli(conf, "action=auto_tune", timeout=900)
         assert second.returncode == 0, second.output
         out = " ".join(second.stdout.split())
-        assert "finished in an earlier search" in out and "2 skipped by pruning" in out
+        assert "3 finished in an earlier search" in out and "2 skipped by pruning" in out
         rows = rows_by_candidate(exp)
         assert rows[(4, 1)]["key"] == kept["key"] and rows[(4, 1)]["request_throughput"] == kept["request_throughput"]
         assert rows[(4, 1)]["deployed_by"] == "earlier search"
