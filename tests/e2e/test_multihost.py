@@ -2,10 +2,9 @@
 Ray started on each over SSH from a hostfile, real vLLM (CPU) engines, requests through the router.
 
 One set of hosts is shared by the module, in order:
-  a vLLM node pinned to type=chipB runs only on the chipB host, a llama.cpp node of 2 replicas beside it lands one
-  on each chipA host -> requests -> status host table -> kill a worker's Ray node -> status says dead, both models
-  still answer -> stop -> no Ray process anywhere;
-  2 prefill replicas on the chipA hosts and 1 decode replica on the chipB host pass KV caches between hosts;
+  one deployment: 2 prefill replicas on the chipA hosts and 1 decode replica on the chipB host pass KV caches
+  between hosts, a llama.cpp node of 2 replicas lands one on each chipA host -> requests -> status host table ->
+  kill a worker's Ray node -> status says dead, both models still answer -> stop -> no Ray process anywhere;
   a hostfile with an unreachable host fails within the SSH timeout, naming it, nothing left on the others.
 """
 
@@ -54,12 +53,12 @@ def hostfile(hosts, tmp_path_factory):
     )
 
 
-def deploy(tmp_path, hosts, hostfile, nodes, name, **experiment):
+def deploy(tmp_path, hosts, hostfile, nodes, name, num_cpus=1, **experiment):
     exp_dir = tmp_path / name
     runner = hosts.runner(
         hostfile,
         ray_port=RAY_PORT,
-        num_cpus=1,
+        num_cpus=num_cpus,
         join_timeout_s=120,
         deploy={"host": hosts.hosts[0].ip, "port": PORT, "startup_timeout_s": 600},
     )
@@ -94,101 +93,18 @@ def stop_on_failure():
             shutil.rmtree(host_temp_dir(str(exp_dir.resolve()), ip), ignore_errors=True)  # Ray's logs of the run
 
 
-def serve_on_hosts(
-    tmp_path, hosts, hostfile, stop_on_failure, name, model, replicas, chip, extra_nodes=(), **experiment
-):
-    """Run one engine node of `replicas` replicas pinned to `chip` (and `extra_nodes`); returns conf, exp_dir and a
-    client."""
-    nodes = [
-        {
-            "serve_id": model,
-            "engine": "vllm",
-            "engine_args": demo_engine_args(served_model_name=model),
-            "resources": {"num_replicas": replicas, "num_cpus": 1, "accelerator": chip},
-        },
-        *extra_nodes,
-    ]
-    conf, exp_dir = deploy(tmp_path, hosts, hostfile, nodes, name, **experiment)
-    stop_on_failure((conf, exp_dir))
-    run = run_cli(conf, timeout=900)
-    assert run.returncode == 0, run.output
-    client = openai.OpenAI(base_url=f"http://{hosts.hosts[0].ip}:{PORT}/v1", api_key="none", timeout=120)
-    return conf, exp_dir, client
-
-
-def test_chip_pinned_nodes_spread_over_hosts_and_a_dead_worker_shows(hosts, hostfile, tmp_path, stop_on_failure):
-    """vLLM node b pinned to the chipB host and, in the same deployment, a llama.cpp node (docs/engines.md) of two
-    replicas, one on each chipA host, all behind one endpoint on the first host; then a worker host dies, and stop
-    leaves no Ray process on any host."""
-    # FlagScale's experiment.node_args: engine args for the replicas on one host (max_num_seqs is 8 elsewhere).
-    node_args = {hosts.hosts[2].ip: {"engine_args": {"max_num_seqs": 3}}}
-    llama = {
-        "serve_id": "tiny",
-        "engine": "llama_cpp",
-        "engine_args": {"model": "${demo_model_gguf:}", "max_model_len": 512, "max_num_seqs": 2},
-        "resources": {"num_replicas": 2, "num_cpus": 1, "accelerator": "chipA"},
-    }
-    conf, exp_dir, client = serve_on_hosts(
-        tmp_path, hosts, hostfile, stop_on_failure, "chip-b", "b", 1, "chipB", extra_nodes=[llama], node_args=node_args
-    )
-    h1, h2, h3 = (h.ip for h in hosts.hosts)
-    state = json.loads((exp_dir / "state.json").read_text())
-    assert sorted(h["host"] for h in state["hosts"] if h["remote"]) == sorted([h1, h2, h3])
-    assert all(h["session"] and h["node_id"] for h in state["hosts"])
-    for _ in range(4):
-        assert client.completions.create(model="b", prompt="hello world", max_tokens=8).usage.completion_tokens == 8
-        assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).usage.completion_tokens >= 1
-
-    def each_engine_on_its_chip() -> bool:
-        result, report = status_json(conf)
-        assert result.returncode == 0, result.output
-        placed = sorted((r["engine_kind"], r["host"]) for r in report["replicas"])
-        assert placed == sorted([("vllm", h3), ("llama_cpp", h1), ("llama_cpp", h2)]), report["replicas"]
-        by_host = {h["host"]: h for h in report["hosts"]}
-        assert all(h["ray_node"] == "alive" for h in by_host.values()), by_host
-        assert [len(by_host[ip]["replicas"]) for ip in (h1, h2, h3)] == [1, 1, 1], by_host
-        return True
-
-    wait_for(each_engine_on_its_chip, 120, "status: b on the chipB host, tiny on both chipA hosts", interval=2)
-    table = run_cli(conf, "action=status", timeout=120)
-    assert "hosts" in table.stdout and "chipB" in table.stdout, table.output
-    (engine_log,) = (exp_dir / "serve_logs").glob("engine-b-*.log")
-    command = next(line for line in engine_log.read_text().splitlines() if line.startswith("$ "))
-    assert "--max-num-seqs 3" in command and "--max-num-seqs 8" not in command, command
-
-    # Kill the Ray node of worker host 2 (a llama.cpp replica on it) outright: its whole recorded session.
-    state = json.loads((exp_dir / "state.json").read_text())
-    worker = next(h for h in state["hosts"] if h["host"] == hosts.hosts[1].ip)
+def test_pd_pools_and_a_llama_cpp_node_pinned_by_chip_and_a_dead_worker_shows(hosts, tmp_path, stop_on_failure):
+    """One deployment over the three hosts: a vLLM node disaggregated 2P1D, its prefill pool on the two chipA
+    hosts and its decode pool on the chipB host, the KV cache crossing hosts over NIXL (UCX over TCP between the
+    namespaces), answers equal to the decode engine's own greedy ones; beside it a llama.cpp node (docs/engines.md)
+    of two replicas, one on each chipA host, all behind one endpoint on the first host. Then a worker host dies:
+    status says so, both models still answer, and stop leaves no Ray process on any host."""
     from flagscale.cluster.processes import session_members
-
-    for pid in session_members(worker["session"]):
-        os.kill(pid, signal.SIGKILL)
-
-    def worker_dead():
-        result, report = status_json(conf)
-        states = {h["host"]: h["ray_node"] for h in report["hosts"]}
-        assert states[hosts.hosts[1].ip] == "dead", states
-        return result, states
-
-    result, states = wait_for(worker_dead, 90, f"status to say {hosts.hosts[1].ip}'s Ray node is dead", interval=3)
-    assert states == {hosts.hosts[0].ip: "alive", hosts.hosts[1].ip: "dead", hosts.hosts[2].ip: "alive"}
-    assert result.returncode != 0  # not healthy while a host is down
-    assert client.completions.create(model="b", prompt="hi", max_tokens=4).usage.completion_tokens == 4
-    for _ in range(4):  # the llama.cpp replica on the dead host is passed over before the first byte
-        assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).usage.completion_tokens >= 1
-
-    stop = run_cli(conf, "action=stop", timeout=300)
-    assert stop.returncode == 0, stop.output
-    assert_no_ray_left(hosts)
-    assert not (exp_dir / "state.json").exists()
-
-
-def test_disaggregated_pools_on_hosts_of_two_chip_types(hosts, hostfile, tmp_path, stop_on_failure):
-    """2P1D across hosts: the prefill pool on the two chipA hosts, the decode pool on the chipB host; the KV cache
-    crosses hosts over NIXL (UCX over TCP between the namespaces) and the answers equal the engine's own greedy ones."""
     from flagscale.engines.metrics import engine_metrics
 
     h1, h2, h3 = (h.ip for h in hosts.hosts)
+    # FlagScale's experiment.node_args: engine args for the replicas on one host (max_num_seqs is 8 elsewhere).
+    node_args = {h3: {"engine_args": {"max_num_seqs": 3}}}
     nodes = [
         {
             "serve_id": "pd",
@@ -198,42 +114,92 @@ def test_disaggregated_pools_on_hosts_of_two_chip_types(hosts, hostfile, tmp_pat
                 "prefill": {"resources": {"num_replicas": 2, "num_cpus": 1, "accelerator": "chipA"}},
                 "decode": {"resources": {"num_replicas": 1, "num_cpus": 1, "accelerator": "chipB"}},
             },
-        }
+        },
+        {
+            "serve_id": "tiny",
+            "engine": "llama_cpp",
+            "engine_args": {"model": "${demo_model_gguf:}", "max_model_len": 512, "max_num_seqs": 2},
+            "resources": {"num_replicas": 2, "num_cpus": 1, "accelerator": "chipA"},
+        },
     ]
-    conf, exp_dir = deploy(tmp_path, hosts, hostfile, nodes, "pd-hosts")
+    # Two slots and two logical CPUs per host: a chipA host holds a prefill replica and a llama.cpp one.
+    two_slots = write_hostfile(
+        tmp_path / "hostfile", [f"{h1} slots=2 type=chipA", f"{h2} slots=2 type=chipA", f"{h3} slots=2 type=chipB"]
+    )
+    conf, exp_dir = deploy(tmp_path, hosts, two_slots, nodes, "chip-pd", num_cpus=2, node_args=node_args)
     stop_on_failure((conf, exp_dir))
     run = run_cli(conf, timeout=900)
     assert run.returncode == 0, run.output
+    state = json.loads((exp_dir / "state.json").read_text())
+    assert sorted(h["host"] for h in state["hosts"] if h["remote"]) == sorted([h1, h2, h3])
+    assert all(h["session"] and h["node_id"] for h in state["hosts"])
 
-    def pools_placed():
+    def each_replica_on_its_chip():
         result, report = status_json(conf)
+        assert result.returncode == 0, result.output
         ready = [r for r in report["replicas"] if r["state"] == "READY" and r["requests_served"] is not None]
-        placed = sorted((r["role"], r["host"]) for r in ready)
-        return ready if placed == sorted([("prefill", h1), ("prefill", h2), ("decode", h3)]) else None
+        placed = sorted((r["engine_kind"], r["role"], r["host"]) for r in ready)
+        expected = [("vllm", "prefill", h1), ("vllm", "prefill", h2), ("vllm", "decode", h3)]
+        expected += [("llama_cpp", "colocated", h1), ("llama_cpp", "colocated", h2)]
+        if placed != sorted(expected):
+            return None
+        by_host = {h["host"]: h for h in report["hosts"]}
+        assert all(h["ray_node"] == "alive" for h in by_host.values()), by_host
+        assert [len(by_host[ip]["replicas"]) for ip in (h1, h2, h3)] == [2, 2, 1], by_host
+        return ready
 
-    replicas = wait_for(pools_placed, 180, "prefill replicas routed on both chipA hosts, decode on the chipB host")
+    replicas = wait_for(each_replica_on_its_chip, 180, "prefill and llama.cpp on both chipA hosts, decode on chipB")
     decode_url = next(r["url"] for r in replicas if r["role"] == "decode")
     assert decode_url.startswith(f"http://{h3}:"), decode_url
+    table = run_cli(conf, "action=status", timeout=120)
+    assert "hosts" in table.stdout and "chipB" in table.stdout, table.output
+    commands = [
+        next(line for line in log.read_text().splitlines() if line.startswith("$ "))
+        for log in (exp_dir / "serve_logs").glob("engine-pd*.log")
+    ]
+    (command,) = [c for c in commands if f"--host {h3} " in c]  # the decode engine, the one on the chipB host
+    assert "--max-num-seqs 3" in command and "--max-num-seqs 8" not in command, command
 
     client = openai.OpenAI(base_url=f"http://{h1}:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
     greedy = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
     prompts = [f"host {i} asks: " + "what crosses the wire " * (3 + 4 * i) for i in range(4)]
+    direct = openai.OpenAI(base_url=f"{decode_url}/v1", api_key="none", timeout=120, max_retries=0)
     for prompt in prompts:
         streamed = client.completions.create(model="pd", prompt=prompt, stream=True, **greedy)
         text = "".join(c.choices[0].text for c in streamed if c.choices)
         whole = client.completions.create(model="pd", prompt=prompt, **greedy).choices[0].text
         assert text and text == whole, prompt
         # The decode engine alone, given the whole prompt: what the disaggregated answer must equal.
-        direct = openai.OpenAI(base_url=f"{decode_url}/v1", api_key="none", timeout=120, max_retries=0)
         assert direct.completions.create(model="pd", prompt=prompt, **greedy).choices[0].text == text, prompt
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).usage.completion_tokens >= 1
 
     def transfers():
         return engine_metrics(decode_url).get("vllm:nixl_xfer_time_seconds_count", 0.0) >= len(prompts)
 
     wait_for(transfers, 30, "the decode replica on the chipB host to count NIXL transfers")
+
+    # Kill the Ray node of worker host 2 (a prefill and a llama.cpp replica on it) outright: its recorded session.
+    worker = next(h for h in state["hosts"] if h["host"] == h2)
+    for pid in session_members(worker["session"]):
+        os.kill(pid, signal.SIGKILL)
+
+    def worker_dead():
+        result, report = status_json(conf)
+        states = {h["host"]: h["ray_node"] for h in report["hosts"]}
+        assert states[h2] == "dead", states
+        return result, states
+
+    result, states = wait_for(worker_dead, 90, f"status to say {h2}'s Ray node is dead", interval=3)
+    assert states == {h1: "alive", h2: "dead", h3: "alive"}
+    assert result.returncode != 0  # not healthy while a host is down
+    for _ in range(4):  # the replicas on the dead host are passed over before the first byte
+        assert client.completions.create(model="pd", prompt="hi", max_tokens=4).usage.completion_tokens == 4
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).usage.completion_tokens >= 1
+
     stop = run_cli(conf, "action=stop", timeout=300)
     assert stop.returncode == 0, stop.output
     assert_no_ray_left(hosts)
+    assert not (exp_dir / "state.json").exists()
 
 
 def test_unreachable_host_fails_fast_and_leaves_nothing(hosts, tmp_path, stop_on_failure):
