@@ -122,6 +122,12 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     return [c for c in changes if not c.path.startswith(IGNORED)]
 
 
+def replicas_running(running: dict[str, Any], serve_id: str) -> int | None:
+    """The replica count a running snapshot gave node `serve_id` (None: no such node, or no fixed count)."""
+    count = running.get("serve", {}).get(serve_id, {}).get("resources", {}).get("num_replicas")
+    return count if isinstance(count, int) else None
+
+
 def changed_nodes(changes: list[Change]) -> list[str]:
     return list(dict.fromkeys(c.path.split(".")[1] for c in changes if c.path.startswith("serve.")))
 

@@ -22,7 +22,7 @@ from flagscale.launchers import connect
 from flagscale.net import health_ok
 from flagscale.plan import Plan, open_without_key
 from flagscale.replica import registry
-from flagscale.update import changed_nodes, diff
+from flagscale.update import changed_nodes, diff, replicas_running
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def update(state: RunState, plan: Plan, snapshot: dict, console: Console, config
     connect(state)
     check_fits(plan)
     nodes = changed_nodes(changes)
-    no_spare = _spares(plan, nodes, console)
+    no_spare = _spares(plan, nodes, console, running)
     _deploy(plan, console, no_spare)
     # Recorded at once: Serve now works toward this config, and a later `run` must diff against it.
     state.extra["config"] = snapshot
@@ -221,13 +221,15 @@ def update(state: RunState, plan: Plan, snapshot: dict, console: Console, config
     return 0
 
 
-def _spares(plan: Plan, nodes: list[str], console: Console) -> frozenset[str]:
-    """The changed nodes whose replicas are replaced in place (no node has room for a spare): refused for a node of
-    one replica, which would stop serving; said for the others."""
+def _spares(plan: Plan, nodes: list[str], console: Console, running: dict) -> frozenset[str]:
+    """The changed nodes whose replicas are replaced in place (no node has room for a spare): refused for a node
+    that runs or will run one replica, which would stop serving (while its one running replica holds what a new
+    one needs, a new one cannot even start); said for the others."""
     no_spare = _without_room_for_a_spare(plan, nodes)
     for engine in plan.engines:
         if engine.serve_id in no_spare:
-            if engine.initial_replicas < 2:
+            now = replicas_running(running, engine.serve_id) or engine.initial_replicas
+            if min(now, engine.initial_replicas) < 2:
                 raise DeployError(
                     f"no node has room for a spare replica of '{engine.serve_id}' "
                     f"({_fmt(_need(engine.ray_actor_options))}): replacing its only replica in place would stop "

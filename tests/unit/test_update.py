@@ -13,7 +13,7 @@ from flagscale.replica.registry import version_of
 from flagscale.router.router import Router
 from flagscale.router.spec import RouterSpec
 from flagscale.serve.app import _one_at_a_time, engine_version
-from flagscale.update import MISSING, Change, changed_nodes, diff, snapshot
+from flagscale.update import MISSING, Change, changed_nodes, diff, replicas_running, snapshot
 
 
 def config(**deploy) -> ServeConfig:
@@ -45,6 +45,16 @@ def test_nodes_are_compared_by_serve_id_not_position():
     assert changes == [Change("serve.a.engine_args.max_num_seqs", 8, 4)]
     assert changes[0].in_place and changes[0].describe() == "serve.a.engine_args.max_num_seqs: 8 -> 4"
     assert changed_nodes(changes) == ["a"]
+
+
+def test_the_running_replica_count_is_read_from_the_snapshot():
+    # An update from 1 replica to 2 replaces the one running replica: what decides whether serving would stop.
+    running = config()
+    running.serve[0].resources.num_replicas = 1
+    running.serve[1].resources.num_replicas = 3
+    recorded = snapshot(running, None)
+    assert replicas_running(recorded, "a") == 1 and replicas_running(recorded, "b") == 3
+    assert replicas_running(recorded, "gone") is None
 
 
 def test_added_and_removed_nodes_and_keys_are_changes_in_place():
