@@ -109,6 +109,11 @@ def search(conf: Path, check_best: bool = False) -> tuple[list[dict], float, dic
     return history.read(Path(exp_dir) / "auto_tuner" / history.FILE), time.monotonic() - t0, serving
 
 
+def as_written(rows: list[dict], space: dict) -> dict:
+    """The tuned search's row of the node as written (each dimension at 1: one replica, no parallelism)."""
+    return next((r for r in rows if all(int(r.get(k) or 0) == 1 for k in space)), {})
+
+
 def best_serving(argv: list[str]) -> dict:
     """run_best's deployment: status's replicas (state, GPUs, ranks) and one completion through the router."""
     status = subprocess.run([*argv, "action=status", "output=json"], cwd=REPO, text=True, capture_output=True)
@@ -145,6 +150,7 @@ def main() -> int:
     parser.add_argument(
         "--run-best", action="store_true", help="the tuned search leaves its best serving: checked, then stopped"
     )
+    parser.add_argument("--skip-default", action="store_true", help="no search of its own for the node as written")
     parser.add_argument(
         "--output", type=Path, default=None, help="JSON path (default benchmarks/results/auto_tune-<ts>.json)"
     )
@@ -156,10 +162,13 @@ def main() -> int:
     space = json.loads(args.space)
     with tempfile.TemporaryDirectory(prefix="tune-bench-") as tmp:
         root = Path(tmp)
-        default_rows, default_s, _ = search(write_conf(root, "default", {"instance": [1]}, args))
+        if args.skip_default:  # the node as written is a candidate of --space too: its row is the default
+            default_rows, default_s = [], 0.0
+        else:
+            default_rows, default_s, _ = search(write_conf(root, "default", {"instance": [1]}, args))
         tuned_conf = write_conf(root, "tuned", space, args, run_best=args.run_best)
         tuned_rows, tuned_s, serving = search(tuned_conf, check_best=args.run_best)
-    default = default_rows[0]
+    default = default_rows[0] if default_rows else as_written(tuned_rows, space)
     done = [r for r in tuned_rows if r.get("status") == "done" and r.get("goodput")]
     best = max(done, key=lambda r: r["goodput_per_device"]) if done else None
     result = {

@@ -19,6 +19,7 @@
 #   tune4  action=auto_tune over instance x tensor_parallel_size (1, 2, 4 each; more than 4 GPUs pruned) on the 8B
 #          shape, whole GPUs, TTFT/TPOT SLO: goodput per GPU ranks them, run_best leaves the winner serving (checked:
 #          status and a completion), against the node as written (1 replica, TP=1) (benchmarks/auto_tune.py)
+#   tune2  the same on 2 GPUs (instance x TP over 1, 2)
 #   dpi2   vLLM's own data_parallel_size 2 inside one replica: plain `--data-parallel-size 2` vs the orchestrator
 # On the GPU machine after ../shared/gpu/README.md's install, from the repo root, in a session of its own:
 #   setsid nohup bash benchmarks/gpu/multi_gpu.sh /tmp/bench tp2 dp2 tests > /tmp/bench/chain.log 2>&1 < /dev/null &
@@ -47,10 +48,11 @@ for step in $steps; do
            --concurrency 1024 2048 --output "$out/$step.json" ;;
     tp4) python3 benchmarks/gpu/bench_gpu.py ${model/--size 8b/--size 32b} --engine-arg tensor_parallel_size=4 \
            --gpu-memory-utilization 0.43 --rounds 1 --concurrency 1 64 --output "$out/tp4.json" ;;
-    tune4) python3 benchmarks/auto_tune.py --gpu --size 8b --dummy-weights --gpus-per-replica 1 \
-           --gpu-memory-utilization 0.85 --space '{"instance": [1, 2, 4], "tensor_parallel_size": [1, 2, 4]}' \
-           --input-len 512 --output-len 128 --prompts 1024 --levels 64 256 1024 --ttft-p99 2000 --tpot-p99 40 \
-           --run-best --output "$out/tune4.json" ;;
+    tune2|tune4) n=${step#tune}; sizes=$([ "$n" = 4 ] && echo "1, 2, 4" || echo "1, 2")
+         python3 benchmarks/auto_tune.py --gpu --size 8b --dummy-weights --gpus-per-replica 1 \
+           --gpu-memory-utilization 0.85 --space "{\"instance\": [$sizes], \"tensor_parallel_size\": [$sizes]}" \
+           --input-len 512 --output-len 128 --prompts 256 --levels 64 256 --ttft-p99 2000 --tpot-p99 40 --skip-default \
+           --run-best --output "$out/$step.json" ;;
     dpi2) python3 benchmarks/gpu/bench_gpu.py $model --engine-arg data_parallel_size=2 --rounds 2 \
            --concurrency 1 256 512 --output "$out/dpi2.json" ;;
     pd2) python3 benchmarks/pd.py --size 1b --num-gpus 1 --gpu-memory-utilization 0.4 --max-num-seqs 256 \
