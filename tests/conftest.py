@@ -65,10 +65,9 @@ class CliResult:
 # The suite's vLLM CPU engines of one rank run their model worker inside the engine core: one spawned process
 # fewer per start, which imports vLLM and torch afresh (~14 s of a 2-core machine). Measured by
 # benchmarks/cpu_worker_inproc.py: start-up 0.64x, memory 0.9x, serving 0.92-0.94x of vLLM's default. Engines of
-# several ranks keep their worker processes either way. A module that checks vLLM's default process tree passes
-# WORKER_PROCESS_ENVS in its experiment's envs.
+# several ranks keep their worker processes either way. vLLM's default process tree is what the configs written
+# without write_config run (tests/e2e/test_cli.py checks its CPU layout, test_flagscale_configs serves user configs).
 FAST_START_ENVS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-WORKER_PROCESS_ENVS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 
 def write_config(conf_dir: Path, nodes, exp_dir: Path, port: int, experiment: dict | None = None, name="serve") -> Path:

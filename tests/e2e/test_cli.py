@@ -1,15 +1,17 @@
 """The installed `flagscale` command for real, from a directory outside the checkout: its help and errors, then one
 real `flagscale serve demo` (FlagScale's --port, --model-path and --engine-args on the way) -> a completion ->
-`--status` -> `--stop`. Every example's dryrun is tests/e2e/test_examples.py."""
+the CPU layout of vLLM's default process tree -> `--status` -> `--stop`. Every example's dryrun is tests/e2e/test_examples.py."""
 
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 
 import pytest
 
 from tests.conftest import flagscale_command, run_flagscale, wait_for
+from tests.e2e.cpu_layout_check import wait_for_cpu_layout
 
 PORT = 19391
 
@@ -66,6 +68,23 @@ def test_serve_demo_serves_with_the_flags_applied(served):
     )
     with urllib.request.urlopen(request, timeout=120) as resp:
         assert json.load(resp)["choices"][0]["text"] is not None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="vLLM binds its CPU worker to a subset only with 2+ cores")
+def test_cpu_engine_keeps_its_cores(served):
+    """The demo runs vLLM's default process tree (its model worker in a process of its own): with
+    `cpu_affinity: auto` (the default) the engine core is on its worker's cores, the API server and router off them."""
+    assert served["run"].returncode == 0, served["run"].output
+
+    def replicas() -> list[dict]:
+        status = run_flagscale(
+            "serve", "demo", "--status", "output=json", *served["common"], cwd=served["cwd"], timeout=120
+        )
+        assert status.returncode == 0, status.output
+        return json.loads(status.stdout)["replicas"]
+
+    state = json.loads((served["cwd"] / "exp" / "state.json").read_text())
+    wait_for_cpu_layout(replicas, [h["session"] for h in state["hosts"]])
 
 
 def test_status_then_stop(served):

@@ -4,10 +4,10 @@ of its own that the module records and stops exactly; the runner only deploys on
 
 In order, on that one cluster:
   bad input fails before anything starts: an address nobody answers, a wrong token, more replicas than the nodes hold;
-  a deployment whose replica asks for a chip type only the worker has serves from there, shows both nodes in status,
-  reads the worker's engine log through Ray, is updated in place;
-  a second one from another exp_dir (a llama.cpp engine) coexists; a third with the first one's name is refused; each stop removes
-  only its own application, registry entries and engine processes, and the cluster runs on.
+  a deployment (a llama.cpp engine) whose replica asks for a chip type only the worker has serves from there, shows
+  both nodes in status, reads the worker's engine log through Ray, is updated in place;
+  a second one from another exp_dir (a vLLM engine) coexists; a third with the first one's name is refused; each
+  stop removes only its own application, registry entries and engine processes, and the cluster runs on.
 """
 
 from __future__ import annotations
@@ -177,7 +177,8 @@ def test_bad_input_fails_before_anything_starts(cluster, tmp_path, monkeypatch):
 
 
 def test_deploy_serve_update_coexist_and_stop_only_its_own(cluster, tmp_path, stop_on_failure):
-    conf_a, exp_a = config(tmp_path, "a", PORT_A, 1, accelerator=CHIP)
+    # a: llama.cpp, updated in place (a replacement starts in seconds); b: vLLM, a second engine kind beside it.
+    conf_a, exp_a = config(tmp_path, "a", PORT_A, 1, accelerator=CHIP, engine="llama_cpp")
     stop_on_failure((conf_a, exp_a))
     run = run_cli(conf_a, timeout=900)
     assert run.returncode == 0, run.output
@@ -209,9 +210,9 @@ def test_deploy_serve_update_coexist_and_stop_only_its_own(cluster, tmp_path, st
     assert update.returncode == 0, update.output
     assert "max_num_seqs: 8 -> 6" in update.stdout and "updated" in update.stdout
     a_engines = view()["engines"]
-    assert len(a_engines) == 1 and all("--max-num-seqs 6" in " ".join(psutil.Process(p).cmdline()) for p in a_engines)
+    assert len(a_engines) == 1 and all("--parallel 6" in " ".join(psutil.Process(p).cmdline()) for p in a_engines)
 
-    conf_b, exp_b = config(tmp_path, "b", PORT_B, 1, engine="llama_cpp")  # a second engine kind beside a's vLLM
+    conf_b, exp_b = config(tmp_path, "b", PORT_B, 1)
     stop_on_failure((conf_b, exp_b))
     run_b = run_cli(conf_b, timeout=900)
     assert run_b.returncode == 0, run_b.output

@@ -24,8 +24,7 @@ import psutil
 import pytest
 
 from flagscale.cluster.processes import session_members
-from flagscale.replica.cpu_layout import affinity, parent_pids, process_tree
-from tests.conftest import WORKER_PROCESS_ENVS, demo_engine_args, run_cli, streamed_chat_chunks, wait_for, write_config
+from tests.conftest import demo_engine_args, run_cli, streamed_chat_chunks, wait_for, write_config
 from tests.e2e.log_follow import Follow, header, sections
 
 PORT = 18411
@@ -56,7 +55,7 @@ def deployment(tmp_path_factory):
         PORT,
         experiment={
             "runner": {"hostfile": None, "deploy": deploy},
-            "envs": {"HF_TOKEN": ENV_SECRET, **WORKER_PROCESS_ENVS},
+            "envs": {"HF_TOKEN": ENV_SECRET},
         },
     )
     os.environ[KEY_ENV] = API_KEY  # run_cli passes this process's environment on
@@ -135,65 +134,6 @@ def test_load_spreads_evenly_over_replicas(deployment, client):
 
     counts = wait_for(alpha_counts_since, 60, "the router's counts of alpha's 60 requests", interval=1)
     assert max(counts) <= 1.2 * min(counts), counts
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="vLLM binds its CPU worker to a subset only with 2+ cores")
-def test_cpu_engines_keep_their_cores(deployment, client):
-    """cpu_affinity: auto (default): engine core on its worker's cores; API server and router off them.
-
-    Read from live processes, which a busy machine may still be starting, pinning or replacing: the layout
-    is waited for (bounded) with a fresh status and process table on each try, never read once."""
-    host_cpus = os.sched_getaffinity(0)
-
-    def engine_layout(replica: dict) -> set[int]:
-        parents = parent_pids()
-        tree = process_tree(replica["engine_pid"], parents)  # watchdog, API server, ...
-        by_name: dict[str, list[int]] = {}
-        for pid in tree:
-            by_name.setdefault(process_name(pid), []).append(pid)
-        # vLLM titles its worker VLLM::Worker; two fresh-clone runs saw every process of one replica keep the title
-        # `python` for minutes while it served. Then the worker is the API server's (tree[1]) only grandchild:
-        # vLLM's API server starts the engine core, which starts the worker.
-        grandchildren = [pid for pid in tree[2:] if parents.get(parents[pid]) == tree[1]]
-        workers = by_name.get("VLLM::Worker") or (grandchildren if len(grandchildren) == 1 else [])
-        assert workers, (replica, by_name, grandchildren)
-        worker = workers[0]
-        # the worker's parent: vLLM names it VLLM::EngineCore, but a busy machine once showed it still as "python"
-        engine_core = psutil.Process(worker).ppid()
-        assert engine_core in tree, (replica, by_name)
-        worker_cpus = affinity(worker)
-        assert worker_cpus and len(worker_cpus) < len(host_cpus), replica
-        assert replica["worker_cpus"] == sorted(worker_cpus), replica
-        assert replica["gpus"] == [], replica  # CPU engines hold no GPU
-        assert affinity(engine_core) == worker_cpus, replica
-        assert not affinity(tree[1]) & worker_cpus, replica
-        return worker_cpus
-
-    def layout_holds() -> bool:
-        all_worker_cpus: set[int] = set()
-        for replica in status_json(deployment)["replicas"]:
-            all_worker_cpus |= engine_layout(replica)
-        routers = [
-            pid
-            for s in deployment["sessions"]
-            for pid in session_members(s)
-            if process_name(pid, cmdline=True).endswith(":router")
-        ]
-        assert len(routers) == 1, routers
-        if all_worker_cpus != host_cpus:
-            assert affinity(routers[0]) == host_cpus - all_worker_cpus, (routers, all_worker_cpus)
-        return True
-
-    # Bounded by a replica replacement (as in test_killed_engine_fails_over_and_is_replaced).
-    wait_for(layout_holds, 300, "every engine replica's CPU layout and the router's cores", interval=2)
-
-
-def process_name(pid: int, cmdline: bool = False) -> str:
-    try:
-        with open(f"/proc/{pid}/{'cmdline' if cmdline else 'comm'}", "rb") as f:
-            return f.read().split(b"\0")[0].decode(errors="replace").strip()
-    except OSError:
-        return ""
 
 
 def test_killed_engine_fails_over_and_is_replaced(deployment, client):

@@ -7,8 +7,8 @@ Real Ray, a real vLLM (CPU) engine on the demo model, one replica; one deploymen
    one drains and stops. No request fails, and the replica serving afterwards runs with the new value. A change
    that cannot be applied in place (the port) is refused and changes nothing; the same config again changes
    nothing; dryrun shows the difference.
-2. The same node made autoscaled by another in-place update (`min_replicas: 1, max_replicas: 2,
-   target_ongoing_requests: 2`). Requests reach the engines through the router, not through Serve, so what Serve
+2. The same node, made autoscaled by that update too (`min_replicas: 1, max_replicas: 2,
+   target_ongoing_requests: 2`; one replacement for both changes). Requests reach the engines through the router, not through Serve, so what Serve
    scales on is the load each vLLM server reports (flagscale/replica/autoscaling.py). Six clients streaming long
    answers put ~6 requests on the one replica: status must show the target go to 2 and a second replica serving;
    when the clients stop, back to 1. No request fails on the way, the drained replica's included. Then `stop`.
@@ -29,6 +29,16 @@ import pytest
 from tests.conftest import REPO, demo_engine_args, run_cli, wait_for, write_config
 
 PORT = 19171
+# What the update of test 1 turns on besides the engine arg (one replacement for both; two clients keep the load
+# at the target, so the node stays at one replica until test 2's six).
+AUTOSCALED = {
+    "num_cpus": 1,
+    "min_replicas": 1,
+    "max_replicas": 2,
+    "target_ongoing_requests": 2,
+    "upscale_delay_s": 2,
+    "downscale_delay_s": 10,
+}
 
 
 def status_json(conf) -> dict:
@@ -137,9 +147,10 @@ def test_changing_an_engine_arg_under_load_replaces_the_replica_without_a_failed
         assert refused.returncode != 0 and "experiment.runner.deploy.port" in refused.stderr, refused.output
         assert "Nothing was changed" in refused.stderr
 
-        conf = write_config(tmp_path / "conf", [node(4)], exp, PORT)
+        conf = write_config(tmp_path / "conf", [node(4, AUTOSCALED)], exp, PORT)
         shown = run_cli(conf, "action=dryrun", timeout=120)
         assert shown.returncode == 0 and "serve.demo.engine_args.max_num_seqs: 8 -> 4" in shown.stdout, shown.output
+        assert "serve.demo.resources.max_replicas: added (2)" in shown.stdout, shown.output
 
         with SteadyLoad() as load:
             wait_for(lambda: load.ok >= 4, 120, "the clients' first answers")
@@ -173,18 +184,8 @@ def scale(conf) -> tuple[int, int]:
 
 
 def test_an_autoscaled_node_scales_up_under_load_and_down_when_idle(module_dir):
-    resources = {
-        "num_cpus": 1,
-        "min_replicas": 1,
-        "max_replicas": 2,
-        "target_ongoing_requests": 2,
-        "upscale_delay_s": 2,
-        "downscale_delay_s": 10,
-    }
-    conf = write_config(module_dir / "conf", [node(4, resources)], module_dir / "exp", PORT)
+    conf = module_dir / "conf"  # test 1's update turned autoscaling on
     try:
-        updated = run_cli(conf, timeout=900)
-        assert updated.returncode == 0 and "updated" in updated.stdout, updated.output
         assert wait_for(lambda: scale(conf) == (1, 1) and scale(conf), 60, "one replica at rest") == (1, 1)
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=300, max_retries=0)
