@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -133,6 +134,10 @@ def best_serving(argv: list[str]) -> dict:
     }
 
 
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--space", default='{"instance": [1, 2], "max_num_seqs": [4, 16]}', help="JSON space")
@@ -155,6 +160,7 @@ def main() -> int:
         "--output", type=Path, default=None, help="JSON path (default benchmarks/results/auto_tune-<ts>.json)"
     )
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, _interrupted)  # as Ctrl-C: the search's finally stops its deployment
     if args.gpu:
         for key, value in GPU_ENV.items():
             os.environ.setdefault(key, value)

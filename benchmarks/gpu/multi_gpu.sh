@@ -31,7 +31,12 @@ shift || true
 mkdir -p "$out"
 steps=${*:-tp2 dp2 tests}
 model="--size 8b --dummy-weights --input-len 512 --output-len 128 --clients 1 --waves 2 --keep-plain --placement-check"
+# Stopped early: `kill -TERM -- -<the chain's process group>` (a chain started in the background ignores SIGINT).
+# The running step stops what it started (bench_gpu.py, auto_tune.py and run.py handle SIGTERM), and no later step
+# begins.
+trap 'interrupted=1' TERM
 for step in $steps; do
+  [ -n "${interrupted:-}" ] && { echo "=== interrupted before $step"; break; }
   echo "=== $step start $(date -u +%T)"
   case $step in
     tp2) python3 benchmarks/gpu/bench_gpu.py $model --engine-arg tensor_parallel_size=2 --rounds 3 \
