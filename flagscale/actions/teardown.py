@@ -23,6 +23,7 @@ from flagscale.cluster.runner import CommandRunner, CommandTimeout, parallel, ru
 from flagscale.cluster.state import HostRecord, RunState
 from flagscale.errors import ClusterError
 from flagscale.plan import ROUTER_DEPLOYMENT
+from flagscale.replica import registry
 
 log = logging.getLogger(__name__)
 AFTER_STOP_TIMEOUT_S = 120.0
@@ -170,6 +171,7 @@ def _delete_app(state: RunState, console: Console, drain_timeout_s: float) -> No
             left = router.drain.remote(drain_timeout_s).result(timeout_s=drain_timeout_s + 10)
             if left:
                 console.print(f"[yellow]{left} request(s) still running after {drain_timeout_s:g}s; stopping anyway[/]")
+            registry.mark_stopping(state.app_name, within_s=drain_timeout_s + 60)
         except Exception as exc:
             log.info("drain skipped: %s", exc)
         console.print(f"deleting Serve application '{state.app_name}' ...")

@@ -252,12 +252,15 @@ class EngineReplica:
     def __del__(self):
         """Serve's graceful shutdown (stop, an update replacing this replica, a downscale): leave the registry,
         let the requests the router already sent here finish (bounded by deploy.drain_timeout_s, less a margin
-        for the server's own exit before Serve kills the replica), then stop the server."""
+        for the server's own exit before Serve kills the replica), then stop the server. Under `stop`, which
+        drained the routers first (registry.stopping), the server is stopped at once."""
+        drained_by_stop = False
         try:
             registry.withdraw(self.spec.app, self.replica_id)
+            drained_by_stop = registry.stopping(self.spec.app)
         except Exception:
             pass
-        if hasattr(self, "proc") and self.proc.poll() is None and hasattr(self, "record"):
+        if hasattr(self, "proc") and self.proc.poll() is None and hasattr(self, "record") and not drained_by_stop:
             self._drain(deadline=time.monotonic() + max(0.0, self.spec.drain_timeout_s - DRAIN_MARGIN_S))
         self._terminate()
 

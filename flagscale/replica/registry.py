@@ -72,6 +72,23 @@ def withdraw_all(app: str) -> None:
     """Remove every record of `app` (its stop, after the application is gone)."""
     for key in kv_list(_prefix(app), namespace=KV_NAMESPACE):
         kv_del(key, namespace=KV_NAMESPACE)
+    kv_del(_stopping_key(app), namespace=KV_NAMESPACE)
+
+
+def _stopping_key(app: str) -> bytes:
+    return f"stopping/{app}".encode()
+
+
+def mark_stopping(app: str, within_s: float) -> None:
+    """`stop` has drained the routers of `app` (they refuse new requests) and deletes it: its replicas need not
+    wait for the routers to notice them gone. Good for `within_s`, so a stop that died half-way cannot speak for a
+    later deployment of the same name."""
+    kv_put(_stopping_key(app), json.dumps({"until": time.time() + within_s}).encode(), namespace=KV_NAMESPACE)
+
+
+def stopping(app: str) -> bool:
+    raw = kv_get(_stopping_key(app), namespace=KV_NAMESPACE)
+    return raw is not None and time.time() < json.loads(raw)["until"]
 
 
 def list_replicas(app: str, include_stale: bool = False) -> list[ReplicaRecord]:
