@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -134,6 +135,33 @@ def best_serving(argv: list[str]) -> dict:
     }
 
 
+class GpuEnvWatch(threading.Thread):
+    """--gpu: every `interval_s`, every process nvidia-smi lists on a GPU must carry NVLink multicast off
+    (benchmarks/gpu/checks.py env_check); the first that does not stops the run (SIGTERM to this process: the
+    search's deployment is stopped) and is reported."""
+
+    def __init__(self, interval_s: float = 10.0):
+        super().__init__(daemon=True)
+        self.interval_s, self.stop = interval_s, threading.Event()
+        self.checked: set[int] = set()
+        self.problems: list[str] = []
+
+    def run(self) -> None:
+        from benchmarks.gpu import checks
+
+        while not self.stop.wait(self.interval_s):
+            pids = [app["pid"] for app in checks.gpu_apps()]
+            report = checks.env_check({}, pids)
+            self.checked.update(pids)
+            self.problems = checks.env_problems(report)
+            if self.problems:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    def summary(self) -> dict:
+        return {"gpu_processes_checked": len(self.checked), "problems": self.problems}
+
+
 def _interrupted(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -166,6 +194,22 @@ def main() -> int:
             os.environ.setdefault(key, value)
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     space = json.loads(args.space)
+    watch = GpuEnvWatch() if args.gpu else None
+    if watch is not None:
+        watch.start()
+    try:
+        return _searches(args, space, watch)
+    except KeyboardInterrupt:
+        if watch is not None and watch.problems:
+            print("stopped: a GPU process lacks NVLink multicast off:\n  " + "\n  ".join(watch.problems))
+            return 1
+        raise
+    finally:
+        if watch is not None:
+            watch.stop.set()
+
+
+def _searches(args: argparse.Namespace, space: dict, watch: GpuEnvWatch | None) -> int:
     with tempfile.TemporaryDirectory(prefix="tune-bench-") as tmp:
         root = Path(tmp)
         if args.skip_default:  # the node as written is a candidate of --space too: its row is the default
@@ -184,6 +228,7 @@ def main() -> int:
         "tuned_rows": tuned_rows,
         "best_serving": serving,
         "seconds": {"default": round(default_s), "tuned": round(tuned_s)},
+        "env_check": watch.summary() if watch is not None else None,
     }
     out = args.output or REPO / "benchmarks" / "results" / f"auto_tune-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -214,6 +259,8 @@ def main() -> int:
         )
     if serving is not None:
         print(f"\nrun_best left serving: {json.dumps(serving)}")
+    if watch is not None:
+        print(f"env check: {watch.summary()}")
     if best is not None and default.get("goodput_per_device"):
         print(f"\ntuned / default goodput per device: {best['goodput_per_device'] / default['goodput_per_device']:.2f}")
     print(f"results: {out}")

@@ -5,9 +5,15 @@ the router taking a new spec without a restart (Router.reconfigure)."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
+import pytest
+from rich.console import Console
+
+from flagscale.actions import run as run_action
 from flagscale.config.routing import RoutingSpec
 from flagscale.config.schema import ServeConfig
+from flagscale.errors import DeployError
 from flagscale.replica.autoscaling import with_engine_load_policy
 from flagscale.replica.registry import version_of
 from flagscale.router.router import Router
@@ -137,9 +143,6 @@ def test_router_takes_a_new_spec_in_place_keeping_unchanged_policies():
 
 
 def test_update_of_a_deployment_without_a_config_record_is_refused_before_touching_it(tmp_path):
-    import pytest
-    from rich.console import Console
-
     from flagscale.actions.run import update
     from flagscale.cluster.state import RunState
     from flagscale.errors import FlagScaleError
@@ -167,3 +170,22 @@ def test_update_refuses_a_fixed_key_naming_it_and_the_file(tmp_path):
     with pytest.raises(ConfigError) as info:  # before connecting to anything: plan=None is never read
         update(state, plan=None, snapshot=snapshot(new, None), console=Console(), config_file="serve.yaml")
     assert "serve.yaml: experiment.runner.deploy.port" in str(info.value) and "Nothing was changed" in str(info.value)
+
+
+def test_an_update_without_room_for_a_spare_is_refused_while_one_replica_runs(monkeypatch):
+    """One TP=2 replica holding both GPUs, asked to become two TP=1 replicas: no new replica can be placed beside
+    it, and replacing it would stop serving: refused before anything changes, naming the node. With two running,
+    they are replaced one at a time."""
+    import pytest
+    from rich.console import Console
+
+    monkeypatch.setattr(run_action, "_without_room_for_a_spare", lambda plan, nodes: frozenset(nodes))
+    engine = SimpleNamespace(serve_id="a", initial_replicas=2, ray_actor_options={"num_cpus": 1, "num_gpus": 1.0})
+    plan = SimpleNamespace(engines=[engine])
+    one_running = config()
+    one_running.serve[0].resources.num_replicas = 1
+    with pytest.raises(DeployError, match="no node has room for a spare replica of 'a'.*GPU:1"):
+        run_action._spares(plan, ["a"], Console(), snapshot(one_running, None))
+    two_running = config()
+    two_running.serve[0].resources.num_replicas = 2
+    assert run_action._spares(plan, ["a"], Console(), snapshot(two_running, None)) == {"a"}
