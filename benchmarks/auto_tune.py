@@ -138,25 +138,35 @@ def best_serving(argv: list[str]) -> dict:
 class GpuEnvWatch(threading.Thread):
     """--gpu: every `interval_s`, every process nvidia-smi lists on a GPU must carry NVLink multicast off
     (benchmarks/gpu/checks.py env_check); the first that does not stops the run (SIGTERM to this process: the
-    search's deployment is stopped) and is reported."""
+    search's deployment is stopped) and is reported. A process is checked once; one whose environment cannot be
+    read is asked again `recheck_s` later, and passes if it is gone by then (a trial's engine stopping: its
+    workers outlive the server they inherited the environment from by a moment)."""
 
-    def __init__(self, interval_s: float = 10.0):
+    def __init__(self, interval_s: float = 10.0, recheck_s: float = 3.0):
         super().__init__(daemon=True)
-        self.interval_s, self.stop = interval_s, threading.Event()
+        self.interval_s, self.recheck_s, self.stop = interval_s, recheck_s, threading.Event()
         self.checked: set[int] = set()
         self.problems: list[str] = []
 
     def run(self) -> None:
-        from benchmarks.gpu import checks
-
         while not self.stop.wait(self.interval_s):
-            pids = [app["pid"] for app in checks.gpu_apps()]
-            report = checks.env_check({}, pids)
-            self.checked.update(pids)
-            self.problems = checks.env_problems(report)
+            self.problems = self.check()
             if self.problems:
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
+
+    def check(self) -> list[str]:
+        from benchmarks.gpu import checks
+
+        new = [app["pid"] for app in checks.gpu_apps() if app["pid"] not in self.checked]
+        report = checks.env_check({}, new)
+        problems = checks.env_problems(report, gpu_group_required=False)  # those without the variables
+        unread = report.get("gpu processes (nvidia-smi)", {}).get("unknown", [])
+        if unread and not self.stop.wait(self.recheck_s):
+            problems += checks.env_problems(checks.env_check({}, unread))  # the ones gone by now are skipped
+        if not problems:
+            self.checked.update(new)
+        return problems
 
     def summary(self) -> dict:
         return {"gpu_processes_checked": len(self.checked), "problems": self.problems}

@@ -208,9 +208,10 @@ class EngineKind(ABC):
         for engines with capabilities.multi_host."""
         raise NotImplementedError(f"{self.display} has no ranks on other hosts")
 
-    def worker_rank(self, title: str, tp: int, pp: int) -> int | None:
-        """The global rank of one of the engine's worker processes, from its title (command line), or None when
-        the process is no worker. Only asked of engines whose capabilities.parallel allows more than one rank."""
+    def worker_rank(self, title: str, tp: int, pp: int, parent_title: str = "") -> int | None:
+        """The global rank of one of the engine's worker processes, from its title (command line) and its parent
+        process's, or None when the process is no worker. Only asked of engines whose capabilities.parallel allows
+        more than one rank."""
         return None
 
     def load(self, metrics: dict[str, float]) -> float:

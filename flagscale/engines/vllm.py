@@ -132,16 +132,23 @@ def rank_argv(argv: list[str], share: HostShare) -> list[str]:
     return [*argv, *extra]
 
 
-# vLLM's worker process titles: VLLM::Worker[_DP<d>][_PP<p>][_TP<t>]... (multiproc_executor.py)
+# vLLM's worker process titles: VLLM::Worker[_DP<d>][_PP<p>][_TP<t>]... (multiproc_executor.py). The _DP part is
+# there only when the workers share a data-parallel group (MoE models); a dense model's data-parallel engines run
+# apart, each engine core titled VLLM::EngineCore_DP<d> over workers titled as if it were alone.
 WORKER_TITLE = re.compile(r"^VLLM::Worker(?:_DP(\d+))?(?:_PP(\d+))?(?:_PCP\d+)?(?:_TP(\d+))?")
+ENGINE_CORE_DP_TITLE = re.compile(r"^VLLM::EngineCore_DP(\d+)")
 
 
-def rank_of_title(title: str, tp: int, pp: int) -> int | None:
-    """The global rank of a vLLM worker from its process title, or None when it is no worker."""
+def rank_of_title(title: str, tp: int, pp: int, parent_title: str = "") -> int | None:
+    """The global rank of a vLLM worker from its process title (and its engine core's, the parent), or None when
+    it is no worker."""
     match = WORKER_TITLE.match(title)
     if not match:
         return None
     dp_rank, pp_rank, tp_rank = (int(g) if g else 0 for g in match.groups())
+    engine_core = ENGINE_CORE_DP_TITLE.match(parent_title)
+    if match.group(1) is None and engine_core:
+        dp_rank = int(engine_core.group(1))
     return dp_rank * tp * pp + pp_rank * tp + tp_rank
 
 
@@ -310,8 +317,8 @@ class VLLM(EngineKind):
         env = {**launch.env, **rank_env(share)}
         return ServerLaunch(rank_argv(launch.argv, share), env, launch.env_defaults, launch.secret_env)
 
-    def worker_rank(self, title: str, tp: int, pp: int) -> int | None:
-        return rank_of_title(title, tp, pp)
+    def worker_rank(self, title: str, tp: int, pp: int, parent_title: str = "") -> int | None:
+        return rank_of_title(title, tp, pp, parent_title)
 
     def headless_launch(self, argv: list[str], share: HostShare) -> ServerLaunch:
         command = [sys.executable, "-m", "flagscale.engines.vllm_headless", *rank_argv(argv, share), "--headless"]

@@ -56,10 +56,13 @@ def worker_pids(
     found = {}
     for pid in process_tree(root):
         try:
-            title = " ".join(psutil.Process(pid).cmdline())
+            process = psutil.Process(pid)
+            title = " ".join(process.cmdline())
+            parent = process.parent()
+            parent_title = " ".join(parent.cmdline()) if parent else ""
         except psutil.Error:
             continue
-        rank = kind.worker_rank(title, tp, pp)
+        rank = kind.worker_rank(title, tp, pp, parent_title)
         if rank is None:
             continue
         cores = affinity(pid)

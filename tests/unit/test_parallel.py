@@ -32,6 +32,10 @@ def test_worker_titles_give_global_ranks():
     assert rank_of_title("VLLM::Worker_DP1_TP0", tp=2, pp=1) == 2
     assert rank_of_title("VLLM::Worker", tp=1, pp=1) == 0
     assert rank_of_title("VLLM::EngineCore", tp=2, pp=1) is None
+    # a dense model's data-parallel engines: the workers' titles lack _DP, their engine core's has it
+    assert rank_of_title("VLLM::Worker", tp=1, pp=1, parent_title="VLLM::EngineCore_DP1") == 1
+    assert rank_of_title("VLLM::Worker_TP1", tp=2, pp=1, parent_title="VLLM::EngineCore_DP1") == 3
+    assert rank_of_title("VLLM::Worker_DP1_TP0", tp=2, pp=1, parent_title="VLLM::EngineCore_DP0") == 2
 
 
 def test_cpu_ranks_on_one_host_get_a_core_each_and_the_mp_executor():
