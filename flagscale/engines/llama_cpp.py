@@ -7,7 +7,10 @@ table its `--help` prints (read once per binary and cached beside it). FlagScale
 --kv-unified-per-slot (each sequence gets max_model_len; the KV pool is sized to parallel x max_model_len).
 Its /metrics (always on) give the load; the API key reaches it through LLAMA_API_KEY and hf_token through
 HF_TOKEN, never argv (a key with a comma is refused: llama-server splits keys on commas); --threads defaults to the
-CPUs the replica reserves.
+CPUs the replica reserves. A replica that reserves GPUs (resources.num_gpus; the default on a GPU host) sees only
+those (Ray's CUDA_VISIBLE_DEVICES) and puts every layer on them (--n-gpu-layers all) unless told otherwise; one that
+reserves none offloads nothing (--device none). Offloading needs the CUDA build `make llama-cpp` makes on a host
+with NVIDIA GPUs and nvcc (llama_cpp_build.py).
 """
 
 from __future__ import annotations
@@ -240,8 +243,16 @@ class LlamaCpp(EngineKind):
 
     def launch(self, argv: list[str], host: str, port: int, api_key: str | None, role: str | None) -> ServerLaunch:
         command = [str(self.binary()), *argv, "--metrics", "--host", host, "--port", str(port)]
-        if not {"--threads", "-t"} & set(argv):  # llama-server's own default is every core of the host
+        given = set(argv)
+        if not {"--threads", "-t"} & given:  # llama-server's own default is every core of the host
             command += ["--threads", str(reserved_cpus())]
+        if reserved_gpus():
+            # CUDA_VISIBLE_DEVICES (Ray's) shows it only the replica's GPUs; every layer on them, unless told
+            if not {"--n-gpu-layers", "--gpu-layers"} & given:
+                command += ["--n-gpu-layers", "all"]
+        elif not {"--device", "-dev"} & given:
+            # a replica without GPUs: a CUDA build would otherwise offload onto GPUs that Ray gave to others
+            command += ["--device", "none"]
         return ServerLaunch(command, secret_env={API_KEY_ENV: api_key} if api_key else {})
 
 
@@ -252,6 +263,15 @@ def reserved_cpus() -> int:
     if not ray.is_initialized():
         return 1
     return max(1, math.floor(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+
+
+def reserved_gpus() -> list[str]:
+    """The GPUs Ray reserved for the calling replica (its num_gpus); none outside Ray."""
+    import ray
+
+    if not ray.is_initialized():
+        return []
+    return [str(gpu) for gpu in ray.get_gpu_ids()]
 
 
 def _flag_argv(table: dict[str, Flag], key: str, value: Any, where: str) -> list[str]:

@@ -1,10 +1,14 @@
-"""llama.cpp's `llama-server`, built here once per version and cached (there is no wheel or distro package of it).
+"""llama.cpp's `llama-server`, built here once per version and variant and cached (there is no wheel or distro
+package of it).
 
 The source is the vendored llama.cpp of the `llama-cpp-python` sdist (PyPI, through pip). Only the server target
-is built, statically linked (one file, no .so beside it), for this machine's CPU (GGML_NATIVE). The converter
-(convert_hf_to_gguf.py and its gguf-py) is kept beside it: flagscale/demo_model.py makes the GGUF demo model with
-it. The build runs in a staging directory renamed into place when complete, under a lock, so concurrent callers
-build once.
+is built, statically linked (one file, no .so beside it), for this machine's CPU (GGML_NATIVE) and, on a host whose
+NVIDIA GPUs nvidia-smi lists and whose CUDA toolkit has nvcc, with the CUDA backend for those GPUs' architectures.
+The variant (backend, GPU architectures, and the CPU's instruction-set extensions a native build uses) names the
+cache directory, so a cache shared by machines of different CPUs or GPUs never hands one of them a binary built
+for another (`FLAGSCALE_LLAMA_CPP_BACKEND=cpu|cuda` overrides the backend). The converter (convert_hf_to_gguf.py
+and its gguf-py) is kept beside it: flagscale/demo_model.py makes the GGUF demo model with it. The build runs in a
+staging directory renamed into place when complete, under a lock, so concurrent callers build once.
 
     python -m flagscale.engines.llama_cpp_build        # build if missing, print the binary's path
 """
@@ -12,13 +16,17 @@ build once.
 from __future__ import annotations
 
 import fcntl
+import functools
+import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from flagscale.paths import default_cache_dir
@@ -41,7 +49,98 @@ CMAKE_FLAGS = [
 ]
 
 
-def install_dir(cache_dir: Path | None = None) -> Path:
+BACKEND_ENV = "FLAGSCALE_LLAMA_CPP_BACKEND"
+# x86 instruction-set extensions (/proc/cpuinfo flags) that -march=native may use; other flags (hypervisor,
+# constant_tsc, ...) differ between machines whose code runs the same.
+X86_ISA = re.compile(r"^(sse|ssse|avx|fma|f16c|bmi|amx|popcnt|lzcnt|abm|movbe|adx|sha|aes|pclmul|vpclmul|gfni|vaes)")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a built llama-server depends on beyond its version: the backend, the GPU architectures it was
+    compiled for (CUDA), and the CPU extensions of the machine that built it (GGML_NATIVE)."""
+
+    backend: str  # "cpu" or "cuda"
+    cpu: str  # hash of the CPU's instruction-set extensions
+    cuda_archs: tuple[str, ...] = ()  # CMAKE_CUDA_ARCHITECTURES, e.g. ("90",)
+
+    @property
+    def name(self) -> str:
+        gpu = f"cuda{'-'.join(self.cuda_archs)}" if self.backend == "cuda" else "cpu"
+        return f"{gpu}-{self.cpu}"
+
+    def cmake_flags(self) -> list[str]:
+        if self.backend != "cuda":
+            return list(CMAKE_FLAGS)
+        return [*CMAKE_FLAGS, "-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(self.cuda_archs)}"]
+
+
+def cpu_key(cpuinfo: str) -> str:
+    """8 hex digits naming the instruction-set extensions of /proc/cpuinfo's first processor."""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":  # x86
+            features = sorted(f for f in value.split() if X86_ISA.match(f))
+            break
+        if name.strip() == "Features":  # arm64
+            features = sorted(value.split())
+            break
+    else:
+        features = []
+    return hashlib.sha256(" ".join(features).encode()).hexdigest()[:8]
+
+
+def cuda_architectures(query=None) -> tuple[str, ...]:
+    """The compute capabilities of the GPUs nvidia-smi lists, as CMake names them ("9.0" -> "90"); () without any."""
+    try:
+        out = (query or _nvidia_smi_compute_caps)()
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    caps = {line.strip().replace(".", "") for line in out.splitlines() if re.fullmatch(r"\d+\.\d+", line.strip())}
+    return tuple(sorted(caps))
+
+
+def _nvidia_smi_compute_caps() -> str:
+    argv = ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+def nvcc() -> str | None:
+    """The CUDA compiler: on PATH, or where the toolkit installs it."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.is_file() else None
+
+
+@functools.cache
+def variant() -> Variant:
+    """This machine's variant: CUDA where nvidia-smi lists GPUs and nvcc is there (FLAGSCALE_LLAMA_CPP_BACKEND
+    overrides), else CPU."""
+    try:
+        cpu = cpu_key(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        cpu = cpu_key("")
+    wanted = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if wanted not in ("", "cpu", "cuda"):
+        raise ValueError(f"{BACKEND_ENV}={wanted!r}: cpu or cuda")
+    if wanted == "cpu":
+        return Variant("cpu", cpu)
+    archs = cuda_architectures()
+    if archs and (nvcc() or wanted == "cuda"):
+        return Variant("cuda", cpu, archs)
+    if wanted == "cuda":
+        raise ValueError(f"{BACKEND_ENV}=cuda, but nvidia-smi lists no GPU here")
+    return Variant("cpu", cpu)
+
+
+def install_dir(cache_dir: Path | None = None, built_for: Variant | None = None) -> Path:
+    return (cache_dir or default_cache_dir()) / f"llama-cpp-{LLAMA_CPP_PYTHON_VERSION}-{(built_for or variant()).name}"
+
+
+def _unkeyed_dir(cache_dir: Path | None = None) -> Path:
+    """Where builds went before the variant named the directory (CPU builds, by version only)."""
     return (cache_dir or default_cache_dir()) / f"llama-cpp-{LLAMA_CPP_PYTHON_VERSION}"
 
 
@@ -63,7 +162,7 @@ def _run(argv: list[str], cwd: Path, log) -> None:
     subprocess.run(argv, cwd=cwd, check=True, timeout=BUILD_TIMEOUT_S)
 
 
-def _build(staging: Path, work: Path, jobs: int, log) -> None:
+def _build(staging: Path, work: Path, jobs: int, built_for: Variant, log) -> None:
     _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", SDIST, "-d", str(work)],
          work, log)  # fmt: skip
     (sdist,) = work.glob("llama_cpp_python-*.tar.gz")
@@ -71,7 +170,7 @@ def _build(staging: Path, work: Path, jobs: int, log) -> None:
         archive.extractall(work, filter="data")
     source = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
     build = work / "build"
-    _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS], work, log)
+    _run(["cmake", "-S", str(source), "-B", str(build), *built_for.cmake_flags()], work, log)
     _run(["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"], work, log)
     (staging / "bin").mkdir()
     shutil.copy2(build / "bin" / "llama-server", staging / "bin" / "llama-server")
@@ -80,12 +179,14 @@ def _build(staging: Path, work: Path, jobs: int, log) -> None:
     if (source / "conversion").is_dir():  # newer converters import their model table from here
         shutil.copytree(source / "conversion", staging / "convert" / "conversion")
     shutil.copytree(source / "gguf-py", staging / "convert" / "gguf-py")
-    (staging / ".complete").write_text(SDIST + "\n")
+    (staging / ".complete").write_text(f"{SDIST} {built_for.name}\n")
 
 
 def ensure_built(cache_dir: Path | None = None, jobs: int | None = None, log=print) -> Path:
-    """The cached llama-server, built first when missing (minutes: the caller says so). Returns the binary."""
-    target = install_dir(cache_dir)
+    """The cached llama-server of this machine's variant, built first when missing (minutes: the caller says so).
+    Returns the binary."""
+    built_for = variant()
+    target = install_dir(cache_dir, built_for)
     if is_built(cache_dir):
         return server_binary(cache_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -93,13 +194,20 @@ def ensure_built(cache_dir: Path | None = None, jobs: int | None = None, log=pri
         fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent build finishes first; then this one finds it
         if is_built(cache_dir):
             return server_binary(cache_dir)
+        unkeyed = _unkeyed_dir(cache_dir)
+        if built_for.backend == "cpu" and (unkeyed / ".complete").exists():
+            # A CPU build from before the variant keyed the cache was built on the machine that uses the cache,
+            # as far as anything recorded can tell: taken as this machine's, as it was before.
+            unkeyed.rename(target)
+            log(f"llama-server of {unkeyed} taken as this machine's CPU build: {target}")
+            return server_binary(cache_dir)
         started = time.monotonic()
-        log(f"building llama-server ({SDIST}) into {target}: about 10 CPU-minutes")
+        log(f"building llama-server ({SDIST}, {built_for.name}) into {target}: about 10 CPU-minutes")
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
             staging, work = Path(tmp) / "out", Path(tmp) / "work"
             staging.mkdir()
             work.mkdir()
-            _build(staging, work, jobs or os.cpu_count() or 1, log)
+            _build(staging, work, jobs or os.cpu_count() or 1, built_for, log)
             if target.exists():  # an incomplete leftover of an interrupted rename
                 shutil.rmtree(target)
             staging.rename(target)

@@ -273,10 +273,20 @@ def test_llama_cpp_launch(fake_llama_server):
         "8080",
         "--threads",
         "1",
+        "--device",
+        "none",
     ]
     assert launch.secret_env == {"LLAMA_API_KEY": "k"}
-    own = KIND.launch(["--model", "m.gguf", "--threads", "3"], "10.0.0.2", 8080, None, None)
-    assert own.argv.count("--threads") == 1
+    own = KIND.launch(["--model", "m.gguf", "--threads", "3", "--device", "CUDA0"], "10.0.0.2", 8080, None, None)
+    assert own.argv.count("--threads") == 1 and own.argv.count("--device") == 1
+
+
+def test_llama_cpp_replica_with_a_gpu_puts_every_layer_on_it_unless_told(fake_llama_server, monkeypatch):
+    monkeypatch.setattr(llama_cpp, "reserved_gpus", lambda: ["3"])
+    launch = KIND.launch(["--model", "m.gguf"], "10.0.0.2", 8080, None, None)
+    assert launch.argv[-2:] == ["--n-gpu-layers", "all"] and "--device" not in launch.argv
+    own = KIND.launch(["--model", "m.gguf", "--n-gpu-layers", "20"], "10.0.0.2", 8080, None, None)
+    assert own.argv.count("--n-gpu-layers") == 1 and "all" not in own.argv
 
 
 def test_llama_cpp_missing_binary_names_the_make_target(tmp_path, monkeypatch):
@@ -309,7 +319,7 @@ def test_the_built_llama_server_has_the_flags_mapped_to():
         pytest.skip("llama-server is not built here (make llama-cpp)")
     table = llama_cpp.flag_table(binary)
     wanted = ["--parallel", "--kv-unified-per-slot", "--alias", "--model", "--threads", "--metrics", "--host"]
-    assert all(table[name] for name in [*wanted, "--port", "--n-gpu-layers", "--no-cont-batching"])
+    assert all(table[name] for name in [*wanted, "--port", "--n-gpu-layers", "--device", "--no-cont-batching"])
     assert not table["--metrics"].takes_value and table["--parallel"].takes_value
 
 
