@@ -33,7 +33,9 @@ def test_the_variant_names_the_cache_and_the_build_flags():
     assert cpu.name == "cpu-1f01be5b" and cuda.name == "cuda90-1f01be5b"
     assert "-DGGML_CUDA=ON" not in cpu.cmake_flags() and "-DGGML_NATIVE=ON" in cpu.cmake_flags()
     assert {"-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"} <= set(cuda.cmake_flags())
-    assert build.install_dir(build.Path("/c"), cuda).name == f"llama-cpp-{build.LLAMA_CPP_PYTHON_VERSION}-cuda90-1f01be5b"
+    assert (
+        build.install_dir(build.Path("/c"), cuda).name == f"llama-cpp-{build.LLAMA_CPP_PYTHON_VERSION}-cuda90-1f01be5b"
+    )
 
 
 @pytest.fixture
