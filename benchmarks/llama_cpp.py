@@ -8,6 +8,12 @@ Reports per-system medians over the rounds and the orchestrator/plain ratios, an
 
   .venv/bin/python benchmarks/llama_cpp.py               # 3 rounds x 100 prompts at concurrency 1 and 8
   .venv/bin/python benchmarks/llama_cpp.py --quick       # smoke test: 1 round x 20 prompts
+
+On a GPU (issue 36; the CUDA llama-server `make llama-cpp` builds there): `--gpu` gives the replica one GPU
+(resources.num_gpus 1: Ray's CUDA_VISIBLE_DEVICES, `--n-gpu-layers all` from the engine kind) and plain llama-server
+GPU 0 with `--n-gpu-layers all`; `--gguf` / `--tokenizer` serve another model than the demo one (a random-weight
+Llama of benchmarks/gpu/model.py converted with `python -m flagscale.demo_model to-gguf CONVERTER DIR OUT f16`).
+NVLink multicast stays off in both (GPU_SAFE_ENV), as every GPU benchmark here does.
 """
 
 from __future__ import annotations
@@ -48,6 +54,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--parallel", type=int, default=8, help="max_num_seqs -> --parallel (slots)")
     parser.add_argument("--threads", type=int, default=1, help="the replica's num_cpus -> --threads")
     parser.add_argument("--quick", action="store_true", help="smoke test: 20 prompts, 1 round")
+    parser.add_argument("--gpu", action="store_true", help="one GPU for each system, every layer on it")
+    parser.add_argument("--gguf", type=Path, default=None, help="the GGUF to serve (default: the demo model's)")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="the load's tokenizer dir (default: demo's)")
+    parser.add_argument("--max-model-len", type=int, default=512, help="-> --kv-unified-per-slot")
     parser.add_argument("--output", type=Path, default=None, help="default benchmarks/results/llama-cpp-<time>.json")
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 3)
@@ -55,8 +65,16 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+GPU_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
 def engine_args(gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
-    return {"model": str(gguf), "served_model_name": [MODEL_NAME], "max_num_seqs": args.parallel, "max_model_len": 512}
+    return {
+        "model": str(gguf),
+        "served_model_name": [MODEL_NAME],
+        "max_num_seqs": args.parallel,
+        "max_model_len": args.max_model_len,
+    }
 
 
 class PlainLlamaServer(overhead.PlainServer):
@@ -71,6 +89,10 @@ class PlainLlamaServer(overhead.PlainServer):
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = work_dir / "plain-llama-server.log"
         self.argv = kind.launch(argv, "127.0.0.1", port, None, None).argv
+        if args.gpu:  # what a user runs on one GPU; the kind's launch outside Ray says --device none
+            self.argv = [*self.argv[: self.argv.index("--device")], *self.argv[self.argv.index("--device") + 2 :]]
+            self.argv += ["--n-gpu-layers", "all"]
+            os.environ.update({"CUDA_VISIBLE_DEVICES": "0", **GPU_SAFE_ENV})  # the plain server inherits it
 
 
 def orchestrator(gguf: Path, port: int, work_dir: Path, args: argparse.Namespace) -> overhead.Orchestrator:
@@ -83,6 +105,11 @@ def orchestrator(gguf: Path, port: int, work_dir: Path, args: argparse.Namespace
         f"experiment.runner.deploy.port={port}",
         "serve.0.engine=llama_cpp",
         f"serve.0.resources.num_cpus={args.threads}",
+        *(
+            ["serve.0.resources.num_gpus=1", *(f"++experiment.envs.{k}={v}" for k, v in GPU_SAFE_ENV.items())]
+            if args.gpu
+            else []
+        ),
         *(f"serve.0.engine_args.{key}={json.dumps(value)}" for key, value in values.items()),
     ]
     return orch
@@ -120,7 +147,11 @@ def main() -> int:
     from flagscale.demo_model import ensure_demo_model, ensure_demo_model_gguf
 
     llama_cpp_build.ensure_built()
-    tokenizer_dir, gguf = ensure_demo_model(), ensure_demo_model_gguf()
+    if args.gpu and llama_cpp_build.variant().backend != "cuda":
+        console.print(f"[red]--gpu needs a CUDA llama-server; this machine's build is {llama_cpp_build.variant().name}")
+        return 2
+    tokenizer_dir = args.tokenizer or ensure_demo_model()
+    gguf = args.gguf or ensure_demo_model_gguf()
     free = [p for p in PORT_RANGE if port_is_free("127.0.0.1", p)]
     plain_port, orch_port = free[0], free[1]
     work_dir = Path(tempfile.mkdtemp(prefix="flagscale-llama-bench-", dir="/tmp"))
@@ -172,12 +203,16 @@ def main() -> int:
                 **overhead.load_settings(args),
                 "parallel": args.parallel,
                 "threads": args.threads,
+                "gpu": args.gpu,
                 "model": str(gguf),
                 "dataset": "random",
                 "streaming": True,
                 "ignore_eos": True,
             },
-            "versions": {"llama-cpp-python sdist": llama_cpp_build.LLAMA_CPP_PYTHON_VERSION},
+            "versions": {
+                "llama-cpp-python sdist": llama_cpp_build.LLAMA_CPP_PYTHON_VERSION,
+                "build": llama_cpp_build.variant().name,
+            },
             "machine": {"cpus": os.cpu_count()},
             "startup_s": startup,
             "medians": medians,

@@ -161,20 +161,21 @@ def ensure_demo_model_gguf(seed: int = DEMO_SEED, cache_dir: Path | None = None)
     return materialize(target.parent, build, "converting the demo model to GGUF (once)") / target.name
 
 
-def _convert_to_gguf(converter: Path, hf_dir: Path, out: Path) -> None:
-    """llama.cpp's convert_hf_to_gguf.py run in this process, told the demo tokenizer's pre-tokenizer."""
+def _convert_to_gguf(converter: Path, hf_dir: Path, out: Path, outtype: str = "f32") -> None:
+    """llama.cpp's convert_hf_to_gguf.py run in this process, told the demo tokenizer's pre-tokenizer (any model
+    with the demo tokenizer: benchmarks/gpu/model.py's random-weight Llamas too, in f16 there)."""
     sys.path[:0] = [str(converter / "gguf-py"), str(converter)]
     import convert_hf_to_gguf  # from the converter dir
     from conversion.base import TextModel
 
     TextModel.get_vocab_base_pre = lambda self, tokenizer: DEMO_GGUF_PRE_TOKENIZER
-    sys.argv = ["convert_hf_to_gguf.py", str(hf_dir), "--outfile", str(out), "--outtype", "f32"]
+    sys.argv = ["convert_hf_to_gguf.py", str(hf_dir), "--outfile", str(out), "--outtype", outtype]
     convert_hf_to_gguf.main()
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["to-gguf"]:
-        _convert_to_gguf(*(Path(arg) for arg in sys.argv[2:5]))
+    if sys.argv[1:2] == ["to-gguf"]:  # to-gguf CONVERTER HF_DIR OUT [OUTTYPE]
+        _convert_to_gguf(*(Path(arg) for arg in sys.argv[2:5]), *sys.argv[5:6])
     elif sys.argv[1:2] == ["gguf"]:
         print(ensure_demo_model_gguf())
     else:

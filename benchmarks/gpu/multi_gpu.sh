@@ -21,6 +21,10 @@
 #          status and a completion), against the node as written (1 replica, TP=1) (benchmarks/auto_tune.py)
 #   tune2  the same on 2 GPUs (instance x TP over 1, 2)
 #   dpi2   vLLM's own data_parallel_size 2 inside one replica: plain `--data-parallel-size 2` vs the orchestrator
+# 1 GPU (issue 36):
+#   llama1 the CUDA llama-server (built first if missing: the llama-cpp-python sdist under $LLAMA_CPP_SDIST_DIR,
+#          nothing downloaded), a random-weight 1B Llama as f16 GGUF: plain llama-server vs the orchestrator on GPU 0,
+#          then vLLM (plain vs the orchestrator) on the same shape and load; the GPU test of llama.cpp
 # On the GPU machine after ../shared/gpu/README.md's install, from the repo root, in a session of its own:
 #   setsid nohup bash benchmarks/gpu/multi_gpu.sh /tmp/bench tp2 dp2 tests > /tmp/bench/chain.log 2>&1 < /dev/null &
 set -u
@@ -35,6 +39,20 @@ model="--size 8b --dummy-weights --input-len 512 --output-len 128 --clients 1 --
 # The running step stops what it started (bench_gpu.py, auto_tune.py and run.py handle SIGTERM), and no later step
 # begins.
 trap 'interrupted=1' TERM
+llama1() {
+  local m conv g
+  PIP_NO_INDEX=1 PIP_FIND_LINKS=${LLAMA_CPP_SDIST_DIR:-/tmp/lc} python3 -m flagscale.engines.llama_cpp_build || return
+  m=$(python3 benchmarks/gpu/model.py --size 1b) || return
+  conv=$(python3 -c "from flagscale.engines import llama_cpp_build as b; print(b.converter_dir())") || return
+  g=$m-gguf/model-f16.gguf
+  [ -f "$g" ] || { mkdir -p "$m-gguf" && python3 -m flagscale.demo_model to-gguf "$conv" "$m" "$g" f16; } || return
+  python3 benchmarks/llama_cpp.py --gpu --gguf "$g" --tokenizer "$m" --parallel 64 --max-model-len 1024 \
+    --threads 4 --rounds 2 --num-prompts 128 --concurrency 1 16 64 --input-len 512 --output-len 128 \
+    --output "$out/llama1.json"
+  python3 benchmarks/gpu/bench_gpu.py --size 1b --input-len 512 --output-len 128 --clients 1 --waves 2 \
+    --keep-plain --rounds 2 --concurrency 1 16 64 --output "$out/vllm1.json"
+  python3 -m pytest tests/gpu/test_llama_cpp.py -v -p no:cacheprovider --junitxml="$out/tests-llama.xml"
+}
 for step in $steps; do
   [ -n "${interrupted:-}" ] && { echo "=== interrupted before $step"; break; }
   echo "=== $step start $(date -u +%T)"
@@ -65,6 +83,7 @@ for step in $steps; do
            --prefill-input-len 4096 --prefill-output-len 64 --decode-prompts 48 --decode-input-len 128 \
            --decode-output-len 1024 --slo-ttft-ms 1000 --slo-tpot-ms 20 --output "$out/pd2.json" ;;
     tests) python3 -m pytest tests/gpu -v -p no:cacheprovider --junitxml="$out/tests-gpu.xml" ;;
+    llama1) llama1 ;;
     *) echo "unknown step $step" ;;
   esac
   echo "=== $step exit $? $(date -u +%T)"
