@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from flagscale.errors import ConfigError
 from flagscale.paths import default_cache_dir
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -124,14 +125,14 @@ def variant() -> Variant:
         cpu = cpu_key("")
     wanted = os.environ.get(BACKEND_ENV, "").strip().lower()
     if wanted not in ("", "cpu", "cuda"):
-        raise ValueError(f"{BACKEND_ENV}={wanted!r}: cpu or cuda")
+        raise ConfigError(f"{BACKEND_ENV}={wanted!r}: the llama.cpp backend is cpu or cuda", BACKEND_ENV)
     if wanted == "cpu":
         return Variant("cpu", cpu)
     archs = cuda_architectures()
     if archs and (nvcc() or wanted == "cuda"):
         return Variant("cuda", cpu, archs)
     if wanted == "cuda":
-        raise ValueError(f"{BACKEND_ENV}=cuda, but nvidia-smi lists no GPU here")
+        raise ConfigError(f"{BACKEND_ENV}=cuda, but nvidia-smi lists no GPU here", BACKEND_ENV)
     return Variant("cpu", cpu)
 
 
@@ -216,4 +217,7 @@ def ensure_built(cache_dir: Path | None = None, jobs: int | None = None, log=pri
 
 
 if __name__ == "__main__":
-    print(ensure_built(log=lambda line: print(line, file=sys.stderr, flush=True)))
+    try:
+        print(ensure_built(log=lambda line: print(line, file=sys.stderr, flush=True)))
+    except ConfigError as exc:
+        sys.exit(f"error: {exc}")

@@ -6,6 +6,7 @@ import pytest
 
 from flagscale.engines import llama_cpp_build as build
 from flagscale.engines.llama_cpp_build import Variant
+from flagscale.errors import ConfigError
 
 X86 = "processor\t: 0\nflags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2 hypervisor constant_tsc\n"
 
@@ -68,8 +69,13 @@ def test_cuda_where_there_are_gpus_and_nvcc_else_cpu(machine, monkeypatch):
     build.variant.cache_clear()
     machine((), None)
     monkeypatch.setenv(build.BACKEND_ENV, "cuda")
-    with pytest.raises(ValueError, match="lists no GPU"):
+    with pytest.raises(ConfigError, match="lists no GPU"):
         build.variant()
+    build.variant.cache_clear()
+    monkeypatch.setenv(build.BACKEND_ENV, "rocm")
+    with pytest.raises(ConfigError, match="cpu or cuda") as info:
+        build.variant()
+    assert info.value.where == build.BACKEND_ENV
 
 
 def test_a_cpu_build_cached_before_the_variant_keyed_it_is_taken_not_rebuilt(machine, tmp_path, monkeypatch):
