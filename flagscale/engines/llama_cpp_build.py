@@ -125,14 +125,14 @@ def variant() -> Variant:
         cpu = cpu_key("")
     wanted = os.environ.get(BACKEND_ENV, "").strip().lower()
     if wanted not in ("", "cpu", "cuda"):
-        raise ConfigError(f"{BACKEND_ENV}={wanted!r}: the llama.cpp backend is cpu or cuda", BACKEND_ENV)
+        raise ConfigError(f"{wanted!r}: the llama.cpp backend is cpu or cuda", BACKEND_ENV)
     if wanted == "cpu":
         return Variant("cpu", cpu)
     archs = cuda_architectures()
     if archs and (nvcc() or wanted == "cuda"):
         return Variant("cuda", cpu, archs)
     if wanted == "cuda":
-        raise ConfigError(f"{BACKEND_ENV}=cuda, but nvidia-smi lists no GPU here", BACKEND_ENV)
+        raise ConfigError("cuda, but nvidia-smi lists no GPU here", BACKEND_ENV)
     return Variant("cpu", cpu)
 
 
@@ -220,4 +220,5 @@ if __name__ == "__main__":
     try:
         print(ensure_built(log=lambda line: print(line, file=sys.stderr, flush=True)))
     except ConfigError as exc:
-        sys.exit(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
