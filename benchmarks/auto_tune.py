@@ -33,6 +33,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.gpu.checks import GPU_SAFE_ENV  # noqa: E402
 from flagscale.tune import history  # noqa: E402
 
 PORT = 8360  # clear of overhead.py (8150-8199), routing.py (8300-8349), the GPU bench (8600-8699) and the e2e tests
@@ -44,7 +45,6 @@ DEFAULT_ARGS = {  # conf/serve/demo.yaml's, float32 as on this machine kind
     "gpu_memory_utilization": 0.1,
     "dtype": "float32",
 }
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def node_of(args: argparse.Namespace) -> dict:
@@ -88,7 +88,7 @@ def write_conf(root: Path, name: str, space: dict, args: argparse.Namespace, run
         "hydra": {"run": {"dir": "${experiment.exp_dir}/hydra"}},
     }
     if args.gpu:
-        main["experiment"]["envs"] = dict(GPU_ENV)
+        main["experiment"]["envs"] = dict(GPU_SAFE_ENV)
     node = node_of(args)
     (conf / "serve.yaml").write_text(yaml.safe_dump(main, sort_keys=False))
     (conf / "serve" / "nodes.yaml").write_text(yaml.safe_dump([node], sort_keys=False))
@@ -200,7 +200,7 @@ def main() -> int:
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _interrupted)  # as Ctrl-C: the search's finally stops its deployment
     if args.gpu:
-        for key, value in GPU_ENV.items():
+        for key, value in GPU_SAFE_ENV.items():
             os.environ.setdefault(key, value)
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     space = json.loads(args.space)

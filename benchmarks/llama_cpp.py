@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import overhead  # noqa: E402  (benchmarks/overhead.py: the orchestrator's run/stop, bench passes, medians)
 from rich.table import Table  # noqa: E402
 
+from benchmarks.gpu.checks import GPU_SAFE_ENV  # noqa: E402  (NVLink multicast off)
 from flagscale.actions.bench import vllm_bench_worker  # noqa: E402
 from flagscale.engines import llama_cpp, llama_cpp_build  # noqa: E402
 from flagscale.net import port_is_free  # noqa: E402
@@ -63,9 +64,6 @@ def parse_args() -> argparse.Namespace:
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.num_prompts = args.num_prompts or (20 if args.quick else 100)
     return args
-
-
-GPU_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def engine_args(gguf: Path, args: argparse.Namespace) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import checks  # benchmarks/gpu/checks.py (tests/gpu/conftest.py puts it on the 
 import pytest
 
 from flagscale.engines import llama_cpp_build
-from tests.conftest import llama_cpp_node, write_config
+from tests.conftest import llama_cpp_node, wait_for, write_config
 from tests.gpu.test_placement import Deployment, assert_env_everywhere, assert_stop_leaves_no_gpu_process
 
 pytestmark = [
@@ -43,8 +43,13 @@ def test_a_llama_cpp_replica_puts_its_layers_on_its_gpu_and_leaves_none_behind(t
         log = open(replica["log"]).read()
         offloaded = re.search(r"offloaded (\d+)/(\d+) layers to GPU", log)
         assert offloaded and offloaded.group(1) == offloaded.group(2), log[-3000:]
-        found = checks.placement(deployment.status(), devices_per_replica=1)
-        assert found["problems"] == [], found
+
+        def placed() -> dict:
+            found = checks.placement(deployment.status(), devices_per_replica=1)
+            assert found["problems"] == [], found
+            return found
+
+        wait_for(placed, 120, "status and nvidia-smi to agree on the replica's GPU")
         apps = assert_env_everywhere()
         assert apps, "llama-server is on no GPU"
     finally:

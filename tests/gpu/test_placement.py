@@ -146,9 +146,13 @@ def test_dp2_inside_one_replica_names_each_rank_by_the_gpu_its_worker_is_on(tmp_
     """A dense model's DP engines run apart: their workers' titles lack _DP, their engine cores' have it."""
     with deployed(tmp_path, {**ENGINE, "data_parallel_size": 2}, {"num_replicas": 1}) as dp2:
         assert dp2.complete()
-        found = checks.placement(dp2.status(), devices_per_replica=2)
-        assert found["problems"] == [], found
-        (replica,) = found["replicas"]
+
+        def placed() -> dict:  # the replica records its ranks' pids once their workers are up
+            found = checks.placement(dp2.status(), devices_per_replica=2)
+            assert found["problems"] == [], found
+            return found
+
+        (replica,) = wait_for(placed, 120, "status to name both DP ranks on their GPUs")["replicas"]
         assert [r["smi_gpus"] for r in replica["ranks"]] == [[g] for g in replica["status_gpus"]], replica
         assert_stop_leaves_no_gpu_process(dp2)
 
