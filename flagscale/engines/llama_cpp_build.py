@@ -163,12 +163,43 @@ def _run(argv: list[str], cwd: Path, log) -> None:
     subprocess.run(argv, cwd=cwd, check=True, timeout=BUILD_TIMEOUT_S)
 
 
-def _build(staging: Path, work: Path, jobs: int, built_for: Variant, log) -> None:
-    _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", SDIST, "-d", str(work)],
-         work, log)  # fmt: skip
+def _fetch_sdist(work: Path, log) -> Path:
+    """The sdist in `work`: the file FLAGSCALE_LLAMA_CPP_SDIST names (a host without a package index; pip's
+    download of an sdist would also want its build backend from the index), else pip's download."""
+    given = os.environ.get("FLAGSCALE_LLAMA_CPP_SDIST")
+    if given:
+        path = Path(given)
+        if path.name != f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz" or not path.is_file():
+            raise ConfigError(
+                f"FLAGSCALE_LLAMA_CPP_SDIST={given}: expected the file llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+            )
+        log(f"sdist: {path}")
+        shutil.copy2(path, work / path.name)
+    else:
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", SDIST, "-d",
+              str(work)], work, log)  # fmt: skip
     (sdist,) = work.glob("llama_cpp_python-*.tar.gz")
+    return sdist
+
+
+def _unpack(sdist: Path, into: Path) -> None:
+    """Extract the sdist, refusing members that would land outside `into`. Python's own "data" filter does this
+    where it exists; Debian's 3.11.2, which CI uses, predates it (3.11.4)."""
     with tarfile.open(sdist) as archive:
-        archive.extractall(work, filter="data")
+        if hasattr(tarfile, "data_filter"):
+            archive.extractall(into, filter="data")
+            return
+        root = into.resolve()
+        for member in archive.getmembers():
+            target = (into / member.name).resolve()
+            if not (member.isfile() or member.isdir()) or not target.is_relative_to(root):
+                raise tarfile.TarError(f"{sdist}: unsafe member {member.name!r} (only files and folders inside)")
+        archive.extractall(into)
+
+
+def _build(staging: Path, work: Path, jobs: int, built_for: Variant, log) -> None:
+    sdist = _fetch_sdist(work, log)
+    _unpack(sdist, work)
     source = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
     build = work / "build"
     _run(["cmake", "-S", str(source), "-B", str(build), *built_for.cmake_flags()], work, log)
@@ -208,7 +239,7 @@ def ensure_built(cache_dir: Path | None = None, jobs: int | None = None, log=pri
             staging, work = Path(tmp) / "out", Path(tmp) / "work"
             staging.mkdir()
             work.mkdir()
-            _build(staging, work, jobs or os.cpu_count() or 1, built_for, log)
+            _build(staging, work, jobs or len(os.sched_getaffinity(0)), built_for, log)
             if target.exists():  # an incomplete leftover of an interrupted rename
                 shutil.rmtree(target)
             staging.rename(target)

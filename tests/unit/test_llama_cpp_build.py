@@ -106,3 +106,52 @@ def test_a_cuda_machine_does_not_take_the_old_cpu_build(machine, tmp_path, monke
     monkeypatch.setattr(build, "_build", fake_build)
     assert build.ensure_built(tmp_path, log=lambda line: None).read_text() == "cuda binary"
     assert "-DGGML_CUDA=ON" in flags and old.exists()
+
+
+def _tarball(path, members: dict[str, bytes], link: tuple[str, str] | None = None):
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as archive:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+        if link:
+            info = tarfile.TarInfo(link[0])
+            info.type, info.linkname = tarfile.SYMTYPE, link[1]
+            archive.addfile(info)
+    return path
+
+
+@pytest.mark.parametrize("data_filter", [True, False], ids=["python-with-data-filter", "debian-3.11.2"])
+def test_the_sdist_unpacks_inside_its_folder_with_or_without_pythons_data_filter(tmp_path, monkeypatch, data_filter):
+    import tarfile
+
+    if not data_filter:
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    good = _tarball(tmp_path / "good.tar.gz", {"pkg/vendor/llama.cpp/CMakeLists.txt": b"x"})
+    (tmp_path / "out").mkdir()
+    build._unpack(good, tmp_path / "out")
+    assert (tmp_path / "out/pkg/vendor/llama.cpp/CMakeLists.txt").read_bytes() == b"x"
+    bad = _tarball(tmp_path / "bad.tar.gz", {"../escaped": b"x"})
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(tarfile.TarError):
+        build._unpack(bad, tmp_path / "bad")
+    assert not (tmp_path / "escaped").exists()
+    linked = _tarball(tmp_path / "link.tar.gz", {"pkg/a": b"x"}, link=("pkg/etc", "/etc"))
+    (tmp_path / "link").mkdir()
+    with pytest.raises(tarfile.TarError):
+        build._unpack(linked, tmp_path / "link")
+
+
+def test_a_given_sdist_is_used_instead_of_the_index_and_a_wrong_one_is_named(tmp_path, monkeypatch):
+    sdist = tmp_path / f"llama_cpp_python-{build.LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+    sdist.write_bytes(b"sdist")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("FLAGSCALE_LLAMA_CPP_SDIST", str(sdist))
+    assert build._fetch_sdist(work, log=lambda _line: None).read_bytes() == b"sdist"
+    monkeypatch.setenv("FLAGSCALE_LLAMA_CPP_SDIST", str(tmp_path / "llama_cpp_python-0.0.1.tar.gz"))
+    with pytest.raises(ConfigError, match="FLAGSCALE_LLAMA_CPP_SDIST=.*0.0.1"):
+        build._fetch_sdist(tmp_path, log=lambda _line: None)
