@@ -132,6 +132,31 @@ def changed_nodes(changes: list[Change]) -> list[str]:
     return list(dict.fromkeys(c.path.split(".")[1] for c in changes if c.path.startswith("serve.")))
 
 
+# A node's settings that change how many replicas run, not what each one runs: Serve rescales, replacing none.
+SCALE_ONLY = tuple(
+    f"resources.{key}"
+    for key in ("num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s",
+                "downscale_delay_s")
+)  # fmt: skip
+
+
+def replaced_nodes(changes: list[Change]) -> list[str]:
+    """The changed nodes whose replicas are replaced: a change beyond their count, or autoscaling turned on or off
+    (a fixed count and autoscaling are different versions: flagscale/serve/app.py engine_version)."""
+    return list(dict.fromkeys(c.path.split(".")[1] for c in changes if c.path.startswith("serve.") and _replaces(c)))
+
+
+def _replaces(change: Change) -> bool:
+    key = change.path.split(".", 2)[2]
+    if key == "resources.num_replicas":
+        return _fixed_count(change.old) != _fixed_count(change.new)
+    return key not in SCALE_ONLY
+
+
+def _fixed_count(value: Any) -> bool:
+    return isinstance(value, int) or value == "auto"
+
+
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(tree, dict) and tree:
         out: dict[str, Any] = {}

@@ -14,7 +14,12 @@ from rich.console import Console
 from flagscale import launchers
 from flagscale.actions.context import ActionContext
 from flagscale.actions.teardown import EnvFor, no_envs, teardown
-from flagscale.cluster.ray_compat import SERVE_WAITING_FOR_RESOURCES, deploy_app, free_resources_per_node
+from flagscale.cluster.ray_compat import (
+    SERVE_WAITING_FOR_RESOURCES,
+    deploy_app,
+    free_resources_per_node,
+    running_replicas,
+)
 from flagscale.cluster.ray_node import cluster_alive
 from flagscale.cluster.state import RunState
 from flagscale.errors import ConfigError, DeployError, FlagScaleError, error_excerpt
@@ -22,7 +27,8 @@ from flagscale.launchers import connect
 from flagscale.net import health_ok
 from flagscale.plan import Plan, open_without_key
 from flagscale.replica import registry
-from flagscale.update import changed_nodes, diff, replicas_running
+from flagscale.rollout import Rollout, stuck_at
+from flagscale.update import changed_nodes, diff, replaced_nodes, replicas_running
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +205,9 @@ def update(state: RunState, plan: Plan, snapshot: dict, console: Console, config
     t0 = time.monotonic()
     connect(state)
     check_fits(plan)
-    nodes = changed_nodes(changes)
-    no_spare = _spares(plan, nodes, console, running)
+    replaced = replaced_nodes(changes)
+    no_spare = _spares(plan, replaced, console, running)
+    _refuse_if_stuck(plan, changed_nodes(changes), replaced, no_spare)
     _deploy(plan, console, no_spare)
     # Recorded at once: Serve now works toward this config, and a later `run` must diff against it.
     state.extra["config"] = snapshot
@@ -241,6 +248,31 @@ def _spares(plan: Plan, nodes: list[str], console: Console, running: dict) -> fr
                 "time, one fewer serving meanwhile[/]"
             )
     return no_spare
+
+
+def _refuse_if_stuck(plan: Plan, nodes: list[str], replaced: list[str], no_spare: frozenset[str]) -> None:
+    """Refused before anything changes: an update of a node that Serve would start and then wait on forever, a new
+    replica finding no room at some step (flagscale/rollout.py)."""
+    free = free_resources_per_node()
+    for engine in plan.engines:
+        if engine.serve_id not in nodes:
+            continue
+        old = running_replicas(plan.app_name, engine.serve_id)
+        rollout = Rollout(
+            free=free,
+            old=old,
+            need=_need(engine.ray_actor_options),
+            count=engine.initial_replicas,
+            replaced=engine.serve_id in replaced,
+            spare=engine.serve_id not in no_spare,
+        )
+        step = stuck_at(rollout)
+        if step:
+            raise DeployError(
+                f"updating '{engine.serve_id}' in place ({len(old)} -> {engine.initial_replicas} replica(s)) would "
+                f"wait forever for room: {step}; nothing was changed. Free that much, or action=stop, then run",
+                f"serve_id {engine.serve_id}",
+            )
 
 
 def _need(options: dict) -> dict:

@@ -16,7 +16,8 @@ this file. What each wraps, and why the public API does not do:
   `stop` waits (bounded) on `serve.status()` itself.
 - serve_details: `ray.serve.context._get_global_client().get_serve_details()` as `ServeInstanceDetails`: the
   deployment configs (num_replicas, autoscaling_config) and target replicas the dashboard's
-  /api/serve/applications/ serves; the dashboard is off, so it is read from the controller.
+  /api/serve/applications/ serves; the dashboard is off, so it is read from the controller. running_replicas
+  reads a deployment's `required_resources` and its replicas' `node_id` and `state` from it.
 - kv_put / kv_get / kv_del / kv_list: `ray.experimental.internal_kv._internal_kv_*`, the GCS key-value store
   (the replica registry, flagscale/replica/registry.py). Signatures: put(key, value, overwrite, *, namespace),
   get(key, *, namespace), del(key, *, namespace), list(prefix, *, namespace) -> list[bytes].
@@ -68,6 +69,16 @@ def free_resources_per_node() -> dict[str, dict[str, float]]:
     from ray._private.state import available_resources_per_node
 
     return available_resources_per_node()
+
+
+def running_replicas(app: str, deployment: str) -> list[tuple[str, dict[str, float]]]:
+    """Each running replica of the deployment: its Ray node id and what it holds (none when it is not deployed)."""
+    details = serve_details().applications.get(app)
+    found = details.deployments.get(deployment) if details else None
+    if found is None:
+        return []
+    held = {k: float(v) for k, v in (found.required_resources or {}).items() if v}
+    return [(r.node_id, held) for r in found.replicas if r.state == "RUNNING" and r.node_id]
 
 
 def delete_app(name: str) -> None:
