@@ -24,7 +24,10 @@
 # 1 GPU (issue 36):
 #   llama1 the CUDA llama-server (built first if missing: the llama-cpp-python sdist under $LLAMA_CPP_SDIST_DIR,
 #          nothing downloaded), a random-weight 1B Llama as f16 GGUF: plain llama-server vs the orchestrator on GPU 0,
-#          then vLLM (plain vs the orchestrator) on the same shape and load; the GPU test of llama.cpp
+#          then vLLM (plain vs the orchestrator) on the same shape and load; the GPU test of llama.cpp. Its parts
+#          are steps too: llamaprep (CPU only: the build, the model, its GGUF; may run beside another chain),
+#          llamabench, vllm1, llamatest (LLAMA1_ROUNDS, LLAMA1_PROMPTS shorten the benchmarks)
+#   dptest the GPU test of vLLM's data_parallel_size 2 inside one replica alone
 # On the GPU machine after ../shared/gpu/README.md's install, from the repo root, in a session of its own:
 #   setsid nohup bash benchmarks/gpu/multi_gpu.sh /tmp/bench tp2 dp2 tests > /tmp/bench/chain.log 2>&1 < /dev/null &
 set -u
@@ -39,18 +42,34 @@ model="--size 8b --dummy-weights --input-len 512 --output-len 128 --clients 1 --
 # The running step stops what it started (bench_gpu.py, auto_tune.py and run.py handle SIGTERM), and no later step
 # begins.
 trap 'interrupted=1' TERM
-llama1() {
-  local m conv g
-  PIP_NO_INDEX=1 PIP_FIND_LINKS=${LLAMA_CPP_SDIST_DIR:-/tmp/lc} python3 -m flagscale.engines.llama_cpp_build || return
-  m=$(python3 benchmarks/gpu/model.py --size 1b) || return
+# llama1's parts, each a step of its own: `llamaprep` uses CPUs only (the CUDA build, the 1B model written on the
+# CPU, its GGUF), so it can run beside a GPU step, confined to LLAMA_PREP_CPUS (default: the upper quarter) at
+# nice 19; the steps after it find its results cached.
+gguf=""
+llama_prep() {
+  local m conv cpus
+  cpus=${LLAMA_PREP_CPUS:-$(( $(nproc) * 3 / 4 ))-$(( $(nproc) - 1 ))}
+  FLAGSCALE_LLAMA_CPP_SDIST=${LLAMA_CPP_SDIST_DIR:-/tmp/lc}/llama_cpp_python-0.3.36.tar.gz \
+    taskset -c "$cpus" nice -n 19 python3 -m flagscale.engines.llama_cpp_build || return
+  m=$(taskset -c "$cpus" nice -n 19 python3 benchmarks/gpu/model.py --size 1b --device cpu) || return
   conv=$(python3 -c "from flagscale.engines import llama_cpp_build as b; print(b.converter_dir())") || return
-  g=$m-gguf/model-f16.gguf
-  [ -f "$g" ] || { mkdir -p "$m-gguf" && python3 -m flagscale.demo_model to-gguf "$conv" "$m" "$g" f16; } || return
-  python3 benchmarks/llama_cpp.py --gpu --gguf "$g" --tokenizer "$m" --parallel 64 --max-model-len 1024 \
-    --threads 4 --rounds 2 --num-prompts 128 --concurrency 1 16 64 --input-len 512 --output-len 128 \
-    --output "$out/llama1.json"
+  gguf=$m-gguf/model-f16.gguf
+  [ -f "$gguf" ] || { mkdir -p "$m-gguf" && taskset -c "$cpus" nice -n 19 \
+    python3 -m flagscale.demo_model to-gguf "$conv" "$m" "$gguf" f16; } || return
+  echo "llama1 prepared: $gguf"
+}
+llama_bench() {
+  llama_prep || return
+  python3 benchmarks/llama_cpp.py --gpu --gguf "$gguf" --tokenizer "${gguf%-gguf/*}" --parallel 64 \
+    --max-model-len 1024 --threads 4 --rounds "${LLAMA1_ROUNDS:-2}" --num-prompts "${LLAMA1_PROMPTS:-128}" \
+    --concurrency 1 16 64 --input-len 512 --output-len 128 --output "$out/llama1.json"
+}
+vllm1() {
   python3 benchmarks/gpu/bench_gpu.py --size 1b --input-len 512 --output-len 128 --clients 1 --waves 2 \
-    --keep-plain --rounds 2 --concurrency 1 16 64 --output "$out/vllm1.json"
+    --keep-plain --rounds "${LLAMA1_ROUNDS:-2}" --concurrency 1 16 64 --output "$out/vllm1.json"
+}
+llama_test() {
+  llama_prep || return
   python3 -m pytest tests/gpu/test_llama_cpp.py -v -p no:cacheprovider --junitxml="$out/tests-llama.xml"
 }
 for step in $steps; do
@@ -83,7 +102,13 @@ for step in $steps; do
            --prefill-input-len 4096 --prefill-output-len 64 --decode-prompts 48 --decode-input-len 128 \
            --decode-output-len 1024 --slo-ttft-ms 1000 --slo-tpot-ms 20 --output "$out/pd2.json" ;;
     tests) python3 -m pytest tests/gpu -v -p no:cacheprovider --junitxml="$out/tests-gpu.xml" ;;
-    llama1) llama1 ;;
+    llama1) llama_bench; vllm1; llama_test ;;
+    llamaprep) llama_prep ;;
+    llamabench) llama_bench ;;
+    vllm1) vllm1 ;;
+    llamatest) llama_test ;;
+    dptest) python3 -m pytest tests/gpu/test_placement.py -v -p no:cacheprovider -k dp2_inside \
+              --junitxml="$out/tests-dp.xml" ;;
     *) echo "unknown step $step" ;;
   esac
   echo "=== $step exit $? $(date -u +%T)"
