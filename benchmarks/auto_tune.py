@@ -82,6 +82,7 @@ def write_conf(root: Path, name: str, space: dict, args: argparse.Namespace, run
                 "control": {"interval": 5, "run_best": run_best, "max_time_per_task": 900},
                 "slo": {"ttft_ms": {"p99": args.ttft_p99}, "tpot_ms": {"p99": args.tpot_p99}},
                 "concurrency": args.levels,
+                "concurrency_per_device": args.per_device,
             },
         },
         "action": "auto_tune",
@@ -183,6 +184,9 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=48, help="per concurrency level")
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument(
+        "--per-device", action="store_true", help="auto_tuner.concurrency_per_device: levels and prompts x devices"
+    )
     parser.add_argument("--ttft-p99", type=float, default=1000.0, help="SLO, ms")
     parser.add_argument("--tpot-p99", type=float, default=60.0, help="SLO, ms")
     parser.add_argument("--gpu", action="store_true", help="a random-weight Llama on the GPU instead of the demo model")

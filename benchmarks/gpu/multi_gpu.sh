@@ -19,7 +19,8 @@
 #   tune4  action=auto_tune over instance x tensor_parallel_size (1, 2, 4 each; more than 4 GPUs pruned) on the 8B
 #          shape, whole GPUs, TTFT/TPOT SLO: goodput per GPU ranks them, run_best leaves the winner serving (checked:
 #          status and a completion), against the node as written (1 replica, TP=1) (benchmarks/auto_tune.py)
-#   tune2  the same on 2 GPUs (instance x TP over 1, 2)
+#   tune2  the same on 2 GPUs (instance x TP over 1, 2); TUNE_PER_DEVICE=1: each level and the prompts x the
+#          candidate's GPUs (auto_tuner.concurrency_per_device), so layouts over different GPU counts compare fairly
 #   dpi2   vLLM's own data_parallel_size 2 inside one replica: plain `--data-parallel-size 2` vs the orchestrator
 # 1 GPU (issue 36):
 #   llama1 the CUDA llama-server (built first if missing: the llama-cpp-python sdist under $LLAMA_CPP_SDIST_DIR,
@@ -94,7 +95,7 @@ for step in $steps; do
          python3 benchmarks/auto_tune.py --gpu --size 8b --dummy-weights --gpus-per-replica 1 \
            --gpu-memory-utilization 0.85 --space "{\"instance\": [$sizes], \"tensor_parallel_size\": [$sizes]}" \
            --input-len 512 --output-len 128 --prompts 256 --levels 64 256 --ttft-p99 2000 --tpot-p99 40 --skip-default \
-           --run-best --output "$out/$step.json" ;;
+           --run-best ${TUNE_PER_DEVICE:+--per-device} --output "$out/$step.json" ;;
     dpi2) python3 benchmarks/gpu/bench_gpu.py $model --engine-arg data_parallel_size=2 --rounds 2 \
            --concurrency 1 256 512 --output "$out/dpi2.json" ;;
     pd2) python3 benchmarks/pd.py --size 1b --num-gpus 1 --gpu-memory-utilization 0.4 --max-num-seqs 256 \

@@ -331,6 +331,11 @@ class AutoTunerConfig(Strict):
         description="Concurrency levels each trial climbs (default: experiment.bench.concurrency when set, else "
         "1, 2, 4, 8, 16).",
     )
+    concurrency_per_device: bool = Field(
+        False,
+        description="Each level (and num_prompts) times the candidate's devices, so every device of every candidate "
+        "sees the same load: for comparing layouts over different device counts (instance x TP).",
+    )
     serve_id: str | None = Field(None, description="The engine node to tune (required with several engine nodes).")
 
     @field_validator("slo")

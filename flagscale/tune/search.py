@@ -30,6 +30,7 @@ from flagscale.tune.trial import (
     latency_columns,
     load_levels,
     refused_by_engine,
+    scaled_load,
     stop_deployment,
 )
 
@@ -99,6 +100,8 @@ def prepare(config: ServeConfig, sources: ConfigSources, exp_dir: str) -> Search
     )
     levels = sorted(set(levels))
     workload = {**settings.model_dump(exclude={"concurrency", "slo_ttft_ms", "slo_tpot_ms"}), "levels": levels}
+    if tuner.concurrency_per_device:  # a key of its own only when set: earlier searches' keys stay valid
+        workload["per_device"] = True
     earlier = {row["key"]: row for row in history.read(Path(exp_dir) / OUT_DIR / history.FILE) if row.get("key")}
     candidates = []
     for values in space.candidates():
@@ -165,6 +168,7 @@ def _workload(search: Search) -> str:
     return (
         f"{s.num_prompts} prompts of {s.input_len} -> {s.output_len} tokens per pass at concurrency "
         f"{', '.join(map(str, search.levels))}"
+        + (", each times the candidate's devices" if search.config.experiment.auto_tuner.concurrency_per_device else "")
     )
 
 
@@ -285,11 +289,10 @@ def _trial(
                 end="",
             )
 
-        rows = load_levels(
-            worker, state.endpoint, search.model, tokenizer, search.settings, search.levels, slo, deadline, progress
-        )
-        outcome = goodput_of(rows, slo)
         devices = candidate.row.get("devices") or 1
+        settings, levels = scaled_load(search.settings, search.levels, devices if tuner.concurrency_per_device else 1)
+        rows = load_levels(worker, state.endpoint, search.model, tokenizer, settings, levels, slo, deadline, progress)
+        outcome = goodput_of(rows, slo)
         candidate.row.update(
             status="done",
             reason=None,

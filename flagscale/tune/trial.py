@@ -81,6 +81,15 @@ def goodput_of(rows: list[dict[str, Any]], slo: dict[str, dict[str, float]] | No
     return Outcome(best, best["req_s"], True, slo_ratio(rows[0], slo))
 
 
+def scaled_load(settings: BenchConfig, levels: list[int], devices: float) -> tuple[BenchConfig, list[int]]:
+    """The workload for a candidate on `devices` devices when every device is to see the same load: each level and
+    the prompts per level times the devices, rounded (the same settings and levels for one device or less)."""
+    factor = max(1, round(devices))
+    if factor == 1:
+        return settings, levels
+    return settings.model_copy(update={"num_prompts": settings.num_prompts * factor}), [c * factor for c in levels]
+
+
 class TrialTimeout(FlagScaleError):
     pass
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 
+from flagscale.config.schema import BenchConfig
 from flagscale.tune import history
 from flagscale.tune.prune import GIB, ModelShape, kv_bytes_per_token, memory_problem, model_shape, shared_ram_problem
 from flagscale.tune.report import best_of, rank
-from flagscale.tune.trial import goodput_of, latency_columns, slo_misses
+from flagscale.tune.trial import goodput_of, latency_columns, scaled_load, slo_misses
 
 
 def test_kv_bytes_per_token_from_config_json(tmp_path):
@@ -223,3 +224,11 @@ def test_history_and_logs_are_the_users_alone(tmp_path):
     log.write_text("earlier\n")
     log.chmod(0o644)
     assert stat.S_IMODE(private_file(log).stat().st_mode) == 0o600 and log.read_text() == "earlier\n"
+
+
+def test_per_device_load_scales_levels_and_prompts_by_the_candidates_devices():
+    settings = BenchConfig(num_prompts=256, concurrency=[64, 256])
+    assert scaled_load(settings, [64, 256], 1) == (settings, [64, 256])
+    four, levels = scaled_load(settings, [64, 256], 4)
+    assert levels == [256, 1024] and four.num_prompts == 1024 and settings.num_prompts == 256
+    assert scaled_load(settings, [64], 0.5) == (settings, [64])  # replicas sharing one GPU: one device
