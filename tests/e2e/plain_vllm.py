@@ -37,7 +37,7 @@ def _run_plain(model_path: Path, tp: int, bind: str, log: Path, timeout_s: float
     port = free_port("127.0.0.1")
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path)]
     argv += ["--served-model-name", "plain", "--max-model-len", "512", "--max-num-seqs", "8", "--enforce-eager"]
-    argv += ["--kv-cache-memory-bytes", str(demo_engine_args()["kv_cache_memory_bytes"])]
+    argv += ["--gpu-memory-utilization", str(demo_engine_args()["gpu_memory_utilization"])]
     argv += ["--dtype", "float32", "--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
     argv += ["--host", "127.0.0.1", "--port", str(port)]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind}
