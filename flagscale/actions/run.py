@@ -27,7 +27,7 @@ from flagscale.launchers import connect
 from flagscale.net import health_ok
 from flagscale.plan import Plan, open_without_key
 from flagscale.replica import registry
-from flagscale.rollout import Rollout, stuck_at
+from flagscale.rollout import Rollout, fmt, stuck_at
 from flagscale.update import changed_nodes, diff, replaced_nodes, replicas_running
 
 log = logging.getLogger(__name__)
@@ -239,7 +239,7 @@ def _spares(plan: Plan, nodes: list[str], console: Console, running: dict) -> fr
             if min(now, engine.initial_replicas) < 2:
                 raise DeployError(
                     f"no node has room for a spare replica of '{engine.serve_id}' "
-                    f"({_fmt(_need(engine.ray_actor_options))}): replacing its only replica in place would stop "
+                    f"({fmt(_need(engine.ray_actor_options))}): replacing its only replica in place would stop "
                     "serving it; nothing was changed. Free that much, or action=stop, then run",
                     f"serve_id {engine.serve_id}",
                 )
@@ -304,13 +304,9 @@ def check_fits(plan: Plan) -> None:
             largest = max(nodes, key=lambda n: n.get("CPU", 0)) if nodes else {}
             offer = {k: v for k, v in largest.items() if not k.startswith(("node:", "memory", "object_store"))}
             raise DeployError(
-                f"a replica of '{group.serve_id}' needs {_fmt(need)}, but no node offers that (largest: {_fmt(offer)})",
+                f"a replica of '{group.serve_id}' needs {fmt(need)}, but no node offers that (largest: {fmt(offer)})",
                 f"serve_id {group.serve_id}",
             )
-
-
-def _fmt(resources: dict) -> str:
-    return ", ".join(f"{k}:{v:g}" for k, v in sorted(resources.items())) or "nothing"
 
 
 def _deploy(plan: Plan, console: Console, no_spare: frozenset[str] = frozenset()) -> None:
