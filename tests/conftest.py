@@ -200,14 +200,31 @@ class CliZygote:
             assert self.changed.wait_for(lambda: request_id in self.pids, 60), "the CLI zygote did not fork"
             pid = self.pids.pop(request_id)
             if not self.changed.wait_for(lambda: pid in self.codes, timeout):
+                stacks = self._stacks(pid, err)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
-                raise subprocess.TimeoutExpired(["run.py", *args], timeout)
+                raise CliTimeout(["run.py", *args], timeout, stderr=stacks)
             code = self.codes.pop(pid)
         result = CliResult(code, out.read_text(errors="replace"), err.read_text(errors="replace"))
         out.unlink()
         err.unlink()
         return result
+
+    def _stacks(self, pid: int, err: Path) -> str:
+        """The overrunning command's stderr, ending with its threads' stacks (cli_zygote.py: SIGUSR1)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and "most recent call first" not in err.read_text(errors="replace"):
+                time.sleep(0.1)
+        return err.read_text(errors="replace")
+
+
+class CliTimeout(subprocess.TimeoutExpired):
+    """A CLI run that overran, shown with the end of its stderr: where its threads were."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}; its stderr ends:\n" + "\n".join(str(self.stderr).splitlines()[-80:])
 
 
 def node0_share(nbytes: float) -> float:
@@ -330,10 +347,13 @@ def flagscale_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "flagscale.cli"]
 
 
-def run_flagscale(*args: str, cwd: Path, timeout: float = 900, columns: int = 200, forked=False) -> CliResult:
+def run_flagscale(
+    *args: str, cwd: Path, timeout: float = 900, columns: int = 200, forked=False, env: dict | None = None
+) -> CliResult:
     """`flagscale ...` run for real from `cwd` (outside the checkout: the shipped configs are found from anywhere):
-    the installed console script, or with `forked`, its entry function in a child of the CLI zygote (run_cli)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": str(columns)}
+    the installed console script, or with `forked`, its entry function in a child of the CLI zygote (run_cli).
+    `env`: set in its environment besides the suite's."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": str(columns), **(env or {})}
     zygote = CliZygote.get() if forked else None
     if zygote is not None:
         return zygote.run(list(args), env, timeout, cwd=cwd, entry="flagscale")

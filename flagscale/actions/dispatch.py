@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from flagscale.actions import ACTIONS
 from flagscale.actions.context import ActionContext
+from flagscale.cluster import bounded
 from flagscale.cluster.lock import ExpDirLock
 from flagscale.cluster.state import resolve_exp_dir
 from flagscale.config.load import hydra_sources, load_config
@@ -48,5 +49,7 @@ def report_error(exc: FlagScaleError) -> int:
 
 
 def main_exit(code: int) -> None:
+    if bounded.left_behind():  # a Ray call that never answered: no exit handler may wait for it
+        bounded.exit_now(code)
     sys.stdout.flush()
     sys.exit(code)

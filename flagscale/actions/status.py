@@ -6,7 +6,9 @@ Exit code 0 only when the application is RUNNING, every deployment HEALTHY and t
 from __future__ import annotations
 
 import json
+import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rich import box
@@ -16,6 +18,7 @@ from rich.table import Table
 
 from flagscale import engines, launchers
 from flagscale.actions.context import ActionContext
+from flagscale.cluster import bounded
 from flagscale.cluster.ray_compat import serve_details
 from flagscale.cluster.ray_node import cluster_alive
 from flagscale.cluster.state import RunState
@@ -26,12 +29,31 @@ from flagscale.net import health_problem
 from flagscale.plan import ROUTER_DEPLOYMENT
 from flagscale.replica import registry
 
+# The most a status may take (FLAGSCALE_STATUS_TIMEOUT_S sets another); past it, status says which step did not
+# answer and exits 3.
+STATUS_TIMEOUT_S = 90.0
 
-def collect(state: RunState, api_key: str | None = None) -> dict[str, Any]:
+
+def _timeout_s() -> float:
+    raw = os.environ.get("FLAGSCALE_STATUS_TIMEOUT_S", "")
+    try:
+        return float(raw) if raw else STATUS_TIMEOUT_S
+    except ValueError:
+        raise ConfigError(f"not a number of seconds: {raw!r}", "FLAGSCALE_STATUS_TIMEOUT_S") from None
+
+
+def _quiet(step: str) -> None:
+    del step
+
+
+def collect(state: RunState, api_key: str | None = None, note: Callable[[str], None] = _quiet) -> dict[str, Any]:
+    """The run's report. `note(step)` is told what it waits for next (status bounds the whole, bounded.within)."""
     from ray import serve
 
     launcher = launchers.of_state(state)
+    note(f"attaching to the run's Ray cluster at {state.ray_address}")
     launcher.connect(state)
+    note("asking Serve's controller for the application's status")
     app = serve.status().applications.get(state.app_name)
     report: dict[str, Any] = {
         "app": state.app_name,
@@ -51,11 +73,15 @@ def collect(state: RunState, api_key: str | None = None) -> dict[str, Any]:
                 "replicas": {str(k.value if hasattr(k, "value") else k): v for k, v in dep.replica_states.items()},
                 "message": dep.message,
             }
+        note("asking Serve's controller for the deployments' replica settings")
         for name, scaling in _scaling(state.app_name).items():
             report["deployments"].get(name, {})["scaling"] = scaling
+    note("reading the replica registry from the cluster's KV store")
     report["replicas"] = [_replica_row(r) for r in registry.list_replicas(state.app_name, include_stale=True)]
     for replica in report["replicas"]:
+        note(f"reading the engine metrics of {replica['url']}")
         replica["engine"] = engine_load(engines.get(replica["engine_kind"]), replica["url"], api_key=api_key)
+    note("asking the router for its counters")
     router = _router_stats(state)
     routed = router.pop("replicas", {})
     report["router"] = router or None  # totals: in-flight, requests moved to another replica, streams resumed
@@ -64,7 +90,9 @@ def collect(state: RunState, api_key: str | None = None) -> dict[str, Any]:
         replica["requests_served"] = entry.get("served")
         # The router's view: policy, in-flight, circuit state, prefix-table blocks / sessions (docs/routing.md).
         replica["router"] = {k: v for k, v in entry.items() if k not in ("serve_id", "url", "served")} or None
+    note(f"checking {state.endpoint}/health")
     report["http_health"] = health_problem(state.endpoint, timeout_s=3) or "ok"
+    note("listing the cluster's hosts")
     hosts = launcher.hosts(state, report["replicas"])
     if hosts is not None:
         report["hosts"] = hosts
@@ -167,7 +195,17 @@ def status(exp_dir: str, console: Console, output: str = "table", api_key: str |
             f"the Ray cluster of this run ({state.ray_address}) is gone; `action=stop` cleans up the state",
         )
         return 1
-    report = collect(state, api_key)
+    try:
+        report = bounded.within(_timeout_s(), lambda note: collect(state, api_key, note), "status")
+    except bounded.NoAnswer as exc:
+        if output == "json":  # (the error's line goes to stderr as every error's does)
+            _emit(
+                console,
+                output,
+                {"healthy": False, "status": "NO_ANSWER", "exp_dir": exp_dir, "waiting_for": exc.step},
+                str(exc),
+            )
+        raise
     import ray
 
     ray.shutdown()

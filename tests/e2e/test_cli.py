@@ -88,6 +88,16 @@ def test_cpu_engine_keeps_its_cores(served):
 
 
 def test_status_then_stop(served):
+    # a status whose Ray calls do not answer within its bound (here a bound too short for any) says which step it
+    # waited on and exits 3, without the exit handler that would wait for the call left behind
+    late = run_flagscale(
+        "serve", "demo", "--status", "output=json", *served["common"], cwd=served["cwd"], timeout=120,
+        env={"FLAGSCALE_STATUS_TIMEOUT_S": "0.5"},
+    )  # fmt: skip
+    assert late.returncode == 3, late.output
+    report = json.loads(late.stdout)
+    assert report["status"] == "NO_ANSWER" and not report["healthy"], report
+    assert f"status: no answer within 0.5 s while {report['waiting_for']}" in late.stderr, late.output
     status = run_flagscale(
         "serve", "demo", "--status", "output=json", *served["common"], cwd=served["cwd"], timeout=120
     )

@@ -1,0 +1,43 @@
+"""flagscale/cluster/bounded.py: work that answers in time, fails in time, or does not answer."""
+
+import threading
+
+import pytest
+
+from flagscale.cluster import bounded
+from flagscale.errors import ClusterError
+
+
+def test_the_result_of_work_that_answers_in_time():
+    assert bounded.within(5, lambda note: (note("adding"), 1 + 1)[1], "sum") == 2
+
+
+def test_an_error_of_the_work_is_raised_as_it_was():
+    def work(note):
+        note("dividing")
+        return 1 / 0
+
+    with pytest.raises(ZeroDivisionError):
+        bounded.within(5, work, "division")
+
+
+def test_work_that_does_not_answer_names_the_step_it_waits_for():
+    release = threading.Event()
+
+    def work(note):
+        note("attaching to the cluster")
+        note("asking Serve's controller")
+        release.wait(30)
+
+    try:
+        with pytest.raises(bounded.NoAnswer) as caught:
+            bounded.within(0.2, work, "status")
+        assert isinstance(caught.value, ClusterError) and caught.value.exit_code == 3
+        assert str(caught.value) == "status: no answer within 0.2 s while asking Serve's controller"
+        assert caught.value.step == "asking Serve's controller"
+        assert bounded.left_behind()  # the thread still waits: the CLI must not run exit handlers after it
+    finally:
+        release.set()
+    for thread in bounded._left_behind:
+        thread.join(5)
+    assert not bounded.left_behind()
