@@ -10,17 +10,20 @@ test_run_signals.py, the Popen calls in the e2e suites).
 
 Protocol: one JSON request per line on stdin {"id", "argv", "env", "cwd", "stdout", "stderr"} (the last two: files
 the child writes), and "entry": "flagscale" for the `flagscale` command's entry instead of run.py's. Answers, one JSON line each: {"id", "pid"} once the child is forked (the caller kills its process
-group if it overruns), {"pid", "returncode"} once it has exited. Requests are served at once, each in its child.
+group if it overruns, after a SIGUSR1 that has the child write its threads' stacks to its stderr), {"pid", "returncode"} once it has exited. Requests are served at once, each in its child.
 """
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,6 +93,14 @@ def child(request: dict) -> None:
 
 def serve() -> None:
     preload()
+    # The preloaded modules' weakref finalizers (torch's custom-op libraries, which vLLM registers by the hundred)
+    # would run again at the exit of every child, which a fresh `run.py` never pays for what it did not import: a
+    # status child spent over 78 s exiting in torch.library._del_library on a busy 2-core machine.
+    for finalizer in list(weakref.finalize._registry):
+        finalizer.atexit = False
+    # A caller whose command overran asks for its threads' stacks before it kills it: written to fd 2, which in
+    # a child is the request's stderr file from its first moments (the handler is inherited through fork).
+    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing else of this process writes where answers go
     lock = threading.Lock()
