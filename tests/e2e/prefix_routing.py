@@ -65,11 +65,21 @@ def measure(status: Callable[[], dict], port: int, routing: str, seed: int, proc
         completion = client.completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0)
         prompt_tokens.append(completion.usage.prompt_tokens)
     hits1, queries1 = prefix_cache_counters(urls)
-    report = status()
+
+    def served_by_process(report: dict) -> dict[str, int]:
+        by_process = report["router"]["processes"]
+        return {p: r["served"] - by_process0.get(p, {}).get("served", 0) for p, r in by_process.items()}
+
+    def all_counted() -> dict | None:
+        # the process that answers counts its own requests live, the others' as of their last report (published
+        # every refresh_s, 2 s): the workload can take less than that
+        report = status()
+        return report if sum(served_by_process(report).values()) >= len(prompt_tokens) else None
+
+    report = wait_for(all_counted, 60, f"the router processes' reports to count the {len(prompt_tokens)} requests")
     after = {r["replica_id"]: r for r in report["replicas"]}
-    by_process = report["router"]["processes"]
     return {
-        "processes": {p: r["served"] - by_process0.get(p, {}).get("served", 0) for p, r in by_process.items()},
+        "processes": served_by_process(report),
         "routing": routing,
         "hit_rate": (hits1 - hits0) / (queries1 - queries0),
         "hits": hits1 - hits0,
