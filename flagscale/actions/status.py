@@ -6,6 +6,7 @@ Exit code 0 only when the application is RUNNING, every deployment HEALTHY and t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -169,12 +170,18 @@ def _router_stats(state: RunState) -> dict[str, Any]:
     in-flight, circuit, routing table, requests that failed there and moved on."""
     from ray import serve
 
+    # Serve's handle warns on stderr each time the router answers its queue-length probe late (a router busy
+    # with streams); the report says what matters, the router's counters or their absence.
+    serve_log = logging.getLogger("ray.serve")
+    level = serve_log.level
+    serve_log.setLevel(logging.ERROR)
     try:
         router = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=state.app_name)
-        stats = router.stats.remote().result(timeout_s=10)
+        return router.stats.remote().result(timeout_s=10)
     except Exception:
         return {}
-    return stats
+    finally:
+        serve_log.setLevel(level)
 
 
 def status(exp_dir: str, console: Console, output: str = "table", api_key: str | None = None) -> int:
