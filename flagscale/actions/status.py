@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 from rich import box
@@ -47,7 +46,7 @@ def _quiet(step: str) -> None:
     del step
 
 
-def collect(state: RunState, api_key: str | None = None, note: Callable[[str], None] = _quiet) -> dict[str, Any]:
+def collect(state: RunState, api_key: str | None = None, note: bounded.Note = _quiet) -> dict[str, Any]:
     """The run's report. `note(step)` is told what it waits for next (status bounds the whole, bounded.within)."""
     from ray import serve
 

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from flagscale import launchers
-from flagscale.cluster import ssh
+from flagscale.cluster import bounded, ssh
 from flagscale.cluster.ray_compat import delete_app
 from flagscale.cluster.ray_node import cluster_alive
 from flagscale.cluster.runner import CommandRunner, CommandTimeout, parallel, runner_for
@@ -27,6 +27,9 @@ from flagscale.replica import registry
 
 log = logging.getLogger(__name__)
 AFTER_STOP_TIMEOUT_S = 120.0
+# What the Serve part of a stop may take beyond the drain (attaching, Serve's answers, the application's removal,
+# which waits drain + 60 s itself); past it, the stop names the step that gave no answer and stops the processes.
+SERVE_STOP_MARGIN_S = 120.0
 # A host's env for cmds.after_stop, from the config at hand (None: this machine). The state file records no env
 # values (they may be secrets), so whoever tears down gives them: run from its plan, stop from the config.
 EnvFor = Callable[[str | None], dict[str, str]]
@@ -45,13 +48,20 @@ def teardown(state: RunState, console: Console, drain_timeout_s: float = 30.0, e
     launcher = launchers.of_state(state)
     if launcher.can_attach(state) and cluster_alive(state):
         try:
-            _stop_application(state, console, drain_timeout_s)
+            bounded.within(
+                drain_timeout_s + SERVE_STOP_MARGIN_S,
+                lambda note: _stop_application(state, console, drain_timeout_s, note),
+                "stopping the Serve application",
+            )
+        except bounded.NoAnswer as exc:  # a wedged controller or GCS: the processes still get stopped below
+            problems.append(str(exc))
+            log.warning("%s", exc)
         except Exception as exc:  # the cluster may be half-dead; the processes still get stopped below
             problems.append(f"stopping the Serve application failed: {exc}")
             log.warning("stopping the Serve application failed: %s", exc)
     import ray
 
-    if ray.is_initialized():
+    if ray.is_initialized() and not bounded.left_behind():  # (a call left behind would hold the shutdown)
         ray.shutdown()
     problems += launcher.stop(state, console)
     hosts = after_stop_hosts(state)
@@ -151,21 +161,24 @@ def _after_stop_on(
     return result.code, result.stdout + result.stderr, _failure(result.code, timeout_s)
 
 
-def _stop_application(state: RunState, console: Console, drain_timeout_s: float) -> None:
+def _stop_application(state: RunState, console: Console, drain_timeout_s: float, note: bounded.Note) -> None:
     launcher = launchers.of_state(state)
+    note(f"attaching to the run's Ray cluster at {state.ray_address}")
     launcher.connect(state)
     with launcher.removing_app(state, console):
-        _delete_app(state, console, drain_timeout_s)
+        _delete_app(state, console, drain_timeout_s, note)
     # No serve.shutdown(): the run started every Ray node of its cluster, and stopping them takes Serve down; an
     # existing Ray cluster's Serve is shared with its other applications.
 
 
-def _delete_app(state: RunState, console: Console, drain_timeout_s: float) -> None:
+def _delete_app(state: RunState, console: Console, drain_timeout_s: float, note: bounded.Note) -> None:
     from ray import serve
 
+    note("asking Serve's controller for its applications")
     apps = serve.status().applications
     if state.app_name in apps:
         try:
+            note("draining the router")
             router = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=state.app_name)
             console.print(f"draining in-flight requests (up to {drain_timeout_s:g}s) ...")
             left = router.drain.remote(drain_timeout_s).result(timeout_s=drain_timeout_s + 10)
@@ -175,7 +188,9 @@ def _delete_app(state: RunState, console: Console, drain_timeout_s: float) -> No
         except Exception as exc:
             log.info("drain skipped: %s", exc)
         console.print(f"deleting Serve application '{state.app_name}' ...")
+        note(f"asking Serve to delete the application '{state.app_name}'")
         delete_app(state.app_name)
+        note(f"waiting for Serve to remove the application '{state.app_name}'")
         deadline = time.monotonic() + drain_timeout_s + 60
         while state.app_name in serve.status().applications and time.monotonic() < deadline:
             time.sleep(0.5)

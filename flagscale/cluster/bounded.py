@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from flagscale.errors import ClusterError
 
 T = TypeVar("T")
+Note = Callable[[str], None]  # the work's way of saying what it waits for next
 
 _left_behind: list[threading.Thread] = []  # threads whose work ran out of time
 
@@ -31,7 +32,7 @@ class NoAnswer(ClusterError):
         super().__init__(message)
 
 
-def within(seconds: float, work: Callable[[Callable[[str], None]], T], what: str) -> T:
+def within(seconds: float, work: Callable[[Note], T], what: str) -> T:
     """`work(note)` on a daemon thread, waited for at most `seconds`. Its result, or its exception re-raised here;
     past the bound, NoAnswer: "<what>: no answer within N s while <the last step noted>"."""
     step = ["starting"]

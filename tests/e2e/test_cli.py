@@ -4,10 +4,12 @@ the CPU layout of vLLM's default process tree -> `--status` -> `--stop`. Every e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import urllib.request
 
+import psutil
 import pytest
 
 from tests.conftest import flagscale_command, run_flagscale, wait_for
@@ -87,22 +89,43 @@ def test_cpu_engine_keeps_its_cores(served):
     wait_for_cpu_layout(replicas, [h["session"] for h in state["hosts"]])
 
 
+def serve_controller(cwd) -> psutil.Process | None:
+    """The run's Serve controller: the Ray worker titled ray::ServeController in the session of the run's Ray node."""
+    session = json.loads((cwd / "exp" / "state.json").read_text())["hosts"][0]["session"]
+    for process in psutil.process_iter(["cmdline"]):
+        title = (process.info["cmdline"] or [""])[0]
+        with contextlib.suppress(ProcessLookupError):
+            if title.startswith("ray::ServeController") and os.getsid(process.pid) == session:
+                return process
+    return None
+
+
 def test_status_then_stop(served):
-    # a status whose Ray calls do not answer within its bound (here a bound too short for any) says which step it
-    # waited on and exits 3, without the exit handler that would wait for the call left behind
-    late = run_flagscale(
-        "serve", "demo", "--status", "output=json", *served["common"], cwd=served["cwd"], timeout=120,
-        env={"FLAGSCALE_STATUS_TIMEOUT_S": "0.5"},
-    )  # fmt: skip
+    # A Serve controller that answers nothing (stopped with SIGSTOP): status gives up at its bound (here 30 s),
+    # names the step, and exits 3 without the exit handler that would wait on the call left behind.
+    controller = wait_for(lambda: serve_controller(served["cwd"]), 60, "the run's Serve controller")
+    controller.suspend()
+    try:
+        late = run_flagscale(
+            "serve", "demo", "--status", "output=json", *served["common"], cwd=served["cwd"], timeout=180,
+            env={"FLAGSCALE_STATUS_TIMEOUT_S": "30"},
+        )  # fmt: skip
+    finally:
+        controller.resume()
     assert late.returncode == 3, late.output
     report = json.loads(late.stdout)
     assert report["status"] == "NO_ANSWER" and not report["healthy"], report
-    assert f"status: no answer within 0.5 s while {report['waiting_for']}" in late.stderr, late.output
-    status = run_flagscale(
-        "serve", "demo", "--status", "output=json", *served["common"], cwd=served["cwd"], timeout=120
-    )
-    assert status.returncode == 0, status.output
-    report = json.loads(status.stdout)
+    assert report["waiting_for"] == "asking Serve's controller for the application's status", report
+    assert f"status: no answer within 30 s while {report['waiting_for']}" in late.stderr, late.output
+
+    def healthy() -> dict:
+        status = run_flagscale(
+            "serve", "demo", "--status", "output=json", *served["common"], cwd=served["cwd"], timeout=120
+        )
+        assert status.returncode == 0, status.output
+        return json.loads(status.stdout)
+
+    report = wait_for(healthy, 300, "a healthy status once the controller runs again")
     assert report["healthy"] is True, report
     stopped = run_flagscale("serve", "demo", "--stop", *served["common"], cwd=served["cwd"], timeout=300)
     assert stopped.returncode == 0, stopped.output
