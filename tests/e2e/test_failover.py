@@ -199,11 +199,15 @@ def test_clients_that_hang_up_get_their_requests_aborted_in_the_engines(deployme
     length_before, tokens_before = finished(replicas)
     n = 4
     clients = [long_request(stream=False) for _ in range(n)]
+    # The clients leave while their (480-token) answers are being generated: as soon as the engines generate for
+    # them. Not once all n run at once: the demo model makes 480 tokens in ~10 s, and on a busy machine a poll of
+    # both engines' /metrics (with wait_for's pause after it) has taken longer than that (CI, 2026-11-28).
     wait_for(
-        lambda: engine_sample(replicas, "vllm:num_requests_running") >= n, 60, "the requests running", interval=0.05
+        lambda: engine_sample(replicas, "vllm:generation_tokens_total") - tokens_before >= n,
+        60,
+        "the engines generating the requests' answers",
+        interval=0.05,
     )
-    # The clients leave while their (480-token) answers are being generated: at once, as the demo model makes
-    # them in a few seconds, and a busy machine sees them running late.
     for client in clients:
         client.close()
     _, tokens_at_close = finished(replicas)
