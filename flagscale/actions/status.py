@@ -6,6 +6,7 @@ Exit code 0 only when the application is RUNNING, every deployment HEALTHY and t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from typing import Any
@@ -25,12 +26,14 @@ from flagscale.engines.base import EngineKind
 from flagscale.engines.metrics import engine_metrics
 from flagscale.errors import ConfigError
 from flagscale.net import health_problem
+from flagscale.plan import ROUTER_DEPLOYMENT
 from flagscale.replica import registry
 from flagscale.router import peers
 
 # The most a status may take (FLAGSCALE_STATUS_TIMEOUT_S sets another); past it, status says which step did not
 # answer and exits 3.
 STATUS_TIMEOUT_S = 90.0
+ROUTER_ANSWER_S = 15.0  # a router process's answer to `stats`; past it, its last report in the KV store
 
 
 def _timeout_s() -> float:
@@ -165,15 +168,30 @@ def _scaling(app_name: str) -> dict[str, dict[str, Any]]:
 
 def _router_stats(state: RunState) -> dict[str, Any]:
     """The router's totals, and under "replicas" its entry per replica: requests served since it started,
-    in-flight, circuit, routing table, requests that failed there and moved on. Summed over the router processes'
-    reports in the cluster's KV store (flagscale/router/peers.py), each at most refresh_s old: asking a router
-    through a Serve handle went through Serve's own request routing, which waited on a router busy with streams
-    for over 90 s (CI, 2026-11-28)."""
+    in-flight, circuit, routing table, requests that failed there and moved on. Asked of a router process through
+    a Serve handle; when none answers within ROUTER_ANSWER_S, summed from the router processes' last reports in the
+    cluster's KV store instead (flagscale/router/peers.py): Serve's request routing once waited on a router busy
+    with streams for over 90 s (CI, 2026-11-28), and the reports of a busy router can be older than refresh_s."""
+    try:
+        return bounded.within(ROUTER_ANSWER_S, lambda note: _ask_router(state), "the router")
+    except bounded.NoAnswer:
+        pass
+    except Exception:  # no router answers at all: what the processes last reported, if anything
+        pass
     try:
         found = peers.reports(state.app_name)
     except Exception:  # the KV store did not answer: no router columns
         return {}
     return peers.merge_stats({report.process: report.stats for report in found}) if found else {}
+
+
+def _ask_router(state: RunState) -> dict[str, Any]:
+    from ray import serve
+
+    # Serve's handle warns on stderr each time the router answers its queue-length probe late
+    logging.getLogger("ray.serve").setLevel(logging.ERROR)
+    router = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=state.app_name)
+    return router.stats.remote().result(timeout_s=ROUTER_ANSWER_S)
 
 
 def status(exp_dir: str, console: Console, output: str = "table", api_key: str | None = None) -> int:
@@ -207,7 +225,8 @@ def status(exp_dir: str, console: Console, output: str = "table", api_key: str |
         raise
     import ray
 
-    ray.shutdown()
+    if not bounded.left_behind():  # (a call left behind would hold the shutdown)
+        ray.shutdown()
     if output == "json":
         print(json.dumps(report, indent=2))
     else:

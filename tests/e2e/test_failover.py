@@ -320,7 +320,10 @@ def test_killing_a_router_process_loses_only_the_requests_it_held(deployment):
             worker.result()
     failed = [began for began, ok in results if not ok]
     after = [ok for began, ok in results if began > killed_at + 0.5]
-    assert len(failed) <= 6, f"{len(failed)} failed: more than the 6 requests in flight when it died"
+    # At most the 6 in flight when it died; a request begun in the half second after can fail too (its connection
+    # queued at the dying process's socket), and a worker whose request failed begins another at once.
+    failed_before = [began for began in failed if began <= killed_at]
+    assert len(failed_before) <= 6, f"{len(failed_before)} failed: more than the 6 requests in flight when it died"
     assert all(began <= killed_at + 0.5 for began in failed), "a request begun after the kill failed"
     assert after and all(after), "no request went through the surviving router process"
     # Serve starts the router process again; it takes requests
