@@ -41,3 +41,16 @@ def test_work_that_does_not_answer_names_the_step_it_waits_for():
     for thread in bounded._left_behind:
         thread.join(5)
     assert not bounded.left_behind()
+
+
+def test_a_status_bound_that_is_no_number_is_refused_naming_the_variable(monkeypatch):
+    from flagscale.actions import status
+    from flagscale.errors import ConfigError
+
+    monkeypatch.setenv("FLAGSCALE_STATUS_TIMEOUT_S", "soon")
+    with pytest.raises(ConfigError, match="FLAGSCALE_STATUS_TIMEOUT_S: not a number of seconds: 'soon'"):
+        status._timeout_s()
+    monkeypatch.setenv("FLAGSCALE_STATUS_TIMEOUT_S", "12.5")
+    assert status._timeout_s() == 12.5
+    monkeypatch.delenv("FLAGSCALE_STATUS_TIMEOUT_S")
+    assert status._timeout_s() == status.STATUS_TIMEOUT_S
