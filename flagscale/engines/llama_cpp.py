@@ -50,6 +50,7 @@ PARALLEL_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_paralle
 # so one engine_args block can serve both backends. Anything else unknown to llama-server is an error.
 IGNORED_ARGS = {
     "gpu_memory_utilization": "llama.cpp sizes its memory by the context (max_model_len x max_num_seqs)",
+    "kv_cache_memory_bytes": "llama.cpp sizes its KV cache by the context (max_model_len x max_num_seqs)",
     "dtype": "a GGUF file fixes its weights' types",
     "trust_remote_code": "a GGUF file holds no code",
     "enforce_eager": "vLLM's CUDA-graph switch",

@@ -32,6 +32,7 @@ def test_a_llama_cpp_replica_puts_its_layers_on_its_gpu_and_leaves_none_behind(t
     node = llama_cpp_node("demo", num_gpus=1)
     del node["engine_args_specific"]  # the test's CPU default (n_gpu_layers 0): here the kind's own default
     node["engine_args"]["served_model_name"] = "demo"
+    node["engine_args"]["log_verbosity"] = 4  # llama-server logs "offloaded N/M layers to GPU" from level 4 up
     conf = write_config(tmp_path / "conf", [node], tmp_path / "exp", port, experiment={"envs": checks.GPU_SAFE_ENV})
     deployment = Deployment(conf, port)
     try:
