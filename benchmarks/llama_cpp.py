@@ -19,7 +19,6 @@ NVLink multicast stays off in both (GPU_SAFE_ENV), as every GPU benchmark here d
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -108,7 +107,7 @@ def orchestrator(gguf: Path, port: int, work_dir: Path, args: argparse.Namespace
             if args.gpu
             else []
         ),
-        *(f"serve.0.engine_args.{key}={json.dumps(value)}" for key, value in values.items()),
+        *overhead.engine_args_overrides(values),
     ]
     return orch
 

@@ -57,6 +57,7 @@ ENGINE_ARGS = {
     "dtype": "float32",
 }
 PORT_RANGE = range(8150, 8200)
+DEMO_NODE = REPO / "conf" / "serve" / "demo.yaml"  # the node conf/serve.yaml deploys, which benchmarks override
 STARTUP_TIMEOUT_S = 600
 # (label, row key, stat); a stat of None means the row value itself.
 METRICS = (
@@ -259,6 +260,19 @@ def group_alive(group: int) -> bool:
     return True
 
 
+def engine_args_overrides(values: dict[str, Any]) -> list[str]:
+    """Hydra overrides that make the demo node's engine_args exactly `values`, as the plain server gets them: a key
+    the node sets and the benchmark does not is removed (its CPU KV cache in bytes, kv_cache_memory_bytes, would
+    otherwise size the orchestrator's cache instead of gpu_memory_utilization: a GPU run once compared plain vLLM's
+    57 GB of cache with the orchestrator's 1 GiB)."""
+    from omegaconf import OmegaConf
+
+    (node,) = OmegaConf.load(DEMO_NODE)
+    kept = {"model", "served_model_name"}  # the demo model and its name, unless `values` names others
+    removed = [f"~serve.0.engine_args.{key}" for key in node.engine_args if key not in values and key not in kept]
+    return removed + [f"++serve.0.engine_args.{key}={json.dumps(value)}" for key, value in values.items()]
+
+
 class Orchestrator:
     """`run.py --config-name serve action=run|status|stop` on a private exp_dir and port."""
 
@@ -266,7 +280,7 @@ class Orchestrator:
         self.url = f"http://127.0.0.1:{port}"
         self.exp_dir = work_dir / "exp"
         self.log_path = work_dir / "orchestrator.log"
-        overrides = [f"serve.0.engine_args.{key}={json.dumps(value)}" for key, value in ENGINE_ARGS.items()]
+        overrides = engine_args_overrides(ENGINE_ARGS)
         self.overrides = [
             "experiment.exp_name=overhead",
             f"experiment.exp_dir={self.exp_dir}",

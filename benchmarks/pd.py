@@ -194,7 +194,7 @@ class PDOrchestrator(routing.RoutingOrchestrator):
             f"experiment.exp_name=pd-{name}",
             f"experiment.exp_dir={self.exp_dir}",
             f"experiment.runner.deploy.port={port}",
-            *(f"++serve.0.engine_args.{key}={json.dumps(value)}" for key, value in engine_args.items()),
+            *overhead.engine_args_overrides(engine_args),
             f"serve.0.resources.num_replicas={1 if disaggregated else 2}",
             f"++serve.0.resources.num_gpus={args.num_gpus}"
             if args.num_gpus is not None

@@ -143,7 +143,7 @@ class RoutingOrchestrator(overhead.Orchestrator):
             f"experiment.exp_name=routing-{name}",
             f"experiment.exp_dir={self.exp_dir}",
             f"experiment.runner.deploy.port={port}",
-            *(f"serve.0.engine_args.{key}={json.dumps(value)}" for key, value in engine_args.items()),
+            *overhead.engine_args_overrides(engine_args),
             f"serve.0.resources.num_replicas={args.replicas}",
             "++serve.0.resources.num_cpus=1",
             f"++serve.0.routing={policy}",

@@ -276,7 +276,7 @@ class Orch(overhead.Orchestrator):
         (work_dir / name).mkdir(parents=True, exist_ok=True)
         self.name = name
         args = {"model": str(model_dir), **engine_args}
-        overrides = [f"serve.0.engine_args.{key}={json.dumps(value)}" for key, value in args.items()]
+        overrides = overhead.engine_args_overrides(args)
         overrides += [f"serve.0.resources.num_replicas={replicas}"]
         if gpus_per_replica is not None:
             overrides += [f"++serve.0.resources.num_gpus={gpus_per_replica:g}"]

@@ -52,3 +52,19 @@ def test_vllm_routers_cpu_is_labelled_as_its_own_not_as_the_orchestrators_router
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_orchestrator_gets_exactly_the_plain_servers_engine_args(tmp_path):
+    """conf/serve/demo.yaml sizes the CPU KV cache in bytes; a benchmark that only set its own keys left that in,
+    and vLLM then gave the orchestrator's engine 1 GiB of cache beside plain vLLM's 57 GB (an H200 run)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    engine_args = {"max_model_len": 2048, "max_num_seqs": 1024, "gpu_memory_utilization": 0.4, "dtype": "bfloat16"}
+    orch = bench_gpu.Orch("orchestrator", 8601, tmp_path, tmp_path / "model", engine_args)
+    wanted = [o for o in orch.overrides if "engine_args" in o]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose(config_name="serve", overrides=wanted)
+    got = OmegaConf.to_container(cfg.serve[0].engine_args)
+    assert "kv_cache_memory_bytes" in OmegaConf.load(REPO / "conf" / "serve" / "demo.yaml")[0].engine_args
+    assert {k: v for k, v in got.items() if k != "served_model_name"} == {"model": str(tmp_path / "model"), **engine_args}
