@@ -1,7 +1,7 @@
 """On a GPU host with the CUDA llama-server (`make llama-cpp` builds it where nvidia-smi lists GPUs and nvcc is
 there; issue 36): a llama.cpp replica reserves a GPU, puts the demo model's layers on it (llama-server's log says
 so), its process is on that GPU only and has NVLink multicast off, `status` shows the GPU, and stop leaves no
-process on any GPU.
+process on any GPU. On two GPUs: a llama.cpp node and a vLLM node of one deployment each get a GPU of their own.
 """
 
 from __future__ import annotations
@@ -13,7 +13,12 @@ import pytest
 
 from flagscale.engines import llama_cpp_build
 from tests.conftest import llama_cpp_node, wait_for, write_config
-from tests.gpu.test_placement import Deployment, assert_env_everywhere, assert_stop_leaves_no_gpu_process
+from tests.gpu.test_placement import (
+    ENGINE,
+    Deployment,
+    assert_env_everywhere,
+    assert_stop_leaves_no_gpu_process,
+)
 
 pytestmark = [
     pytest.mark.skipif(checks.gpu_count() == 0, reason="needs a GPU (nvidia-smi lists none)"),
@@ -53,5 +58,42 @@ def test_a_llama_cpp_replica_puts_its_layers_on_its_gpu_and_leaves_none_behind(t
         wait_for(placed, 120, "status and nvidia-smi to agree on the replica's GPU")
         apps = assert_env_everywhere()
         assert apps, "llama-server is on no GPU"
+    finally:
+        assert_stop_leaves_no_gpu_process(deployment)
+
+
+@pytest.mark.skipif(checks.gpu_count() < 2, reason="needs 2 GPUs")
+def test_a_llama_cpp_node_and_a_vllm_node_each_get_a_gpu_of_their_own(tmp_path):
+    from flagscale.net import free_port
+    from tests.conftest import run_cli
+
+    port = free_port()
+    llama = llama_cpp_node("gguf", num_gpus=1)
+    del llama["engine_args_specific"]
+    llama["engine_args"]["served_model_name"] = "gguf"
+    vllm = {
+        "serve_id": "demo",
+        "engine": "vllm",
+        "engine_args": ENGINE,
+        "resources": {"num_replicas": 1, "num_gpus": 1},
+    }
+    conf = write_config(
+        tmp_path / "conf", [llama, vllm], tmp_path / "exp", port, experiment={"envs": checks.GPU_SAFE_ENV}
+    )
+    deployment = Deployment(conf, port)
+    try:
+        result = run_cli(conf, "action=run", timeout=900)
+        assert result.returncode == 0, result.output[-4000:]
+        assert deployment.complete()  # the vLLM node's model, "demo"
+
+        def placed() -> dict:
+            found = checks.placement(deployment.status(), devices_per_replica=1)
+            assert found["problems"] == [] and len(found["replicas"]) == 2, found
+            return found
+
+        found = wait_for(placed, 120, "status and nvidia-smi to agree on both replicas' GPUs")
+        first, second = (set(r["smi_gpus"]) for r in found["replicas"])
+        assert first and second and not first & second, found
+        assert_env_everywhere()
     finally:
         assert_stop_leaves_no_gpu_process(deployment)
