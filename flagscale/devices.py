@@ -42,9 +42,7 @@ def visible(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]:
         return gpus
     chosen: list[Gpu] = []
     for entry in (e.strip() for e in cuda_visible_devices.split(",")):
-        match = [
-            g for g in gpus if (entry.isdigit() and g.index == int(entry)) or (entry and g.uuid.startswith(entry))
-        ]
+        match = [g for g in gpus if (entry.isdigit() and g.index == int(entry)) or (entry and g.uuid.startswith(entry))]
         if len(match) != 1 or match[0] in chosen:
             break
         chosen.append(match[0])

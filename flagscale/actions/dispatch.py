@@ -25,6 +25,7 @@ def dispatch(cfg: DictConfig) -> int:
     try:
         sources = hydra_sources()
         config = load_config(cfg, sources)
+        bounded.check_env_bounds()
         ctx = ActionContext(config, sources, resolve_exp_dir(config.experiment.exp_dir), console)
         return act(ctx)
     except FlagScaleError as exc:

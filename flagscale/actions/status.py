@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from typing import Any
 
@@ -37,11 +36,7 @@ ROUTER_ANSWER_S = 15.0  # a router process's answer to `stats`; past it, its las
 
 
 def _timeout_s() -> float:
-    raw = os.environ.get("FLAGSCALE_STATUS_TIMEOUT_S", "")
-    try:
-        return float(raw) if raw else STATUS_TIMEOUT_S
-    except ValueError:
-        raise ConfigError(f"not a number of seconds: {raw!r}", "FLAGSCALE_STATUS_TIMEOUT_S") from None
+    return bounded.seconds_from_env(bounded.STATUS_BOUND_ENV, STATUS_TIMEOUT_S)
 
 
 def _quiet(step: str) -> None:

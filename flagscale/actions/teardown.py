@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 AFTER_STOP_TIMEOUT_S = 120.0
 # What the Serve part of a stop may take beyond the drain (attaching, Serve's answers, the application's removal,
 # which waits drain + 60 s itself); past it, the stop names the step that gave no answer and stops the processes.
+# FLAGSCALE_STOP_SERVE_TIMEOUT_S sets the whole Serve part instead.
 SERVE_STOP_MARGIN_S = 120.0
 # A host's env for cmds.after_stop, from the config at hand (None: this machine). The state file records no env
 # values (they may be secrets), so whoever tears down gives them: run from its plan, stop from the config.
@@ -49,7 +50,7 @@ def teardown(state: RunState, console: Console, drain_timeout_s: float = 30.0, e
     if launcher.can_attach(state) and cluster_alive(state):
         try:
             bounded.within(
-                drain_timeout_s + SERVE_STOP_MARGIN_S,
+                bounded.seconds_from_env(bounded.STOP_SERVE_BOUND_ENV, drain_timeout_s + SERVE_STOP_MARGIN_S),
                 lambda note: _stop_application(state, console, drain_timeout_s, note),
                 "stopping the Serve application",
             )

@@ -16,12 +16,34 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from flagscale.errors import ClusterError
+from flagscale.errors import ClusterError, ConfigError
 
 T = TypeVar("T")
 Note = Callable[[str], None]  # the work's way of saying what it waits for next
 
 _left_behind: list[threading.Thread] = []  # threads whose work ran out of time
+# The bounds a user may set, in seconds (docs/operations.md): checked by every action before it starts anything.
+STATUS_BOUND_ENV = "FLAGSCALE_STATUS_TIMEOUT_S"  # the whole of `status`
+STOP_SERVE_BOUND_ENV = "FLAGSCALE_STOP_SERVE_TIMEOUT_S"  # the Serve part of a stop (drain and removal)
+
+
+def seconds_from_env(variable: str, default: float) -> float:
+    """The bound `variable` sets, else `default`; a ConfigError naming the variable when it is no positive number."""
+    raw = os.environ.get(variable, "")
+    if not raw:
+        return default
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise ConfigError(f"not a number of seconds above 0: {raw!r}", variable)
+    return seconds
+
+
+def check_env_bounds() -> None:
+    for variable in (STATUS_BOUND_ENV, STOP_SERVE_BOUND_ENV):
+        seconds_from_env(variable, 1.0)
 
 
 class NoAnswer(ClusterError):

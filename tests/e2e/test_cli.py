@@ -12,6 +12,7 @@ import urllib.request
 import psutil
 import pytest
 
+from flagscale.cluster.processes import session_members
 from tests.conftest import flagscale_command, run_flagscale, wait_for
 from tests.e2e.cpu_layout_check import wait_for_cpu_layout
 
@@ -127,6 +128,27 @@ def test_status_then_stop(served):
 
     report = wait_for(healthy, 300, "a healthy status once the controller runs again")
     assert report["healthy"] is True, report
+
+    # A stop whose controller answers nothing: its Serve part gives up at its bound (here 20 s), names the step,
+    # and still stops the run's Ray nodes (the suspended controller with them); the state file stays for a second
+    # stop, which finds nothing left to drain and ends the run.
+    controller = wait_for(lambda: serve_controller(served["cwd"]), 60, "the run's Serve controller")
+    session = json.loads((served["cwd"] / "exp" / "state.json").read_text())["hosts"][0]["session"]
+    controller.suspend()
+    stuck = run_flagscale(
+        "serve", "demo", "--stop", *served["common"], cwd=served["cwd"], timeout=300,
+        env={"FLAGSCALE_STOP_SERVE_TIMEOUT_S": "20"},
+    )  # fmt: skip
+    assert stuck.returncode == 1, stuck.output
+    assert "stopping the Serve application: no answer within 20 s while " in stuck.output, stuck.output
+
+    def gone(process: psutil.Process) -> bool:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            return process.status() == psutil.STATUS_ZOMBIE
+        return True
+
+    wait_for(lambda: gone(controller), 60, "the suspended controller to be stopped with its node")
+    wait_for(lambda: not session_members(session, None), 60, f"no process left in the run's Ray session {session}")
     stopped = run_flagscale("serve", "demo", "--stop", *served["common"], cwd=served["cwd"], timeout=300)
     assert stopped.returncode == 0, stopped.output
     assert not (served["cwd"] / "exp" / "state.json").exists()

@@ -43,14 +43,24 @@ def test_work_that_does_not_answer_names_the_step_it_waits_for():
     assert not bounded.left_behind()
 
 
-def test_a_status_bound_that_is_no_number_is_refused_naming_the_variable(monkeypatch):
-    from flagscale.actions import status
+@pytest.mark.parametrize("variable", [bounded.STATUS_BOUND_ENV, bounded.STOP_SERVE_BOUND_ENV])
+def test_a_bound_that_is_no_positive_number_is_refused_naming_the_variable(monkeypatch, variable):
     from flagscale.errors import ConfigError
 
-    monkeypatch.setenv("FLAGSCALE_STATUS_TIMEOUT_S", "soon")
-    with pytest.raises(ConfigError, match="FLAGSCALE_STATUS_TIMEOUT_S: not a number of seconds: 'soon'"):
-        status._timeout_s()
-    monkeypatch.setenv("FLAGSCALE_STATUS_TIMEOUT_S", "12.5")
-    assert status._timeout_s() == 12.5
-    monkeypatch.delenv("FLAGSCALE_STATUS_TIMEOUT_S")
+    for bad in ("soon", "0", "-5", "nan"):
+        monkeypatch.setenv(variable, bad)
+        with pytest.raises(ConfigError, match=f"{variable}: not a number of seconds above 0: '{bad}'"):
+            bounded.check_env_bounds()
+    monkeypatch.setenv(variable, "12.5")
+    bounded.check_env_bounds()
+    assert bounded.seconds_from_env(variable, 90) == 12.5
+    monkeypatch.delenv(variable)
+    assert bounded.seconds_from_env(variable, 90) == 90
+
+
+def test_status_and_stop_read_their_bounds(monkeypatch):
+    from flagscale.actions import status
+
     assert status._timeout_s() == status.STATUS_TIMEOUT_S
+    monkeypatch.setenv(bounded.STATUS_BOUND_ENV, "30")
+    assert status._timeout_s() == 30

@@ -67,4 +67,7 @@ def test_the_orchestrator_gets_exactly_the_plain_servers_engine_args(tmp_path):
         cfg = compose(config_name="serve", overrides=wanted)
     got = OmegaConf.to_container(cfg.serve[0].engine_args)
     assert "kv_cache_memory_bytes" in OmegaConf.load(REPO / "conf" / "serve" / "demo.yaml")[0].engine_args
-    assert {k: v for k, v in got.items() if k != "served_model_name"} == {"model": str(tmp_path / "model"), **engine_args}
+    assert {k: v for k, v in got.items() if k != "served_model_name"} == {
+        "model": str(tmp_path / "model"),
+        **engine_args,
+    }
