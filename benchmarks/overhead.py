@@ -245,6 +245,25 @@ class PlainVLLM(PlainServer):
         ]
 
 
+class PlainSGLang(PlainServer):
+    """`python -m sglang.launch_server` with the args the orchestrator's SGLang replica gets (FlagScale's keys
+    mapped and checked by the engine kind, flagscale/engines/sglang.py), from FLAGSCALE_SGLANG_PATH if set."""
+
+    name = "plain SGLang"
+
+    def __init__(self, model_dir: Path, port: int, work_dir: Path, engine_args: dict[str, Any]):
+        from flagscale.engines import sglang
+
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = work_dir / "plain-sglang.log"
+        kind = sglang.KIND
+        args = {"model": str(model_dir), "served_model_name": MODEL_NAME, **engine_args}
+        engine_argv = kind.argv(kind.map_common_args(args), "plain")
+        self.argv = [sys.executable, "-m", "sglang.launch_server", *engine_argv, "--enable-metrics"]
+        self.argv += ["--host", "127.0.0.1", "--port", str(port)]
+        self.env = sglang.server_env()
+
+
 def vllm_router_launcher() -> list[str]:
     """The argv prefix that starts vllm-router (PyPI `vllm-router`): its script beside this interpreter, else its
     module."""

@@ -190,6 +190,14 @@ def parse_args() -> argparse.Namespace:
         "with --data-parallel-size REPLICAS (vLLM's own balancing), or REPLICAS plain servers (one GPU each) behind "
         "vllm-router",
     )
+    parser.add_argument(
+        "--engine",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="the engine of every system: plain vLLM vs the orchestrator's vLLM replicas (default), or plain "
+        "`python -m sglang.launch_server` vs the orchestrator's `engine: sglang` replicas (SGLang from this "
+        "environment or FLAGSCALE_SGLANG_PATH; --plain one only)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=900, help="seconds per start-up")
     parser.add_argument(
         "--ports",
@@ -216,6 +224,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--replicas must be 0 (none) or at least 2")
     if args.no_orchestrator and not args.replicas:
         parser.error("--no-orchestrator needs --replicas")
+    if args.engine == "sglang" and args.plain != "one":
+        parser.error("--engine sglang compares with one plain SGLang server: --plain one")
     if args.plain != "one" and (args.replicas < 2 or (args.gpus_per_replica or 1) != 1):
         parser.error(f"--plain {args.plain} needs --replicas (at least 2) --gpus-per-replica 1: N GPUs each way")
     if args.replicas and args.gpus_per_replica is None:
@@ -271,6 +281,7 @@ class Orch(overhead.Orchestrator):
         engine_args: dict[str, Any],
         replicas: int = 1,
         gpus_per_replica: float | None = None,
+        engine: str = "vllm",
     ):
         super().__init__(port, work_dir / name)
         (work_dir / name).mkdir(parents=True, exist_ok=True)
@@ -281,6 +292,10 @@ class Orch(overhead.Orchestrator):
         if gpus_per_replica is not None:
             overrides += [f"++serve.0.resources.num_gpus={gpus_per_replica:g}"]
         overrides += [f"++experiment.envs.{key}={value}" for key, value in GPU_SAFE_ENV.items()]
+        if engine != "vllm":
+            overrides += [f"++serve.0.engine={engine}"]
+            if os.environ.get("FLAGSCALE_SGLANG_PATH"):  # where SGLang lives, for the replicas too
+                overrides += [f"++experiment.envs.FLAGSCALE_SGLANG_PATH={os.environ['FLAGSCALE_SGLANG_PATH']}"]
         self.overrides = [
             f"experiment.exp_name=bench-gpu-{name}",
             f"experiment.exp_dir={self.exp_dir}",
@@ -696,11 +711,13 @@ def main() -> int:
         plain = RoutedPlainServers(model_dir, server_ports, ports[0], work_dir, replica_args)
     elif args.plain == "dp":
         plain = overhead.PlainVLLM(model_dir, ports[0], work_dir, {**replica_args, "data_parallel_size": args.replicas})
+    elif args.engine == "sglang":
+        plain = overhead.PlainSGLang(model_dir, ports[0], work_dir, engine_args)
     else:
         plain = overhead.PlainVLLM(model_dir, ports[0], work_dir, engine_args)
     systems: dict[str, Any] = {"plain": plain}
     if not args.no_orchestrator:
-        systems["orchestrator"] = Orch("orchestrator", ports[1], work_dir, model_dir, engine_args)
+        systems["orchestrator"] = Orch("orchestrator", ports[1], work_dir, model_dir, engine_args, engine=args.engine)
     if args.replicas:
         # num_gpus only on a GPU machine: on CPU the replicas take CPUs as usual.
         systems["replicas"] = Orch(
@@ -854,6 +871,7 @@ def main() -> int:
                 "num_prompts_per_client": {str(c): num_prompts_for(args, c) for c in args.concurrency},
                 "input_len": args.input_len,
                 "output_len": args.output_len,
+                "engine": args.engine,
                 "engine_args": engine_args,
                 "replicas": args.replicas,
                 "gpus_per_replica": args.gpus_per_replica,

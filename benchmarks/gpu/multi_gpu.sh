@@ -29,6 +29,9 @@
 #          are steps too: llamaprep (CPU only: the build, the model, its GGUF; may run beside another chain),
 #          llamabench, vllm1, llamatest (LLAMA1_ROUNDS, LLAMA1_PROMPTS shorten the benchmarks)
 #   dptest the GPU test of vLLM's data_parallel_size 2 inside one replica alone
+# SGLang (issue 32; after benchmarks/gpu/sglang_pack.sh's install into /tmp/sgl-site, FLAGSCALE_SGLANG_PATH):
+#   sgl1   plain `python -m sglang.launch_server` vs the orchestrator's `engine: sglang` replica on a 1B shape, c=1/16/64
+#          (tests/gpu/test_sglang.py first: TP=1, and TP=2 where there are 2 GPUs)
 # On the GPU machine after ../shared/gpu/README.md's install, from the repo root, in a session of its own:
 #   setsid nohup bash benchmarks/gpu/multi_gpu.sh /tmp/bench tp2 dp2 tests > /tmp/bench/chain.log 2>&1 < /dev/null &
 set -u
@@ -108,6 +111,10 @@ for step in $steps; do
     llamabench) llama_bench ;;
     vllm1) vllm1 ;;
     llamatest) llama_test ;;
+    sgl1) export FLAGSCALE_SGLANG_PATH=${FLAGSCALE_SGLANG_PATH:-/tmp/sgl-site}
+          python3 -m pytest tests/gpu/test_sglang.py -v -p no:cacheprovider --junitxml="$out/tests-sglang.xml"
+          python3 benchmarks/gpu/bench_gpu.py --engine sglang --size 1b --input-len 512 --output-len 128 --clients 1 \
+            --waves 2 --keep-plain --rounds 2 --concurrency 1 16 64 --output "$out/sgl1.json" ;;
     dptest) python3 -m pytest tests/gpu/test_placement.py -v -p no:cacheprovider -k dp2_inside \
               --junitxml="$out/tests-dp.xml" ;;
     *) echo "unknown step $step" ;;

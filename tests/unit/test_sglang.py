@@ -176,3 +176,31 @@ def test_without_a_path_of_its_own_sglang_runs_in_this_environment(monkeypatch):
     monkeypatch.delenv(sglang.PATH_ENV, raising=False)
     launch = engines.get("sglang").launch([], "127.0.0.1", 1, None, None)
     assert launch.argv[0] == sys.executable and launch.env == {} and launch.secret_env == {}
+
+
+def test_the_gpu_benchmark_gives_plain_sglang_what_the_replica_gets(installed, tmp_path):
+    repo = Path(__file__).resolve().parents[2]
+    sys.path[:0] = [str(repo / "benchmarks"), str(repo / "benchmarks" / "gpu")]
+    saved = dict(os.environ)
+    try:
+        import bench_gpu  # (sets the GPU-safe variables in os.environ on import: put back below)
+        import overhead
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    engine_args = {"max_model_len": 2048, "max_num_seqs": 64, "gpu_memory_utilization": 0.4, "enforce_eager": False}
+    plain = overhead.PlainSGLang(tmp_path / "m", 8600, tmp_path, engine_args)
+    assert plain.argv[1:3] == ["-m", "sglang.launch_server"]
+    flags = plain.argv[3 : plain.argv.index("--enable-metrics")]
+    assert dict(zip(flags[::2], flags[1::2], strict=True)) == {
+        "--model-path": str(tmp_path / "m"),
+        "--served-model-name": "demo",
+        "--context-length": "2048",
+        "--max-running-requests": "64",
+        "--mem-fraction-static": "0.4",
+    }  # enforce_eager: vLLM's, dropped
+    assert plain.argv[-5:] == ["--enable-metrics", "--host", "127.0.0.1", "--port", "8600"]
+    assert plain.env["PYTHONPATH"].startswith(str(installed))
+    orch = bench_gpu.Orch("orchestrator", 8601, tmp_path, tmp_path / "m", engine_args, engine="sglang")
+    assert "++serve.0.engine=sglang" in orch.overrides
+    assert f"++experiment.envs.{sglang.PATH_ENV}={installed}" in orch.overrides
