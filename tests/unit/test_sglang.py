@@ -204,3 +204,36 @@ def test_the_gpu_benchmark_gives_plain_sglang_what_the_replica_gets(installed, t
     orch = bench_gpu.Orch("orchestrator", 8601, tmp_path, tmp_path / "m", engine_args, engine="sglang")
     assert "++serve.0.engine=sglang" in orch.overrides
     assert f"++experiment.envs.{sglang.PATH_ENV}={installed}" in orch.overrides
+
+
+def sglang_plan(model_path, **engine_args):
+    from flagscale.config.load import ConfigSources, load_config
+    from flagscale.plan import build_plan
+
+    sources = ConfigSources(main="conf/serve.yaml", serve="conf/serve/gpu.yaml")
+    cfg = {
+        "experiment": {"exp_name": "t", "exp_dir": "/tmp/t", "runner": {"deploy": {"port": 8123}}},
+        "serve": [
+            {
+                "serve_id": "llm",
+                "engine": "sglang",
+                "engine_args": {"model": str(model_path), "max_model_len": 256, **engine_args},
+            }
+        ],
+    }
+    return build_plan(load_config(cfg, sources), sources, check_port=False)
+
+
+def test_a_plan_on_gpus_reserves_tp_gpus_and_on_cpus_is_refused(installed, demo_model_path, monkeypatch):
+    import flagscale.facts
+    from flagscale.devices import Gpu
+
+    monkeypatch.setattr(flagscale.facts, "local_gpus", lambda: [])
+    with pytest.raises(ConfigError, match="NVIDIA GPUs only") as info:
+        sglang_plan(demo_model_path)
+    assert str(info.value).startswith("conf/serve/gpu.yaml: serve[0](llm).engine_args")
+    monkeypatch.setattr(flagscale.facts, "local_gpus", lambda: [Gpu(i, "NVIDIA H200", 143771) for i in range(2)])
+    engine = sglang_plan(demo_model_path, tensor_parallel_size=2, gpu_memory_utilization=0.5).engines[0]
+    assert engine.device == "gpu" and engine.devices_per_replica == 2 and engine.ray_actor_options["num_gpus"] == 2
+    assert engine.argv[:2] == ["--model-path", str(demo_model_path)]
+    assert {"--tp-size", "--context-length", "--mem-fraction-static"} <= set(engine.argv)
