@@ -55,6 +55,16 @@ SIZES: dict[str, dict[str, int]] = {
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
     },
+    # Qwen2.5-7B's body in Llama form (vocab 512), its 32k context: 6.5 B parameters, 13 GB in bf16. The shape of
+    # FlagScale's qwen2_5 example configs (tests/gpu/test_pd.py runs its xpyd config as it is on 4 GPUs).
+    "7b": {
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 32768,
+    },
     # Qwen2.5-32B's body in Llama form (vocab 512): 31.2 B parameters, 62 GB in bf16; with --dummy-weights only.
     "32b": {
         "hidden_size": 5120,
@@ -70,7 +80,7 @@ SHARD_BYTES = 4 * 2**30
 
 
 def shape_of(size: str) -> dict[str, int]:
-    return {**SIZES[size], "vocab_size": VOCAB, "max_position_embeddings": MAX_POSITIONS}
+    return {"vocab_size": VOCAB, "max_position_embeddings": MAX_POSITIONS, **SIZES[size]}
 
 
 def parameter_count(size: str) -> int:

@@ -29,6 +29,9 @@
 #          are steps too: llamaprep (CPU only: the build, the model, its GGUF; may run beside another chain),
 #          llamabench, vllm1, llamatest (LLAMA1_ROUNDS, LLAMA1_PROMPTS shorten the benchmarks)
 #   dptest the GPU test of vLLM's data_parallel_size 2 inside one replica alone
+#   pdfs4  FlagScale's own xpyd PD config (2 prefill + 2 decode, a GPU each) as it is, model path overridden to a
+#          random-weight Qwen2.5-7B shape (tests/gpu/test_pd.py; NIXL carried; the configs carried as
+#          .gpu-wheels/flagscale-configs, a copy of ../shared/flagscale-configs, or FLAGSCALE_CONFIGS)
 # SGLang (issue 32; after benchmarks/gpu/sglang_pack.sh's install into /tmp/sgl-site, FLAGSCALE_SGLANG_PATH):
 #   sgl1   plain `python -m sglang.launch_server` vs the orchestrator's `engine: sglang` replica on a 1B shape, c=1/16/64
 #          (tests/gpu/test_sglang.py first: TP=1, and TP=2 where there are 2 GPUs)
@@ -115,6 +118,8 @@ for step in $steps; do
           python3 -m pytest tests/gpu/test_sglang.py -v -p no:cacheprovider --junitxml="$out/tests-sglang.xml"
           python3 benchmarks/gpu/bench_gpu.py --engine sglang --size 1b --input-len 512 --output-len 128 --clients 1 \
             --waves 2 --keep-plain --rounds 2 --concurrency 1 16 64 --output "$out/sgl1.json" ;;
+    pdfs4) FLAGSCALE_CONFIGS=${FLAGSCALE_CONFIGS:-$PWD/.gpu-wheels/flagscale-configs} python3 -m pytest \
+             tests/gpu/test_pd.py -v -p no:cacheprovider -k flagscale_xpyd --junitxml="$out/tests-pdfs4.xml" ;;
     dptest) python3 -m pytest tests/gpu/test_placement.py -v -p no:cacheprovider -k dp2_inside \
               --junitxml="$out/tests-dp.xml" ;;
     *) echo "unknown step $step" ;;

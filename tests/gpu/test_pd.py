@@ -6,16 +6,25 @@ the decode replica's engine counts the transfer (status: `engine.kv_transfers`, 
 `vllm:nixl_xfer_time_seconds`), and UCX read the prefill engine's GPU memory with `cuda_ipc` (its
 UCX_PROTO_INFO table in the decode engine's log), not through the host. Every GPU process has NVLink multicast
 off; stop leaves no process on a GPU.
+
+On a 4-GPU host (issue 32, item 3): FlagScale's own xpyd config (../shared/flagscale-configs or FLAGSCALE_CONFIGS:
+qwen2_5-disagg-xpyd, `prefill_decode_disaggregation: true`, `prefill_num: 2`, `decode_num: 2`) runs as it is, with
+only what cannot hold on a test host overridden: the model path (a random-weight model of Qwen2.5-7B's shape), its
+placeholder hostfile and conda `before_start`, the exp_dir, and NVLink multicast off.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import urllib.request
 from pathlib import Path
 
 import checks  # benchmarks/gpu/checks.py (tests/gpu/conftest.py puts it on the path)
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import REPO, run_cli, wait_for
 from tests.gpu.test_placement import (
     ENGINE,
     Deployment,
@@ -25,6 +34,8 @@ from tests.gpu.test_placement import (
 )
 
 pytestmark = pytest.mark.skipif(checks.gpu_count() < 2, reason="needs 2 GPUs")
+CONFIGS = Path(os.environ.get("FLAGSCALE_CONFIGS") or REPO.parent / "shared" / "flagscale-configs")
+XPYD = CONFIGS / "qwen2_5-disagg-xpyd"
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +79,59 @@ def test_pd_every_gpu_process_has_multicast_off(pd):
 
 def test_pd_stop_leaves_no_process_on_any_gpu(pd):
     assert_stop_leaves_no_gpu_process(pd)
+
+
+@pytest.mark.skipif(checks.gpu_count() < 4, reason="needs 4 GPUs")
+@pytest.mark.skipif(not XPYD.is_dir(), reason=f"FlagScale's configs are not at {CONFIGS} (FLAGSCALE_CONFIGS)")
+def test_flagscale_xpyd_config_runs_as_it_is_on_four_gpus(tmp_path):
+    pytest.importorskip("nixl", reason="NIXL is carried separately (benchmarks/gpu/README.md)")
+    import model as bench_model  # benchmarks/gpu/model.py
+
+    conf = shutil.copytree(XPYD, tmp_path / "xpyd")
+    weights = bench_model.ensure_model("7b")
+    overrides = [
+        f"serve.0.engine_args.model={weights}",
+        f"experiment.exp_dir={tmp_path / 'exp'}",
+        "experiment.runner.hostfile=null",  # x.x.x.x placeholders: this host alone
+        "experiment.cmds.before_start=null",  # `source /root/miniconda3/bin/activate ...`: no conda here
+        *(f"++experiment.envs.{key}={value}" for key, value in checks.GPU_SAFE_ENV.items()),
+    ]
+
+    def cli(*args: str, timeout: float = 300):
+        return run_cli(conf, *args, *overrides, name="serve_disagg_xpyd", timeout=timeout)
+
+    def ready() -> dict:
+        result = cli("action=status", "output=json")
+        assert result.returncode == 0, result.output[-3000:]
+        report = json.loads(result.stdout[result.stdout.index("{") :])
+        roles = sorted(r["role"] for r in report["replicas"] if r["state"] == "READY")
+        assert roles == ["decode", "decode", "prefill", "prefill"], report["replicas"]
+        return report
+
+    try:
+        started = cli("action=run", timeout=1200)
+        assert started.returncode == 0, started.output[-4000:]
+        report = wait_for(ready, 300, "2 prefill and 2 decode replicas ready")
+        found = checks.placement(report, devices_per_replica=1)
+        assert found["problems"] == [] and len({g for r in found["replicas"] for g in r["status_gpus"]}) == 4, found
+        before = sum(r["engine"].get("kv_transfers") or 0 for r in report["replicas"] if r["role"] == "decode")
+        port = 10001  # the config's own
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as resp:
+            name = json.load(resp)["data"][0]["id"]
+        body = json.dumps({"model": name, "prompt": "hello " * 200, "max_tokens": 16, "ignore_eos": True}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            assert json.load(resp)["usage"]["completion_tokens"] == 16
+
+        def counted() -> bool:
+            now = ready()
+            return sum(r["engine"].get("kv_transfers") or 0 for r in now["replicas"] if r["role"] == "decode") > before
+
+        wait_for(counted, 60, "a decode engine to count the request's KV transfer")
+        assert_env_everywhere()
+    finally:
+        stopped = cli("action=stop")
+        assert stopped.returncode == 0, stopped.output[-3000:]
+        assert checks.wait_no_gpu_apps(60) == []
