@@ -53,6 +53,16 @@ class HostShare:
     interface: str | None = None  # nnodes > 1: the network interface that carries `host`
 
 
+# The OpenAI routes where every engine kind here runs the model: each kind's inference_paths start with these.
+OPENAI_INFERENCE_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/audio/transcriptions",
+)
+
+
 class EngineKind(ABC):
     """One engine: its args, its server, its health and load. Subclasses set the class attributes."""
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from flagscale.engines import llama_cpp_build
-from flagscale.engines.base import Capabilities, EngineKind, ServerLaunch
+from flagscale.engines.base import OPENAI_INFERENCE_PATHS, Capabilities, EngineKind, ServerLaunch
 from flagscale.errors import ConfigError
 
 GGUF_MAGIC = b"GGUF"
@@ -161,11 +161,7 @@ class LlamaCpp(EngineKind):
     # users' prompts), /props, /lora-adapters, /tools, /models/load, /v1/stream (another conversation's stream),
     # /infill, /completion and the other native routes: on the engine's own port (docs/operations.md).
     inference_paths = (
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/embeddings",
-        "/v1/responses",
-        "/v1/audio/transcriptions",
+        *OPENAI_INFERENCE_PATHS,
         "/v1/rerank",
         "/v1/messages",
     )

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flagscale.engines.base import Capabilities, EngineKind, HostShare, ServerLaunch
+from flagscale.engines.base import OPENAI_INFERENCE_PATHS, Capabilities, EngineKind, HostShare, ServerLaunch
 from flagscale.engines.model_args import check_hf_model, positive_int
 from flagscale.engines.sglang_server import KEY_ENV
 from flagscale.errors import ConfigError
@@ -177,11 +177,7 @@ class SGLang(EngineKind):
     unsafe_args = UNSAFE_ARGS
     rank_runner = "SGLang's own scheduler processes"
     inference_paths = (
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/embeddings",
-        "/v1/responses",
-        "/v1/audio/transcriptions",
+        *OPENAI_INFERENCE_PATHS,
         "/v1/score",
         "/v1/classify",
     )

@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from flagscale.engines import vllm_args
-from flagscale.engines.base import Capabilities, EngineKind, HostShare, ServerLaunch
+from flagscale.engines.base import OPENAI_INFERENCE_PATHS, Capabilities, EngineKind, HostShare, ServerLaunch
 from flagscale.engines.model_args import check_hf_model, positive_int
 from flagscale.engines.vllm_auth import KEY_ENV, MIDDLEWARE
 from flagscale.errors import ConfigError
@@ -184,11 +184,7 @@ class VLLM(EngineKind):
     # elastic-EP, RL and dev routes (/load, /collective_rpc, /scale_elastic_ep, ...), /v1/score, /pooling and
     # the render routes: operators reach those on the engine's own port (docs/operations.md).
     inference_paths = (
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/embeddings",
-        "/v1/responses",
-        "/v1/audio/transcriptions",
+        *OPENAI_INFERENCE_PATHS,
         "/v1/audio/translations",
         "/v1/rerank",
         "/v1/messages",
