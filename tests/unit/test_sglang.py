@@ -38,10 +38,16 @@ class ServerArgs:
         parser.add_argument("--port", type=int)
 """
 # what the stand-in server prints: its arguments and its command line as other users see it
+# what the stand-in server does: writes its arguments and its command line as other users see it to a file, and
+# logs its arguments the way SGLang logs its ServerArgs at start (key included)
 LAUNCH_SERVER = """
-import json, sys
+import json, logging, os, sys
+logging.basicConfig(level=logging.INFO, force=True)
 cmdline = open("/proc/self/cmdline", "rb").read().split(b"\\0")
-print(json.dumps({"argv": sys.argv, "cmdline": [c.decode() for c in cmdline if c]}))
+with open(os.environ["SEEN"], "w") as f:
+    json.dump({"argv": sys.argv, "cmdline": [c.decode() for c in cmdline if c]}, f)
+logging.getLogger("sglang").info("server_args=ServerArgs(api_key=%r)", sys.argv[-1])
+print("argv", sys.argv)
 """
 
 
@@ -155,19 +161,21 @@ def test_scheduler_ranks_from_their_titles(title, tp, pp, rank):
     assert engines.get("sglang").worker_rank(title, tp, pp) == rank
 
 
-def test_the_api_key_reaches_sglang_but_not_its_command_line(installed):
+def test_the_api_key_reaches_sglang_but_not_its_command_line_nor_its_log(installed, tmp_path):
     kind = engines.get("sglang")
     launch = kind.launch(["--model-path", "/m"], "127.0.0.1", 8000, "s3cret", None)
     assert "s3cret" not in launch.argv and launch.secret_env == {"FLAGSCALE_SGLANG_API_KEY": "s3cret"}
     assert launch.argv[1:3] == ["-m", "flagscale.engines.sglang_server"] and "--enable-metrics" in launch.argv
     assert launch.env["PYTHONPATH"].split(os.pathsep)[0] == str(installed)
     repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, **launch.env, **launch.secret_env}
+    env = {**os.environ, **launch.env, **launch.secret_env, "SEEN": str(tmp_path / "seen.json")}
     env["PYTHONPATH"] += os.pathsep + str(repo)
     result = subprocess.run(launch.argv, env=env, capture_output=True, text=True, timeout=60, check=True)
-    seen = json.loads(result.stdout)
+    seen = json.loads((tmp_path / "seen.json").read_text())
     assert seen["argv"][-2:] == ["--api-key", "s3cret"] and "--enable-metrics" in seen["argv"]
     assert "s3cret" not in " ".join(seen["cmdline"])
+    assert "server_args=ServerArgs(api_key='***')" in result.stderr and "'***'" in result.stdout
+    assert "s3cret" not in result.stdout + result.stderr
     bound = kind.bind_ranks(launch, HostShare("h", 0, 1, (0, 1), gpus=("2", "3")))
     assert bound.env["CUDA_VISIBLE_DEVICES"] == "2,3" and bound.secret_env == launch.secret_env
 
