@@ -112,8 +112,14 @@ def test_flagscale_xpyd_config_runs_as_it_is_on_four_gpus(tmp_path):
         started = cli("action=run", timeout=1200)
         assert started.returncode == 0, started.output[-4000:]
         report = wait_for(ready, 300, "2 prefill and 2 decode replicas ready")
-        found = checks.placement(report, devices_per_replica=1)
-        assert found["problems"] == [] and len({g for r in found["replicas"] for g in r["status_gpus"]}) == 4, found
+
+        def placed() -> dict:
+            found = checks.placement(ready(), devices_per_replica=1)
+            assert found["problems"] == [], found
+            assert len({g for r in found["replicas"] for g in r["status_gpus"]}) == 4, found
+            return found
+
+        wait_for(placed, 120, "status and nvidia-smi to agree on 4 replicas on 4 distinct GPUs")
         before = sum(r["engine"].get("kv_transfers") or 0 for r in report["replicas"] if r["role"] == "decode")
         port = 10001  # the config's own
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as resp:
