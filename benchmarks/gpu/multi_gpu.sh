@@ -32,6 +32,9 @@
 #   pdfs4  FlagScale's own xpyd PD config (2 prefill + 2 decode, a GPU each) as it is, model path overridden to a
 #          random-weight Qwen2.5-7B shape (tests/gpu/test_pd.py; NIXL carried; the configs carried as
 #          .gpu-wheels/flagscale-configs, a copy of ../shared/flagscale-configs, or FLAGSCALE_CONFIGS)
+#   pdfs2  the same on 2 GPUs: as it is, refused before any start; with prefill_num=1 decode_num=1, 1P1D served
+#   itl1   the 1-GPU check at 1,024 streams (issue 31, item 3): 4 clients x 256 streams, 256 in / 256 out, plain vLLM
+#          vs the orchestrator on GPU ITL1_GPU (1), pinned to cores ITL1_CPUS (0-15)
 # SGLang (issue 32; after benchmarks/gpu/sglang_pack.sh's install into /tmp/sgl-site, FLAGSCALE_SGLANG_PATH):
 #   sgl1   plain `python -m sglang.launch_server` vs the orchestrator's `engine: sglang` replica on a 1B shape, c=1/16/64
 #          (tests/gpu/test_sglang.py first: TP=1, and TP=2 where there are 2 GPUs)
@@ -118,8 +121,11 @@ for step in $steps; do
           python3 -m pytest tests/gpu/test_sglang.py -v -p no:cacheprovider --junitxml="$out/tests-sglang.xml"
           python3 benchmarks/gpu/bench_gpu.py --engine sglang --size 1b --input-len 512 --output-len 128 --clients 1 \
             --waves 2 --keep-plain --rounds 2 --concurrency 1 16 64 --output "$out/sgl1.json" ;;
-    pdfs4) FLAGSCALE_CONFIGS=${FLAGSCALE_CONFIGS:-$PWD/.gpu-wheels/flagscale-configs} python3 -m pytest \
-             tests/gpu/test_pd.py -v -p no:cacheprovider -k flagscale_xpyd --junitxml="$out/tests-pdfs4.xml" ;;
+    pdfs2|pdfs4) FLAGSCALE_CONFIGS=${FLAGSCALE_CONFIGS:-$PWD/.gpu-wheels/flagscale-configs} python3 -m pytest \
+             tests/gpu/test_pd.py -v -p no:cacheprovider -k flagscale_xpyd --junitxml="$out/tests-$step.xml" ;;
+    itl1) CUDA_VISIBLE_DEVICES=${ITL1_GPU:-1} taskset -c "${ITL1_CPUS:-0-15}" python3 benchmarks/gpu/bench_gpu.py \
+            --size 1b --rounds 2 --clients 4 --concurrency 256 --input-len 256 --output-len 256 --keep-plain \
+            --output "$out/itl1.json" ;;
     dptest) python3 -m pytest tests/gpu/test_placement.py -v -p no:cacheprovider -k dp2_inside \
               --junitxml="$out/tests-dp.xml" ;;
     *) echo "unknown step $step" ;;

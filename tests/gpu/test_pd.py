@@ -81,63 +81,97 @@ def test_pd_stop_leaves_no_process_on_any_gpu(pd):
     assert_stop_leaves_no_gpu_process(pd)
 
 
+needs_xpyd = pytest.mark.skipif(
+    not XPYD.is_dir(), reason=f"FlagScale's configs are not at {CONFIGS} (FLAGSCALE_CONFIGS)"
+)
+
+
+class Xpyd:
+    """FlagScale's xpyd config, copied, with only what cannot hold on a test host overridden (module docstring)."""
+
+    def __init__(self, tmp_path: Path, *extra: str):
+        pytest.importorskip("nixl", reason="NIXL is carried separately (benchmarks/gpu/README.md)")
+        import model as bench_model  # benchmarks/gpu/model.py
+
+        self.conf = shutil.copytree(XPYD, tmp_path / "xpyd")
+        weights = bench_model.ensure_model("7b")
+        self.overrides = [
+            f"serve.0.engine_args.model={weights}",
+            f"experiment.exp_dir={tmp_path / 'exp'}",
+            "experiment.runner.hostfile=null",  # x.x.x.x placeholders: this host alone
+            "experiment.cmds.before_start=null",  # `source /root/miniconda3/bin/activate ...`: no conda here
+            *(f"++experiment.envs.{key}={value}" for key, value in checks.GPU_SAFE_ENV.items()),
+            *extra,
+        ]
+
+    def cli(self, *args: str, timeout: float = 300):
+        return run_cli(self.conf, *args, *self.overrides, name="serve_disagg_xpyd", timeout=timeout)
+
+    def serves_across(self, prefill: int, decode: int) -> None:
+        """Run it; `prefill` + `decode` replicas READY on as many distinct GPUs; a completion on the config's own
+        port whose KV a decode engine counts; multicast off everywhere; stop leaves no process on a GPU."""
+        roles = sorted(["prefill"] * prefill + ["decode"] * decode)
+
+        def ready() -> dict:
+            result = self.cli("action=status", "output=json")
+            assert result.returncode == 0, result.output[-3000:]
+            report = json.loads(result.stdout[result.stdout.index("{") :])
+            assert sorted(r["role"] for r in report["replicas"] if r["state"] == "READY") == roles, report["replicas"]
+            return report
+
+        try:
+            started = self.cli("action=run", timeout=1200)
+            assert started.returncode == 0, started.output[-4000:]
+            report = wait_for(ready, 300, f"{prefill} prefill and {decode} decode replicas ready")
+
+            def placed() -> dict:
+                found = checks.placement(ready(), devices_per_replica=1)
+                assert found["problems"] == [], found
+                assert len({g for r in found["replicas"] for g in r["status_gpus"]}) == len(roles), found
+                return found
+
+            wait_for(placed, 120, f"status and nvidia-smi to agree on {len(roles)} replicas on as many GPUs")
+            before = sum(r["engine"].get("kv_transfers") or 0 for r in report["replicas"] if r["role"] == "decode")
+            port = 10001  # the config's own
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as resp:
+                name = json.load(resp)["data"][0]["id"]
+            body = json.dumps({"model": name, "prompt": "hello " * 200, "max_tokens": 16, "ignore_eos": True})
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                data=body.encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=120) as resp:
+                assert json.load(resp)["usage"]["completion_tokens"] == 16
+
+            def counted() -> bool:
+                now = ready()
+                return (
+                    sum(r["engine"].get("kv_transfers") or 0 for r in now["replicas"] if r["role"] == "decode") > before
+                )
+
+            wait_for(counted, 60, "a decode engine to count the request's KV transfer")
+            assert_env_everywhere()
+        finally:
+            stopped = self.cli("action=stop")
+            assert stopped.returncode == 0, stopped.output[-3000:]
+            assert checks.wait_no_gpu_apps(60) == []
+
+
 @pytest.mark.skipif(checks.gpu_count() < 4, reason="needs 4 GPUs")
-@pytest.mark.skipif(not XPYD.is_dir(), reason=f"FlagScale's configs are not at {CONFIGS} (FLAGSCALE_CONFIGS)")
+@needs_xpyd
 def test_flagscale_xpyd_config_runs_as_it_is_on_four_gpus(tmp_path):
-    pytest.importorskip("nixl", reason="NIXL is carried separately (benchmarks/gpu/README.md)")
-    import model as bench_model  # benchmarks/gpu/model.py
+    Xpyd(tmp_path).serves_across(prefill=2, decode=2)
 
-    conf = shutil.copytree(XPYD, tmp_path / "xpyd")
-    weights = bench_model.ensure_model("7b")
-    overrides = [
-        f"serve.0.engine_args.model={weights}",
-        f"experiment.exp_dir={tmp_path / 'exp'}",
-        "experiment.runner.hostfile=null",  # x.x.x.x placeholders: this host alone
-        "experiment.cmds.before_start=null",  # `source /root/miniconda3/bin/activate ...`: no conda here
-        *(f"++experiment.envs.{key}={value}" for key, value in checks.GPU_SAFE_ENV.items()),
-    ]
 
-    def cli(*args: str, timeout: float = 300):
-        return run_cli(conf, *args, *overrides, name="serve_disagg_xpyd", timeout=timeout)
-
-    def ready() -> dict:
-        result = cli("action=status", "output=json")
-        assert result.returncode == 0, result.output[-3000:]
-        report = json.loads(result.stdout[result.stdout.index("{") :])
-        roles = sorted(r["role"] for r in report["replicas"] if r["state"] == "READY")
-        assert roles == ["decode", "decode", "prefill", "prefill"], report["replicas"]
-        return report
-
-    try:
-        started = cli("action=run", timeout=1200)
-        assert started.returncode == 0, started.output[-4000:]
-        report = wait_for(ready, 300, "2 prefill and 2 decode replicas ready")
-
-        def placed() -> dict:
-            found = checks.placement(ready(), devices_per_replica=1)
-            assert found["problems"] == [], found
-            assert len({g for r in found["replicas"] for g in r["status_gpus"]}) == 4, found
-            return found
-
-        wait_for(placed, 120, "status and nvidia-smi to agree on 4 replicas on 4 distinct GPUs")
-        before = sum(r["engine"].get("kv_transfers") or 0 for r in report["replicas"] if r["role"] == "decode")
-        port = 10001  # the config's own
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as resp:
-            name = json.load(resp)["data"][0]["id"]
-        body = json.dumps({"model": name, "prompt": "hello " * 200, "max_tokens": 16, "ignore_eos": True}).encode()
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=120) as resp:
-            assert json.load(resp)["usage"]["completion_tokens"] == 16
-
-        def counted() -> bool:
-            now = ready()
-            return sum(r["engine"].get("kv_transfers") or 0 for r in now["replicas"] if r["role"] == "decode") > before
-
-        wait_for(counted, 60, "a decode engine to count the request's KV transfer")
-        assert_env_everywhere()
-    finally:
-        stopped = cli("action=stop")
-        assert stopped.returncode == 0, stopped.output[-3000:]
-        assert checks.wait_no_gpu_apps(60) == []
+@pytest.mark.skipif(checks.gpu_count() != 2, reason="the 2-GPU form of the xpyd check")
+@needs_xpyd
+def test_flagscale_xpyd_config_on_two_gpus_refused_as_it_is_then_serves_1p1d(tmp_path):
+    """Its 2 prefill + 2 decode replicas want a whole GPU each: on 2 GPUs `run` refuses before anything starts,
+    naming the GPUs; with only `prefill_num` and `decode_num` set to 1 it serves, one GPU per pool."""
+    xpyd = Xpyd(tmp_path)
+    refused = xpyd.cli("action=run", timeout=300)
+    assert refused.returncode != 0 and "GPU(s), but this machine has 2" in refused.output, refused.output[-3000:]
+    assert checks.gpu_apps() == []
+    counts = ["experiment.runner.deploy.prefill_num=1", "experiment.runner.deploy.decode_num=1"]
+    Xpyd(tmp_path / "1p1d", *counts).serves_across(prefill=1, decode=1)
