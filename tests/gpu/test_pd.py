@@ -172,6 +172,6 @@ def test_flagscale_xpyd_config_on_two_gpus_refused_as_it_is_then_serves_1p1d(tmp
     xpyd = Xpyd(tmp_path)
     refused = xpyd.cli("action=run", timeout=300)
     assert refused.returncode != 0 and "GPU(s), but this machine has 2" in refused.output, refused.output[-3000:]
-    assert checks.gpu_apps() == []
+    assert checks.wait_no_gpu_apps(0) == []  # nothing was started
     counts = ["experiment.runner.deploy.prefill_num=1", "experiment.runner.deploy.decode_num=1"]
     Xpyd(tmp_path / "1p1d", *counts).serves_across(prefill=1, decode=1)
