@@ -740,10 +740,10 @@ def main() -> int:
         startup: dict[str, float] = {}
         ready: dict[str, float | None] = {}
         # Start-ups one after another: engines that share a GPU must not profile memory at the same time.
-        with console.status("starting plain vLLM ..."):
+        with console.status(f"starting {plain.name} ..."):
             startup["plain"] = plain.start()
         ready["plain"] = startup["plain"]
-        console.print(f"plain vLLM: first completion after {startup['plain']:.1f}s")
+        console.print(f"{plain.name}: first completion after {startup['plain']:.1f}s")
         if not args.keep_plain:
             plain.stop()
         for name, system in systems.items():
