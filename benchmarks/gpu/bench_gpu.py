@@ -5,10 +5,12 @@ random-weight Llama on the GPU (benchmarks/gpu/model.py; the demo tokenizer, voc
 starts plain vLLM (`python -m vllm.entrypoints.openai.api_server`) and the orchestrator (`run.py --config-name
 serve action=run` with the same engine args as overrides) and, with --replicas N, a second orchestrator with N
 replicas sharing the GPU(s) (`num_gpus` --gpus-per-replica each). It then loads one system at a time, alternating,
-for --rounds rounds: per pass --clients `vllm bench serve` worker processes at once (flagscale.actions.bench's way
-of calling vLLM's benchmark), each at --concurrency C, so C x clients streams in flight. Latencies are pooled
-over the clients' per-request data (TTFT, TPOT per request, ITL per streamed chunk), and the ITL distribution is
-kept (quantiles, share of near-zero gaps, tokens per chunk). Reports per-system medians over rounds and the
+for --rounds rounds, the systems' order reversed every other round (--order). Per pass: --clients `vllm bench
+serve` worker processes at once (flagscale.actions.bench's way of calling vLLM's benchmark), each at
+--concurrency C, so C x clients streams in flight. Latencies are pooled over the clients' per-request data (TTFT,
+TPOT per request, ITL per streamed chunk), and the ITL distribution is kept (quantiles, share of near-zero gaps,
+tokens per chunk). Beside them, each vLLM system's engine-side TPOT and ITL means over the pass, from its engines'
+own histograms: the engine's pace apart from the relay. Reports per-system medians over rounds and the
 ratios to plain vLLM, start-up seconds, writes JSON + PNG under benchmarks/results/, and stops every server it
 started (also on error, Ctrl-C or SIGTERM) by the ids it recorded, never by name.
 
@@ -175,6 +177,14 @@ def parse_args() -> argparse.Namespace:
         default=[],
         metavar="KEY=VALUE",
         help="extra/overriding engine arg for every system, VALUE as JSON (e.g. max_num_seqs=256)",
+    )
+    parser.add_argument(
+        "--order",
+        choices=("alternate", "fixed"),
+        default="alternate",
+        help="systems' order within a round: alternate (the default) reverses it every other round, so no "
+        "system always runs first or right after another's load; fixed keeps the listed order (runs before "
+        "2026-11-28)",
     )
     parser.add_argument(
         "--keep-plain",
@@ -488,6 +498,58 @@ def replica_share(before: dict[str, dict[str, float]], after: dict[str, dict[str
     return out
 
 
+# vLLM's own per-request histograms: the pace the engine itself measured, before any relay or client.
+PACE_METRICS = {
+    "engine TPOT mean ms": "vllm:request_time_per_output_token_seconds",
+    "engine ITL mean ms": "vllm:inter_token_latency_seconds",
+}
+
+
+def engine_sums(urls: list[str]) -> dict[str, float] | None:
+    """The pace histograms' sums and counts over every engine in `urls`; None without engines or when one does
+    not answer (a pass then shows no engine pace rather than a partial one)."""
+    from flagscale.engines.metrics import engine_metrics
+
+    if not urls:
+        return None
+    sums: dict[str, float] = {}
+    for url in urls:
+        try:
+            metrics = engine_metrics(url, 10.0)
+        except (OSError, ValueError):
+            return None
+        for name in PACE_METRICS.values():
+            for part in ("_sum", "_count"):
+                sums[name + part] = sums.get(name + part, 0.0) + metrics.get(name + part, 0.0)
+    return sums
+
+
+def engine_pace(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float | None]:
+    """Each PACE_METRICS label -> its mean over one pass in ms (the histograms' deltas), None where unknown."""
+    out: dict[str, float | None] = {}
+    for label, name in PACE_METRICS.items():
+        count = (after[name + "_count"] - before[name + "_count"]) if before and after else 0.0
+        out[label] = round((after[name + "_sum"] - before[name + "_sum"]) / count * 1000, 3) if count > 0 else None
+    return out
+
+
+def round_order(names: list[str], round_index: int, order: str) -> list[str]:
+    """The systems' order in round `round_index` (0-based): as listed, or reversed every other round."""
+    return list(reversed(names)) if order == "alternate" and round_index % 2 else list(names)
+
+
+def engine_urls(system: Any, engine: str) -> list[str]:
+    """The vLLM engine servers behind a system, whose own /metrics give its engine-side pace ([] for other
+    engines: their histograms have other names)."""
+    if engine != "vllm":
+        return []
+    if isinstance(system, Orch):
+        return [r["url"] for r in system.status()["replicas"] if r["state"] == "READY" and r.get("url")]
+    if isinstance(system, RoutedPlainServers):
+        return [server.url for server in system.servers]
+    return [system.url]
+
+
 def check_placement(systems: dict[str, Any]) -> dict[str, Any]:
     """Each orchestrator's replicas' and ranks' GPUs (status) against nvidia-smi (checks.placement)."""
     found = {}
@@ -539,6 +601,9 @@ def median_rows(rounds: list[dict[str, Any]], system: str, concurrency: int) -> 
     imbalance = [p["replica_share"]["requests_imbalance"] for p in passes if p.get("replica_share")]
     imbalance = [x for x in imbalance if x is not None]
     medians["replica requests imbalance"] = statistics.median(imbalance) if imbalance else None
+    for label in PACE_METRICS:
+        paces = [p["engine_pace"][label] for p in passes if (p.get("engine_pace") or {}).get(label) is not None]
+        medians[label] = statistics.median(paces) if paces else None
     return medians
 
 
@@ -794,6 +859,7 @@ def main() -> int:
                 system.replica_urls = {
                     r["replica_id"]: r["url"] for r in system.status()["replicas"] if r["state"] == "READY"
                 }
+        pace_urls = {name: engine_urls(systems[name], args.engine) for name in servers}
         rounds: list[dict[str, Any]] = []
         with contextlib.ExitStack() as stack:
             clients = [
@@ -801,8 +867,9 @@ def main() -> int:
             ]
             pool = stack.enter_context(ThreadPoolExecutor(max_workers=args.clients))
             for round_index in range(args.rounds):
-                results: dict[str, Any] = {}
-                for system, url in servers.items():
+                results: dict[str, Any] = {"order": round_order(list(servers), round_index, args.order)}
+                for system in results["order"]:
+                    url = servers[system]
                     results[system] = {}
                     for concurrency in args.concurrency:
                         with console.status(
@@ -810,7 +877,9 @@ def main() -> int:
                         ):
                             counted = systems[system].replica_urls if isinstance(systems[system], Orch) else {}
                             before = systems[system].engine_counters() if counted else {}
+                            pace_before = engine_sums(pace_urls[system])
                             row = run_pass(clients, pool, url, model_dir, args, round_index, concurrency, watched)
+                            row["engine_pace"] = engine_pace(pace_before, engine_sums(pace_urls[system]))
                             if counted:
                                 row["replica_share"] = replica_share(before, systems[system].engine_counters())
                         row["router_us_per_token"] = router_cpu_us_per_token(row["cpu_s"], row["output_tokens"], system)
@@ -825,6 +894,11 @@ def main() -> int:
                             f"{row['output_tok_s']:9.1f} tok/s  TTFT p50 {row['ttft_ms']['p50']:7.1f}  "
                             f"TPOT p50 {row['tpot_ms']['p50']:6.2f}  ITL p50/p99 {row['itl_ms']['p50']:6.2f}/"
                             f"{row['itl_ms']['p99']:6.2f} ms  tok/chunk {row['tokens_per_chunk']:.2f}"
+                            + (
+                                f"  engine TPOT {row['engine_pace']['engine TPOT mean ms']:.2f} ms"
+                                if row["engine_pace"]["engine TPOT mean ms"] is not None
+                                else ""
+                            )
                             + (f"  [red]{row['failed']} failed[/]" if row["failed"] else ""),
                             soft_wrap=True,
                         )
@@ -866,6 +940,7 @@ def main() -> int:
                 "size": args.size,
                 "parameters": parameter_count(args.size),
                 "rounds": args.rounds,
+                "order": args.order,
                 "clients": args.clients,
                 "concurrency": args.concurrency,
                 "num_prompts_per_client": {str(c): num_prompts_for(args, c) for c in args.concurrency},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,10 @@ def test_vllm_routers_cpu_is_labelled_as_its_own_not_as_the_orchestrators_router
     argv = [sys.executable, "-c", "import time; time.sleep(60)", "vllm_router.launch_router", "--worker-urls", "h:1"]
     proc = subprocess.Popen(argv)
     try:
+        # until the child has exec'd, its command line is still this test's (a busy machine shows that)
+        deadline = time.monotonic() + 30
+        while "vllm_router.launch_router" not in psutil.Process(proc.pid).cmdline() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert overhead.process_role(psutil.Process(proc.pid)) == "vllm-router"
     finally:
         proc.kill()

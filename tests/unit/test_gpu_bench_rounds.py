@@ -1,0 +1,113 @@
+"""benchmarks/gpu/bench_gpu.py's round order and engine-side pace (issue 31, item 1: the TP=2 gap at 256 streams
+was on the same side in every round with plain always first, and the client's TPOT could not tell the engine's
+pace from the relay's)."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "benchmarks" / "gpu")]
+_saved_env = dict(os.environ)
+import bench_gpu  # noqa: E402  (sets the GPU-safe variables in os.environ on import: put back below)
+
+os.environ.clear()
+os.environ.update(_saved_env)
+
+
+def test_alternate_order_reverses_every_other_round_and_fixed_keeps_it():
+    names = ["plain", "orchestrator", "replicas"]
+    alternate = [bench_gpu.round_order(names, i, "alternate") for i in range(4)]
+    assert alternate == [names, names[::-1], names, names[::-1]]
+    assert all(bench_gpu.round_order(names, i, "fixed") == names for i in range(4))
+    firsts = [order[0] for order in alternate]
+    assert firsts.count("plain") == firsts.count("replicas") == 2  # nobody always goes first
+
+
+def metrics_text(tpot_sum: float, tpot_count: int, itl_sum: float, itl_count: int) -> str:
+    """vLLM's /metrics as it exposes the two histograms, one label set per engine (DP engines add more)."""
+    lines = []
+    for name, total, count in (
+        ("vllm:request_time_per_output_token_seconds", tpot_sum, tpot_count),
+        ("vllm:inter_token_latency_seconds", itl_sum, itl_count),
+    ):
+        lines += [f"# HELP {name} x", f"# TYPE {name} histogram"]
+        for engine, share in (("0", 0.5), ("1", 0.5)):
+            labels = f'engine="{engine}",model_name="demo"'
+            lines += [
+                f'{name}_bucket{{{labels},le="+Inf"}} {count * share}',
+                f"{name}_count{{{labels}}} {count * share}",
+                f"{name}_sum{{{labels}}} {total * share}",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def engine():
+    """A real HTTP server that answers /metrics with whatever `state["text"]` holds."""
+    state = {"text": metrics_text(0, 0, 0, 0)}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            body = state["text"].encode()
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", state
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_engine_pace_is_the_mean_of_the_histograms_over_the_pass(engine):
+    url, state = engine
+    state["text"] = metrics_text(tpot_sum=1.0, tpot_count=100, itl_sum=2.0, itl_count=1000)
+    before = bench_gpu.engine_sums([url])
+    # the pass: 200 more requests at 15 ms per output token, 4,000 more gaps at 12.5 ms
+    state["text"] = metrics_text(tpot_sum=1.0 + 3.0, tpot_count=300, itl_sum=2.0 + 50.0, itl_count=5000)
+    pace = bench_gpu.engine_pace(before, bench_gpu.engine_sums([url]))
+    assert pace == {"engine TPOT mean ms": 15.0, "engine ITL mean ms": 12.5}
+
+
+def test_engine_pace_sums_every_engine_of_a_system(engine):
+    url, state = engine
+    before = bench_gpu.engine_sums([url, url])  # two replicas' engines, each answering the same here
+    state["text"] = metrics_text(tpot_sum=2.0, tpot_count=200, itl_sum=1.0, itl_count=100)
+    after = bench_gpu.engine_sums([url, url])
+    assert after["vllm:request_time_per_output_token_seconds_count"] == 400
+    assert bench_gpu.engine_pace(before, after)["engine TPOT mean ms"] == 10.0
+
+
+def test_no_engine_pace_without_engines_an_answer_or_a_finished_request(engine):
+    url, _ = engine
+    assert bench_gpu.engine_sums([]) is None
+    assert bench_gpu.engine_sums([url, "http://127.0.0.1:9"]) is None  # one engine silent: no partial pace
+    unknown = {"engine TPOT mean ms": None, "engine ITL mean ms": None}
+    assert bench_gpu.engine_pace(None, bench_gpu.engine_sums([url])) == unknown
+    same = bench_gpu.engine_sums([url])
+    assert bench_gpu.engine_pace(same, same) == unknown  # nothing finished during the pass
+
+
+def test_engine_urls_per_kind_of_system():
+    plain = SimpleNamespace(url="http://127.0.0.1:8600")  # a plain server: its own URL
+    assert bench_gpu.engine_urls(plain, "vllm") == ["http://127.0.0.1:8600"]
+    assert bench_gpu.engine_urls(plain, "sglang") == []  # other names for its histograms
+    routed = object.__new__(bench_gpu.RoutedPlainServers)  # its servers, not the vllm-router in front
+    routed.servers = [SimpleNamespace(url=f"http://127.0.0.1:{port}") for port in (8603, 8604)]
+    routed.url = "http://127.0.0.1:8601"
+    assert bench_gpu.engine_urls(routed, "vllm") == ["http://127.0.0.1:8603", "http://127.0.0.1:8604"]
