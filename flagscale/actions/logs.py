@@ -25,11 +25,11 @@ from rich.console import Console
 from flagscale import launchers
 from flagscale.actions.context import ActionContext
 from flagscale.cluster import ssh
+from flagscale.cluster.node_logs import EngineLog, engine_logs_here
 from flagscale.cluster.ray_node import cluster_alive
 from flagscale.cluster.runner import CommandRunner, runner_for
 from flagscale.cluster.state import HostRecord, RunState
 from flagscale.errors import ClusterError, ConfigError, FlagScaleError
-from flagscale.launchers.base import EngineLog, engine_logs_here
 from flagscale.replica import registry
 
 LOG_DIR = "serve_logs"  # <exp_dir>/serve_logs: where `run` writes runner.log and the engines their logs

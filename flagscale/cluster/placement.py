@@ -174,7 +174,7 @@ def _on_this_machine(
 
 
 def _on_accelerator(reservation: Reservation, res: Resources, devices: int, target: Target, where: str) -> Reservation:
-    """An existing Ray cluster: resources.accelerator names what its nodes have (ray_cluster.accelerator_requirement):
+    """An existing Ray cluster: resources.accelerator names what its nodes have (ray_facts.accelerator_requirement):
     Ray's `accelerator_type:<X>` (then GPUs as usual, on such a node), a custom resource counted in devices (instead
     of CPUs as the device), or a node label."""
     accelerator = str(res.accelerator)
@@ -285,7 +285,7 @@ def check_weights_fit(
 def check_gpu_demand(demand: list[tuple[str, int, float]], target: Target, where: str) -> None:
     """This machine: the GPUs every engine's replicas reserve together (Serve would leave the rest pending)."""
     if target.hostfile is not None or target.ray is not None or target.gpus == 0:
-        return  # a Ray cluster's GPUs are counted per node by its placement (ray_cluster.place)
+        return  # a Ray cluster's GPUs are counted per node by its placement (ray_existing.place)
     total = sum(replicas * gpus for _, replicas, gpus in demand if gpus)
     if total > target.gpus + 1e-9:
         terms = " + ".join(f"{serve_id}: {replicas} x {gpus:g}" for serve_id, replicas, gpus in demand if gpus)

@@ -1,4 +1,4 @@
-"""An existing Ray cluster as one connection found it before planning (launchers/ray_cluster.py reads it): its
+"""An existing Ray cluster as one connection found it before planning (cluster/ray_existing.py reads it): its
 alive nodes, what each offers, and what `resources.accelerator` names there. Plain data: placement (cluster/
 placement.py) and the launcher both read it."""
 

@@ -19,6 +19,7 @@ from typing import Any
 from rich.console import Console
 
 from flagscale.cluster.hostfile import Hostfile
+from flagscale.cluster.node_logs import EngineLog, engine_logs_here
 from flagscale.cluster.placement import ClusterPlan, Target
 from flagscale.cluster.ray_node import connect as connect_started
 from flagscale.cluster.ray_node import connect_kv, stop_nodes, write_token
@@ -56,27 +57,6 @@ class CpuDemand:
     required: float  # the replicas' CPUs at the start
     room: int  # room for the most replicas autoscaling may start, and one spare engine replica (an update)
     terms: str  # the sum, spelled out for errors
-
-
-@dataclass(frozen=True)
-class EngineLog:
-    """An engine replica's log file as its launcher finds it (`logs` lists the ones the registry does not)."""
-
-    path: str
-    mtime: float
-    host: str = "localhost"  # the node's IP where the file is not on this machine
-    node_id: str | None = None  # a Ray node to read it on (Launcher.node_runner)
-
-
-def engine_logs_here(log_dir: str | Path) -> list[EngineLog]:
-    """The engine-*.log files under log_dir on this machine."""
-    found = []
-    for path in Path(log_dir).glob("engine-*.log"):
-        try:
-            found.append(EngineLog(str(path), path.stat().st_mtime))
-        except OSError:
-            continue
-    return found
 
 
 class Launcher(ABC):

@@ -9,11 +9,11 @@ import time
 import pytest
 from pydantic import ValidationError
 
+from flagscale.cluster.ray_existing import check_answers, place, resolve_address
 from flagscale.cluster.ray_facts import ClusterFacts, NodeFacts, accelerator_requirement
 from flagscale.config.schema import RunnerConfig
 from flagscale.errors import ClusterError, ConfigError
 from flagscale.launchers import cluster_kind
-from flagscale.launchers.ray_cluster import check_answers, place, resolve_address
 
 WHERE = "conf/serve.yaml"
 
