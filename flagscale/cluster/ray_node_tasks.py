@@ -1,6 +1,7 @@
 """The nodes of an existing Ray cluster (`runner.type: ray`), reached through Ray tasks pinned to them: a node's
 commands (NodeRunner, the CommandRunner of this kind of cluster), its engine logs, and the removal of exactly one
-deployment's engine servers there (by the registry's records, each checked to still be that engine)."""
+deployment's engine servers there (by the registry's records the launcher read, each checked to still be that
+engine)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from flagscale.cluster.node_logs import EngineLog, engine_log_dir, engine_logs_h
 from flagscale.cluster.ray_existing import connect
 from flagscale.cluster.runner import CommandRunner, CommandTimeout, Result, Session
 from flagscale.errors import ClusterError
-from flagscale.replica.registry import withdraw_all
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +130,9 @@ def _stop_engine(pid: int, port: str, grace_s: float) -> bool:
     return not _is_engine_of(pid, port)
 
 
-def remove_leftovers(app: str, records: list, grace_s: float = 10.0) -> list[str]:
-    """After the application was deleted: every engine server of `app` that a registry record still names is gone
-    on its node (stopped if not), and no registry entry of `app` is left. Returns the problems."""
+def remove_leftovers(records: list, grace_s: float = 10.0) -> list[str]:
+    """After the application was deleted: every engine server a registry record still names is gone on its node
+    (stopped if not). Returns the problems. The records themselves are the caller's to withdraw."""
     problems = []
     for record in records:
         port = record.url.rsplit(":", 1)[-1]
@@ -141,5 +141,4 @@ def remove_leftovers(app: str, records: list, grace_s: float = 10.0) -> list[str
                 problems.append(f"{record.node_ip}: engine pid {record.engine_pid} of {record.serve_id} is still alive")
         except Exception as exc:  # noqa: BLE001 - a dead node took its engines with it
             log.info("checking engine %s on %s: %s", record.engine_pid, record.node_ip, exc)
-    withdraw_all(app)
     return problems

@@ -38,7 +38,7 @@ from flagscale.cluster.state import RunState
 from flagscale.errors import ConfigError, FlagScaleError
 from flagscale.launchers.base import Launcher, TargetFacts
 from flagscale.replica.process import NODE_LOG_DIR
-from flagscale.replica.registry import list_replicas
+from flagscale.replica.registry import list_replicas, withdraw_all
 
 
 class RayClusterLauncher(Launcher):
@@ -179,7 +179,8 @@ class RayClusterLauncher(Launcher):
         engines = list_replicas(state.app_name, include_stale=True)  # read before the application goes
         yield
         console.print(f"checking that no engine of '{state.app_name}' is left on the cluster's nodes ...")
-        problems = remove_leftovers(state.app_name, engines)
+        problems = remove_leftovers(engines)
+        withdraw_all(state.app_name)
         if problems:
             raise RuntimeError("; ".join(problems))
 
