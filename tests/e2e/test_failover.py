@@ -63,16 +63,53 @@ def two_routed(conf, without: str | None = None) -> list[dict] | None:
     return replicas if ok else None
 
 
-def stream(client: openai.OpenAI, kind: str, prompt: str) -> str:
-    if kind == "chat":
-        chunks = client.chat.completions.create(
-            model="demo", messages=[{"role": "user", "content": prompt}], stream=True, **GREEDY
-        )
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    else:
-        chunks = client.completions.create(model="demo", prompt=prompt, stream=True, **GREEDY)
-        text = "".join(c.choices[0].text for c in chunks if c.choices)
-    return text
+class Progress:
+    """What each stream in flight has received so far (its content chunks): the client's side of "part-way"."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._chunks: dict[object, int] = {}
+
+    def started(self, key: object) -> None:
+        with self._lock:
+            self._chunks[key] = 0
+
+    def received(self, key: object) -> None:
+        with self._lock:
+            self._chunks[key] += 1
+
+    def ended(self, key: object) -> None:
+        with self._lock:
+            self._chunks.pop(key, None)
+
+    def every_stream_past(self, chunks: int) -> bool:
+        """Streams are in flight, and every one of them has received more than `chunks` chunks."""
+        with self._lock:
+            return bool(self._chunks) and min(self._chunks.values()) > chunks
+
+
+def stream(client: openai.OpenAI, kind: str, prompt: str, progress: Progress | None = None) -> str:
+    key = object()
+    if progress:
+        progress.started(key)
+    try:
+        if kind == "chat":
+            chunks = client.chat.completions.create(
+                model="demo", messages=[{"role": "user", "content": prompt}], stream=True, **GREEDY
+            )
+            pieces = (c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            chunks = client.completions.create(model="demo", prompt=prompt, stream=True, **GREEDY)
+            pieces = (c.choices[0].text for c in chunks if c.choices)
+        text = []
+        for piece in pieces:
+            text.append(piece)
+            if progress:
+                progress.received(key)
+        return "".join(text)
+    finally:
+        if progress:
+            progress.ended(key)
 
 
 def two_replicas(root, routing: str, router_processes: int):
@@ -234,14 +271,19 @@ def test_killing_a_replica_under_streaming_load_loses_no_request(deployment):
     server = psutil.Process(victim["engine_pid"]).children()[0]  # engine_proc's child: vLLM's API server
     generated_before = engine_metrics(victim["url"])["vllm:generation_tokens_total"]
 
-    def streaming_on_victim() -> bool:  # a stream there has sent tokens and is not done
-        now = engine_metrics(victim["url"])
-        return now["vllm:num_requests_running"] >= 1 and now["vllm:generation_tokens_total"] - generated_before >= 4
+    progress = Progress()
+
+    def streaming_on_victim() -> bool:
+        """A request runs on the victim and has generated tokens, while every stream in flight has reached its
+        client part-way: so the victim's stream has too (a time-based guess failed on a busy machine: the kill
+        came before the router had relayed anything, and the streams moved instead of resuming)."""
+        now = engine_metrics(victim["url"])  # first: a request running there now is in flight when streams are read
+        running = now["vllm:num_requests_running"] >= 1 and now["vllm:generation_tokens_total"] - generated_before >= 4
+        return running and progress.every_stream_past(2)
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        futures = {pool.submit(stream, client, *item): item for item in work}
-        wait_for(streaming_on_victim, 120, "streams part-way on the victim replica", interval=0.05)
-        time.sleep(0.2)  # the router relays those tokens to their clients
+        futures = {pool.submit(stream, client, *item, progress): item for item in work}
+        wait_for(streaming_on_victim, 120, "streams part-way on the victim replica and at their clients", interval=0.02)
         server.send_signal(signal.SIGKILL)
         results = {futures[f]: f.result() for f in concurrent.futures.as_completed(futures)}
     lost = {item: (reference[item], got) for item, got in results.items() if got != reference[item]}
