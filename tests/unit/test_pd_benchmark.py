@@ -69,3 +69,13 @@ def test_pool_sizes_reach_the_disaggregated_pools_and_the_colocated_node_alike(t
         "B": "PD 3P1D, project router",
         "C": "PD 3P1D, vllm-router",
     }
+
+
+def test_a_pool_of_no_engines_is_refused_naming_the_option(monkeypatch, capsys):
+    import pytest
+
+    monkeypatch.setattr(sys, "argv", ["pd.py", "--decode-replicas", "0"])
+    with pytest.raises(SystemExit) as exited:
+        pd.parse_args()
+    assert exited.value.code == 2
+    assert "--prefill-replicas and --decode-replicas: at least 1 each" in capsys.readouterr().err
