@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -56,12 +57,13 @@ class NoAnswer(ClusterError):
 
 def within(seconds: float, work: Callable[[Note], T], what: str) -> T:
     """`work(note)` on a daemon thread, waited for at most `seconds`. Its result, or its exception re-raised here;
-    past the bound, NoAnswer: "<what>: no answer within N s while <the last step noted>"."""
-    step = ["starting"]
+    past the bound, NoAnswer: "<what>: no answer within N s while <the last step noted>", followed by where the
+    time went: the steps before it that took a second or more."""
+    steps: list[tuple[str, float]] = [("starting", time.monotonic())]  # each step noted and when it began
     outcome: dict[str, Any] = {}
 
     def note(now: str) -> None:
-        step[0] = now
+        steps.append((now, time.monotonic()))
 
     def run() -> None:
         try:
@@ -74,7 +76,11 @@ def within(seconds: float, work: Callable[[Note], T], what: str) -> T:
     thread.join(seconds)
     if thread.is_alive():
         _left_behind.append(thread)
-        raise NoAnswer(f"{what}: no answer within {seconds:g} s while {step[0]}", step[0])
+        done = list(steps)
+        step = done[-1][0]
+        message = f"{what}: no answer within {seconds:g} s while {step}"
+        slow = [f"{name} {end - begun:.0f} s" for (name, begun), (_, end) in zip(done, done[1:]) if end - begun >= 1]
+        raise NoAnswer(message + (f" (before it: {'; '.join(slow)})" if slow else ""), step)
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]

@@ -1,6 +1,7 @@
 """flagscale/cluster/bounded.py: work that answers in time, fails in time, or does not answer."""
 
 import threading
+import time
 
 import pytest
 
@@ -29,6 +30,12 @@ def test_work_that_does_not_answer_names_the_step_it_waits_for():
         note("asking Serve's controller")
         release.wait(30)
 
+    def slow_start(note):
+        note("attaching to the cluster")
+        time.sleep(1.1)
+        note("asking Serve's controller")
+        release.wait(30)
+
     try:
         with pytest.raises(bounded.NoAnswer) as caught:
             bounded.within(0.2, work, "status")
@@ -36,6 +43,12 @@ def test_work_that_does_not_answer_names_the_step_it_waits_for():
         assert str(caught.value) == "status: no answer within 0.2 s while asking Serve's controller"
         assert caught.value.step == "asking Serve's controller"
         assert bounded.left_behind()  # the thread still waits: the CLI must not run exit handlers after it
+        # where the time went: the steps before the one that did not answer, those of a second or more
+        with pytest.raises(bounded.NoAnswer) as caught:
+            bounded.within(1.5, slow_start, "status")
+        assert str(caught.value) == (
+            "status: no answer within 1.5 s while asking Serve's controller (before it: attaching to the cluster 1 s)"
+        )
     finally:
         release.set()
     for thread in bounded._left_behind:
