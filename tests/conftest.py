@@ -27,6 +27,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
+# A wait each try of which is a `status` gets room for three of them: status may take its whole bound
+# (flagscale/actions/status.py, 90 s) on a busy 2-core machine and then answer the next time.
+STATUS_WAIT_S = 300
 
 
 def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from flagscale.engines.metrics import engine_metrics
-from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
+from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, wait_for, write_config
 
 PORT = 19161
 GREEDY = {"temperature": 0, "max_tokens": 24, "extra_body": {"ignore_eos": True}}
@@ -107,7 +107,7 @@ def test_pools_are_planned_and_shown_with_their_roles(deployment):
 
 def test_disaggregated_answers_equal_colocated_ones_and_kv_moves_over_nixl(deployment):
     client, conf = deployment["client"], deployment["conf"]
-    decode_url = wait_for(lambda: replicas_by_role(conf).get("decode"), 60, "the decode replica")[0]["url"]
+    decode_url = wait_for(lambda: replicas_by_role(conf).get("decode"), STATUS_WAIT_S, "the decode replica")[0]["url"]
     before = nixl_transfers(decode_url)
     prompts = [f"disaggregated request {i}: " + "prefill then decode " * (4 + 5 * i) for i in range(4)]
     cases = [(kind, p, stream) for p in prompts for kind in ("completion", "chat") for stream in (False, True)]
@@ -123,14 +123,14 @@ def test_disaggregated_answers_equal_colocated_ones_and_kv_moves_over_nixl(deplo
         engine = decode["engine"]
         return engine if engine["kv_transfers"] >= len(prompts) else None
 
-    engine = wait_for(pulls_shown, 60, "status to show the decode replica's KV pulls")
+    engine = wait_for(pulls_shown, STATUS_WAIT_S, "status to show the decode replica's KV pulls")
     assert engine["kv_transfer_failures"] == 0, engine
     assert "KV pulled" in run_cli(conf, "action=status", "output=wide", timeout=120).stdout  # a wide column
 
 
 def test_killing_a_prefill_replica_under_load_fails_no_request(deployment):
     client, conf = deployment["client"], deployment["conf"]
-    prefills = wait_for(lambda: replicas_by_role(conf).get("prefill"), 60, "the prefill replicas")
+    prefills = wait_for(lambda: replicas_by_role(conf).get("prefill"), STATUS_WAIT_S, "the prefill replicas")
     work = [f"load {i}: " + "tell me more " * (10 + i) for i in range(24)]
     reference = {p: answer(client, "plain", "completion", p, True) for p in work}
     victim = psutil.Process(prefills[0]["engine_pid"]).children()[0]  # engine_proc's child: vLLM's API server

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from flagscale.demo_model import ensure_demo_model_gguf
-from tests.conftest import demo_engine_args, run_cli, streamed_chat_chunks, wait_for, write_config
+from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, streamed_chat_chunks, wait_for, write_config
 
 PORT = 19271
 KEY_ENV, API_KEY = "FS_E2E_LLAMA_KEY", "e2e-llama-key"
@@ -178,7 +178,7 @@ def test_status_names_each_engine_and_reads_llama_cpp_load(deployment, client):
         assert all("running" in (r["engine"] or {}) for r in llama), llama  # from llama-server's /metrics, keyed
         return report
 
-    report = wait_for(engines_read, 120, "status to list both engine kinds and read llama.cpp's /metrics")
+    report = wait_for(engines_read, STATUS_WAIT_S, "status to list both engine kinds and read llama.cpp's /metrics")
     assert report["healthy"]
     table = run_cli(deployment["conf"], "action=status", timeout=120)
     assert table.returncode == 0 and "llama_cpp" in table.stdout, table.stdout

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from flagscale.launchers.multihost import host_temp_dir
-from tests.conftest import demo_engine_args, run_cli, wait_for, write_config
+from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, wait_for, write_config
 from tests.e2e import netns
 
 PORT = 18801
@@ -189,7 +189,7 @@ def test_pd_pools_and_a_llama_cpp_node_pinned_by_chip_and_a_dead_worker_shows(ho
         assert states[h2] == "dead", states
         return result, states
 
-    result, states = wait_for(worker_dead, 90, f"status to say {h2}'s Ray node is dead", interval=3)
+    result, states = wait_for(worker_dead, STATUS_WAIT_S, f"status to say {h2}'s Ray node is dead", interval=3)
     assert states == {h1: "alive", h2: "dead", h3: "alive"}
     assert result.returncode != 0  # not healthy while a host is down
     for _ in range(4):  # the replicas on the dead host are passed over before the first byte
@@ -298,7 +298,7 @@ def test_one_engine_over_two_hosts(hosts, hostfile, tmp_path, stop_on_failure, d
         assert all(r["pid"] and len(r["cpus"]) == 1 for r in ranks), ranks
         return replica
 
-    replica = wait_for(ranks_on_both_hosts, 120, "status: the replica's rank 0 and 1 on the two chipA hosts")
+    replica = wait_for(ranks_on_both_hosts, STATUS_WAIT_S, "status: the replica's rank 0 and 1 on the two chipA hosts")
     remote = next(r for r in replica["ranks"] if r["rank"] == 1)
     assert "Worker_TP1" in " ".join(open(f"/proc/{remote['pid']}/cmdline").read().split("\0"))
 

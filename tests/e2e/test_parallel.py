@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from flagscale.replica.cpu_layout import affinity, process_tree
-from tests.conftest import REPO, demo_engine_args, run_cli, wait_for, write_config
+from tests.conftest import REPO, STATUS_WAIT_S, demo_engine_args, run_cli, wait_for, write_config
 from tests.e2e.plain_vllm import answers, plain_answers
 
 PORT = 19211
@@ -68,7 +68,7 @@ def test_tp2_replica_runs_its_ranks_on_cores_of_their_own(deployment, demo_model
         ], replica["ranks"]
         return replica
 
-    replica = wait_for(ranks_listed, 120, "status output=json to list the replica's two ranks")
+    replica = wait_for(ranks_listed, STATUS_WAIT_S, "status output=json to list the replica's two ranks")
     workers = workers_of(replica["engine_pid"])
     assert sorted(workers) == ["VLLM::Worker_TP0", "VLLM::Worker_TP1"], workers
     assert {r["pid"] for r in replica["ranks"]} == set(workers.values())

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from flagscale.cluster.processes import read_process, stop_session
-from tests.conftest import REPO, demo_engine_args, llama_cpp_node, run_cli, wait_for, write_config
+from tests.conftest import REPO, STATUS_WAIT_S, demo_engine_args, llama_cpp_node, run_cli, wait_for, write_config
 from tests.e2e import netns
 
 RAY_PORT = 18960
@@ -196,7 +196,9 @@ def test_deploy_serve_update_coexist_and_stop_only_its_own(cluster, tmp_path, st
         assert by_host[HEAD_IP]["role"] == "head + router" and len(by_host[cluster.ip]["replicas"]) == 1
         return report
 
-    report = wait_for(on_the_chip_node, 120, f"status: the replica on the {CHIP} node, both nodes listed", interval=2)
+    report = wait_for(
+        on_the_chip_node, STATUS_WAIT_S, f"status: the replica on the {CHIP} node, both nodes listed", interval=2
+    )
     on_worker = next(r for r in report["replicas"] if r["host"] == cluster.ip)
     assert on_worker["url"].startswith(f"http://{cluster.ip}:")  # the engine binds its node's IP
     logs = run_cli(conf_a, "action=logs", f"replica={on_worker['replica_id']}", "lines=5", timeout=120)

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from flagscale.cluster.processes import session_members
-from tests.conftest import demo_engine_args, run_cli, streamed_chat_chunks, wait_for, write_config
+from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, streamed_chat_chunks, wait_for, write_config
 from tests.e2e.log_follow import Follow, header, sections
 
 PORT = 18411
@@ -144,7 +144,9 @@ def test_killed_engine_fails_over_and_is_replaced(deployment, client):
         assert len(alpha) == 2 and all(r["engine_pid"] for r in alpha), alpha
         return alpha
 
-    victim = wait_for(alpha_engines, 120, "alpha's two replicas and their engine PIDs in status", interval=2)[0]
+    victim = wait_for(alpha_engines, STATUS_WAIT_S, "alpha's two replicas and their engine PIDs in status", interval=2)[
+        0
+    ]
     os.kill(victim["engine_pid"], signal.SIGKILL)  # the wrapper exits too: the server is gone
     for i in range(10):  # no request fails: the router moves on to the other replica
         assert client.completions.create(model="alpha", prompt=f"after kill {i}", max_tokens=2).usage
@@ -250,7 +252,9 @@ def test_every_engine_path_but_health_needs_the_key(deployment, client):
         assert len(replicas) == 3 and all(r["engine"] for r in replicas), replicas
         return replicas
 
-    replicas = wait_for(all_engines_read, 120, "status to read every engine's load (its /metrics, with the key)")
+    replicas = wait_for(
+        all_engines_read, STATUS_WAIT_S, "status to read every engine's load (its /metrics, with the key)"
+    )
     for replica in replicas:
         model, base = replica["serve_id"], replica["url"]
         requests = {
