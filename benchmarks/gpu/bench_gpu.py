@@ -330,17 +330,14 @@ class Orch(overhead.Orchestrator):
                     out.append(psutil.Process(member))
         return out
 
-    def engine_counters(self) -> dict[str, dict[str, float]]:
-        """replica id -> its engine's finished requests and generated tokens so far (its own /metrics)."""
-        from flagscale.engines.metrics import engine_metrics
-
+    def engine_counters(self, readings: dict[str, dict[str, float] | None]) -> dict[str, dict[str, float]]:
+        """replica id -> its engine's finished requests and generated tokens so far, from `readings` (engine URL
+        -> its /metrics, read_engines); a replica whose engine did not answer is left out."""
         out = {}
         for rid, url in self.replica_urls.items():
-            try:
-                metrics = engine_metrics(url, 10.0)
-            except (OSError, ValueError):
-                continue
-            out[rid] = {"requests": metrics.get(REQUESTS_METRIC, 0.0), "tokens": metrics.get(TOKENS_METRIC, 0.0)}
+            metrics = readings.get(url)
+            if metrics is not None:
+                out[rid] = {"requests": metrics.get(REQUESTS_METRIC, 0.0), "tokens": metrics.get(TOKENS_METRIC, 0.0)}
         return out
 
 
@@ -505,19 +502,26 @@ PACE_METRICS = {
 }
 
 
-def engine_sums(urls: list[str]) -> dict[str, float] | None:
-    """The pace histograms' sums and counts over every engine in `urls`; None without engines or when one does
-    not answer (a pass then shows no engine pace rather than a partial one)."""
+def read_engines(urls: list[str]) -> dict[str, dict[str, float] | None]:
+    """Each engine's /metrics, read once per snapshot (before or after a pass); None for one that did not answer."""
     from flagscale.engines.metrics import engine_metrics
 
-    if not urls:
-        return None
-    sums: dict[str, float] = {}
+    out: dict[str, dict[str, float] | None] = {}
     for url in urls:
         try:
-            metrics = engine_metrics(url, 10.0)
+            out[url] = engine_metrics(url, 10.0)
         except (OSError, ValueError):
-            return None
+            out[url] = None
+    return out
+
+
+def engine_sums(readings: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """The pace histograms' sums and counts over a system's engines' readings; None without engines or when one
+    did not answer (a pass then shows no engine pace rather than a partial one)."""
+    if not readings or any(metrics is None for metrics in readings):
+        return None
+    sums: dict[str, float] = {}
+    for metrics in readings:
         for name in PACE_METRICS.values():
             for part in ("_sum", "_count"):
                 sums[name + part] = sums.get(name + part, 0.0) + metrics.get(name + part, 0.0)
@@ -544,7 +548,7 @@ def engine_urls(system: Any, engine: str) -> list[str]:
     if engine != "vllm":
         return []
     if isinstance(system, Orch):
-        return [r["url"] for r in system.status()["replicas"] if r["state"] == "READY" and r.get("url")]
+        return list(system.replica_urls.values())
     if isinstance(system, RoutedPlainServers):
         return [server.url for server in system.servers]
     return [system.url]
@@ -855,9 +859,11 @@ def main() -> int:
                 console.print(f"[red]placement check failed: {exc!r}[/]")
                 placement = {"error": repr(exc)}
         for system in systems.values():
-            if isinstance(system, Orch) and system.replicas > 1:
+            if isinstance(system, Orch):
                 system.replica_urls = {
-                    r["replica_id"]: r["url"] for r in system.status()["replicas"] if r["state"] == "READY"
+                    r["replica_id"]: r["url"]
+                    for r in system.status()["replicas"]
+                    if r["state"] == "READY" and r.get("url")
                 }
         pace_urls = {name: engine_urls(systems[name], args.engine) for name in servers}
         rounds: list[dict[str, Any]] = []
@@ -875,13 +881,20 @@ def main() -> int:
                         with console.status(
                             f"round {round_index + 1}/{args.rounds}: {system}, {args.clients} x c={concurrency} ..."
                         ):
-                            counted = systems[system].replica_urls if isinstance(systems[system], Orch) else {}
-                            before = systems[system].engine_counters() if counted else {}
-                            pace_before = engine_sums(pace_urls[system])
+                            # the engines' /metrics, each read once before and once after the pass
+                            share = isinstance(systems[system], Orch) and systems[system].replicas > 1
+                            read = pace_urls[system] or (list(systems[system].replica_urls.values()) if share else [])
+                            before = read_engines(read)
                             row = run_pass(clients, pool, url, model_dir, args, round_index, concurrency, watched)
-                            row["engine_pace"] = engine_pace(pace_before, engine_sums(pace_urls[system]))
-                            if counted:
-                                row["replica_share"] = replica_share(before, systems[system].engine_counters())
+                            after = read_engines(read)
+                            row["engine_pace"] = engine_pace(
+                                engine_sums([before[u] for u in pace_urls[system]]),
+                                engine_sums([after[u] for u in pace_urls[system]]),
+                            )
+                            if share:
+                                row["replica_share"] = replica_share(
+                                    systems[system].engine_counters(before), systems[system].engine_counters(after)
+                                )
                         row["router_us_per_token"] = router_cpu_us_per_token(row["cpu_s"], row["output_tokens"], system)
                         if system == "plain" and args.plain == "vllm-router":  # the compiled router's, alike
                             seconds = sum(

@@ -74,21 +74,26 @@ def engine():
         server.server_close()
 
 
+def readings(urls: list[str]) -> list[dict[str, float] | None]:
+    """A system's engines read as a pass reads them (read_engines), in `urls`' order, a URL listed twice read twice."""
+    return [bench_gpu.read_engines([url])[url] for url in urls]
+
+
 def test_engine_pace_is_the_mean_of_the_histograms_over_the_pass(engine):
     url, state = engine
     state["text"] = metrics_text(tpot_sum=1.0, tpot_count=100, itl_sum=2.0, itl_count=1000)
-    before = bench_gpu.engine_sums([url])
+    before = bench_gpu.engine_sums(readings([url]))
     # the pass: 200 more requests at 15 ms per output token, 4,000 more gaps at 12.5 ms
     state["text"] = metrics_text(tpot_sum=1.0 + 3.0, tpot_count=300, itl_sum=2.0 + 50.0, itl_count=5000)
-    pace = bench_gpu.engine_pace(before, bench_gpu.engine_sums([url]))
+    pace = bench_gpu.engine_pace(before, bench_gpu.engine_sums(readings([url])))
     assert pace == {"engine TPOT mean ms": 15.0, "engine ITL mean ms": 12.5}
 
 
 def test_engine_pace_sums_every_engine_of_a_system(engine):
     url, state = engine
-    before = bench_gpu.engine_sums([url, url])  # two replicas' engines, each answering the same here
+    before = bench_gpu.engine_sums(readings([url, url]))  # two replicas' engines, each answering the same here
     state["text"] = metrics_text(tpot_sum=2.0, tpot_count=200, itl_sum=1.0, itl_count=100)
-    after = bench_gpu.engine_sums([url, url])
+    after = bench_gpu.engine_sums(readings([url, url]))
     assert after["vllm:request_time_per_output_token_seconds_count"] == 400
     assert bench_gpu.engine_pace(before, after)["engine TPOT mean ms"] == 10.0
 
@@ -96,10 +101,10 @@ def test_engine_pace_sums_every_engine_of_a_system(engine):
 def test_no_engine_pace_without_engines_an_answer_or_a_finished_request(engine):
     url, _ = engine
     assert bench_gpu.engine_sums([]) is None
-    assert bench_gpu.engine_sums([url, "http://127.0.0.1:9"]) is None  # one engine silent: no partial pace
+    assert bench_gpu.engine_sums(readings([url, "http://127.0.0.1:9"])) is None  # one engine silent: no partial pace
     unknown = {"engine TPOT mean ms": None, "engine ITL mean ms": None}
-    assert bench_gpu.engine_pace(None, bench_gpu.engine_sums([url])) == unknown
-    same = bench_gpu.engine_sums([url])
+    assert bench_gpu.engine_pace(None, bench_gpu.engine_sums(readings([url]))) == unknown
+    same = bench_gpu.engine_sums(readings([url]))
     assert bench_gpu.engine_pace(same, same) == unknown  # nothing finished during the pass
 
 
@@ -111,3 +116,14 @@ def test_engine_urls_per_kind_of_system():
     routed.servers = [SimpleNamespace(url=f"http://127.0.0.1:{port}") for port in (8603, 8604)]
     routed.url = "http://127.0.0.1:8601"
     assert bench_gpu.engine_urls(routed, "vllm") == ["http://127.0.0.1:8603", "http://127.0.0.1:8604"]
+    orch = object.__new__(bench_gpu.Orch)  # its replicas' engines, as status listed them before the load
+    orch.replica_urls = {"r1": "http://127.0.0.1:8701", "r2": "http://127.0.0.1:8702"}
+    assert bench_gpu.engine_urls(orch, "vllm") == ["http://127.0.0.1:8701", "http://127.0.0.1:8702"]
+
+
+def test_each_replicas_counters_come_from_the_one_reading_of_its_engine():
+    orch = object.__new__(bench_gpu.Orch)
+    orch.replica_urls = {"r1": "http://127.0.0.1:8701", "r2": "http://127.0.0.1:8702"}
+    reading = {bench_gpu.REQUESTS_METRIC: 7.0, bench_gpu.TOKENS_METRIC: 700.0}
+    counters = orch.engine_counters({"http://127.0.0.1:8701": reading, "http://127.0.0.1:8702": None})
+    assert counters == {"r1": {"requests": 7.0, "tokens": 700.0}}  # r2's engine did not answer: left out
