@@ -138,6 +138,17 @@ def run_cli(
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
 
+def status_cli(conf_dir: Path, *overrides: str, name: str = "serve", columns: int = 200) -> CliResult:
+    """`action=status` with `overrides`, asked again while it answers NO_ANSWER (exit 3: a step ran past status's
+    own bound, as on a starved machine), for up to STATUS_WAIT_S; the last answer. Each try is bounded by status
+    itself (90 s), so no pause is needed between them. A test of NO_ANSWER itself calls run_cli."""
+    deadline = time.monotonic() + STATUS_WAIT_S
+    while True:
+        result = run_cli(conf_dir, *overrides, "action=status", timeout=240, name=name, columns=columns)
+        if result.returncode != 3 or "no answer within" not in result.stderr or time.monotonic() >= deadline:
+            return result
+
+
 class CliZygote:
     """The client of tests/cli_zygote.py: one per test session, started on first use."""
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 
 from flagscale.engines.metrics import engine_metrics
-from tests.conftest import wait_for
+from tests.conftest import STATUS_WAIT_S, wait_for
 
 PREFIXES, PER_PREFIX = 16, 3
 WORDS = (
@@ -51,7 +51,9 @@ def measure(status: Callable[[], dict], port: int, routing: str, seed: int, proc
         ready = len(replicas) == 2 and {r["router"]["routing"] for r in replicas} == {routing}
         return replicas if ready and len(report["router"]["processes"]) == processes else None
 
-    replicas = wait_for(both_replicas_routed, 180, f"{processes} router(s) to route to both replicas with {routing}")
+    replicas = wait_for(
+        both_replicas_routed, STATUS_WAIT_S, f"{processes} router(s) to route to both replicas with {routing}"
+    )
     served0 = {r["replica_id"]: r["requests_served"] for r in replicas}
     by_process0 = status()["router"]["processes"]
     urls = [r["url"] for r in replicas]
@@ -76,7 +78,9 @@ def measure(status: Callable[[], dict], port: int, routing: str, seed: int, proc
         report = status()
         return report if sum(served_by_process(report).values()) >= len(prompt_tokens) else None
 
-    report = wait_for(all_counted, 60, f"the router processes' reports to count the {len(prompt_tokens)} requests")
+    report = wait_for(
+        all_counted, STATUS_WAIT_S, f"the router processes' reports to count the {len(prompt_tokens)} requests"
+    )
     after = {r["replica_id"]: r for r in report["replicas"]}
     return {
         "processes": served_by_process(report),

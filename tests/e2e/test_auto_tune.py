@@ -99,7 +99,8 @@ def test_auto_tune_interrupted_resumed_past_failing_candidates_leaves_the_best_s
             assert first.poll() is None, "the first search ended before it was interrupted"
             return any(r["status"] == "done" for r in rows_by_candidate(exp).values())
 
-        wait_for(one_trial_recorded, 400, "the first trial in history.csv")
+        # a trial's own budget is 400 s (max_time_per_task), after the failing candidate and the cluster's start
+        wait_for(one_trial_recorded, 900, "the first trial in history.csv")
         first.send_signal(signal.SIGINT)
         interrupted = first.communicate(timeout=300)[0]
     finally:

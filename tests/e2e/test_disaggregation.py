@@ -12,14 +12,13 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
-import time
 
 import openai
 import psutil
 import pytest
 
 from flagscale.engines.metrics import engine_metrics
-from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, wait_for, write_config
+from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, status_cli, wait_for, write_config
 
 PORT = 19161
 GREEDY = {"temperature": 0, "max_tokens": 24, "extra_body": {"ignore_eos": True}}
@@ -31,13 +30,17 @@ pytestmark = pytest.mark.skipif(
 def status_json(conf) -> dict:
     # A status on this 4-engine deployment has taken over 120 s on a busy CI machine (2026-11-28: the kernel logged
     # a 59 s workqueue stall on that VM): bounded, but with room.
-    result = run_cli(conf, "action=status", "output=json", timeout=240)
+    result = status_cli(conf, "output=json")
     assert result.returncode == 0, result.output
     return json.loads(result.stdout[result.stdout.index("{") :])
 
 
 def nixl_transfers(url: str) -> float:
     return engine_metrics(url).get("vllm:nixl_xfer_time_seconds_count", 0.0)
+
+
+def prompt_tokens(url: str) -> float:
+    return engine_metrics(url).get("vllm:prompt_tokens_total", 0.0)
 
 
 def answer(client: openai.OpenAI, model: str, kind: str, prompt: str, stream: bool) -> str:
@@ -125,7 +128,7 @@ def test_disaggregated_answers_equal_colocated_ones_and_kv_moves_over_nixl(deplo
 
     engine = wait_for(pulls_shown, STATUS_WAIT_S, "status to show the decode replica's KV pulls")
     assert engine["kv_transfer_failures"] == 0, engine
-    assert "KV pulled" in run_cli(conf, "action=status", "output=wide", timeout=120).stdout  # a wide column
+    assert "KV pulled" in status_cli(conf, "output=wide").stdout  # a wide column
 
 
 def test_killing_a_prefill_replica_under_load_fails_no_request(deployment):
@@ -134,9 +137,16 @@ def test_killing_a_prefill_replica_under_load_fails_no_request(deployment):
     work = [f"load {i}: " + "tell me more " * (10 + i) for i in range(24)]
     reference = {p: answer(client, "plain", "completion", p, True) for p in work}
     victim = psutil.Process(prefills[0]["engine_pid"]).children()[0]  # engine_proc's child: vLLM's API server
+    prefilled_before = prompt_tokens(prefills[0]["url"])
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = {pool.submit(answer, client, "pd", "completion", p, True): p for p in work}
-        time.sleep(1.0)
+        # killed once the load has reached it (a prompt prefilled there), with most of the requests still to come
+        wait_for(
+            lambda: prompt_tokens(prefills[0]["url"]) > prefilled_before,
+            120,
+            "a request of the load prefilled on the victim",
+            interval=0.05,
+        )
         victim.send_signal(signal.SIGKILL)
         results = {futures[f]: f.result() for f in concurrent.futures.as_completed(futures)}
     wrong = [p for p in work if results[p] != reference[p]]

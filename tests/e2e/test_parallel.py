@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from flagscale.replica.cpu_layout import affinity, process_tree
-from tests.conftest import REPO, STATUS_WAIT_S, demo_engine_args, run_cli, wait_for, write_config
+from tests.conftest import REPO, STATUS_WAIT_S, demo_engine_args, run_cli, status_cli, wait_for, write_config
 from tests.e2e.plain_vllm import answers, plain_answers
 
 PORT = 19211
@@ -53,24 +53,33 @@ def deployment(tmp_path_factory):
         run_cli(conf, "action=stop", timeout=300)
 
 
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent to reap it."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @two_cores
 def test_tp2_replica_runs_its_ranks_on_cores_of_their_own(deployment, demo_model_path):
     assert deployment["run"].returncode == 0, deployment["run"].output
     conf = deployment["conf"]
 
     def ranks_listed():
-        result = run_cli(conf, "action=status", "output=json", timeout=120)
+        result = status_cli(conf, "output=json")
         report = json.loads(result.stdout[result.stdout.index("{") :])
         (replica,) = report["replicas"]
         assert [(r["rank"], r["host"], r["cpus"]) for r in replica["ranks"]] == [
             (0, "127.0.0.1", [0]),
             (1, "127.0.0.1", [1]),
         ], replica["ranks"]
-        return replica
+        # the ranks' titles are set by the ranks themselves once they run: a rank just started is still "python"
+        workers = workers_of(replica["engine_pid"])
+        assert sorted(workers) == ["VLLM::Worker_TP0", "VLLM::Worker_TP1"], workers
+        return replica, workers
 
-    replica = wait_for(ranks_listed, STATUS_WAIT_S, "status output=json to list the replica's two ranks")
-    workers = workers_of(replica["engine_pid"])
-    assert sorted(workers) == ["VLLM::Worker_TP0", "VLLM::Worker_TP1"], workers
+    replica, workers = wait_for(ranks_listed, STATUS_WAIT_S, "status output=json to list the replica's two ranks")
     assert {r["pid"] for r in replica["ranks"]} == set(workers.values())
     assert affinity(workers["VLLM::Worker_TP0"]) == {0} and affinity(workers["VLLM::Worker_TP1"]) == {1}
 
@@ -79,7 +88,7 @@ def test_tp2_replica_runs_its_ranks_on_cores_of_their_own(deployment, demo_model
 
     stop = run_cli(conf, "action=stop", timeout=300)
     assert stop.returncode == 0, stop.output
-    wait_for(lambda: not any(psutil.pid_exists(p) for p in workers.values()), 30, "no rank process left")
+    wait_for(lambda: not any(alive(p) for p in workers.values()), 60, "no rank process left")
     reference = plain_answers(demo_model_path, 2, "0|1", deployment["root"] / "plain.log")
     assert served == reference
 

@@ -25,7 +25,16 @@ import psutil
 import pytest
 
 from flagscale.cluster.processes import read_process, stop_session
-from tests.conftest import REPO, STATUS_WAIT_S, demo_engine_args, llama_cpp_node, run_cli, wait_for, write_config
+from tests.conftest import (
+    REPO,
+    STATUS_WAIT_S,
+    demo_engine_args,
+    llama_cpp_node,
+    run_cli,
+    status_cli,
+    wait_for,
+    write_config,
+)
 from tests.e2e import netns
 
 RAY_PORT = 18960
@@ -188,7 +197,7 @@ def test_deploy_serve_update_coexist_and_stop_only_its_own(cluster, tmp_path, st
     assert client.completions.create(model="m", prompt="hello", max_tokens=4).usage.completion_tokens == 4
 
     def on_the_chip_node() -> dict:
-        status = run_cli(conf_a, "action=status", "output=json", timeout=120)
+        status = status_cli(conf_a, "output=json")
         assert status.returncode == 0, status.output
         report = json.loads(status.stdout[status.stdout.index("{") :])
         assert [r["host"] for r in report["replicas"]] == [cluster.ip], report["replicas"]

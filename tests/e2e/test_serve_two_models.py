@@ -24,7 +24,15 @@ import psutil
 import pytest
 
 from flagscale.cluster.processes import session_members
-from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, streamed_chat_chunks, wait_for, write_config
+from tests.conftest import (
+    STATUS_WAIT_S,
+    demo_engine_args,
+    run_cli,
+    status_cli,
+    streamed_chat_chunks,
+    wait_for,
+    write_config,
+)
 from tests.e2e.log_follow import Follow, header, sections
 
 PORT = 18411
@@ -107,7 +115,7 @@ def test_unknown_model_is_a_404_naming_the_models(client):
 
 
 def status_json(deployment, require_healthy=True) -> dict:
-    result = run_cli(deployment["conf"], "action=status", "output=json", timeout=120)
+    result = status_cli(deployment["conf"], "output=json")
     assert result.returncode == 0 or not require_healthy, result.output
     return json.loads(result.stdout[result.stdout.index("{") :])
 
@@ -118,7 +126,7 @@ def test_load_spreads_evenly_over_replicas(deployment, client):
         known = [r for r in replicas if r["serve_id"] == "alpha" and r["requests_served"] is not None]
         return {r["replica_id"]: r["requests_served"] or 0 for r in replicas} if len(known) == 2 else None
 
-    before = wait_for(alpha_counts, 60, "the router to list both of alpha's replicas")
+    before = wait_for(alpha_counts, STATUS_WAIT_S, "the router to list both of alpha's replicas")
 
     def complete(i):
         return client.completions.create(model="alpha", prompt=f"request {i}", max_tokens=4)
@@ -132,7 +140,7 @@ def test_load_spreads_evenly_over_replicas(deployment, client):
         assert len(counts) == 2 and sum(counts) == 60, counts
         return counts
 
-    counts = wait_for(alpha_counts_since, 60, "the router's counts of alpha's 60 requests", interval=1)
+    counts = wait_for(alpha_counts_since, STATUS_WAIT_S, "the router's counts of alpha's 60 requests", interval=1)
     # Each replica takes a fair part. Not an equal one: the policy weighs the requests in flight, and on a busy
     # 2-core machine one replica can run slower and rightly get fewer (24 and 36 on CI, 2026-11-28).
     assert min(counts) >= 60 / 4, counts
@@ -162,14 +170,14 @@ def test_killed_engine_fails_over_and_is_replaced(deployment, client):
 
 
 def test_status_is_healthy(deployment, client):
-    result = run_cli(deployment["conf"], "action=status", "output=json", timeout=120)
+    result = status_cli(deployment["conf"], "output=json")
     assert result.returncode == 0, result.output
     report = json.loads(result.stdout[result.stdout.index("{") :])
     assert report["healthy"] and report["status"] == "RUNNING"
     assert {d for d in report["deployments"]} == {"alpha", "beta", "router"}
     assert sorted(r["serve_id"] for r in report["replicas"]) == ["alpha", "alpha", "beta"]
     assert {r["engine_kind"] for r in report["replicas"]} == {"vllm"}
-    table = run_cli(deployment["conf"], "action=status", timeout=120, columns=80)  # an 80-column terminal
+    table = status_cli(deployment["conf"], columns=80)  # an 80-column terminal
     assert table.returncode == 0 and "HEALTHY" in table.stdout and "alpha" in table.stdout
     assert max(len(line) for line in table.stdout.splitlines()) <= 80 and "…" not in table.stdout, table.stdout
     replica_ids = [r["replica_id"] for r in report["replicas"]]
@@ -240,7 +248,7 @@ def test_api_key_is_required_at_the_endpoint_and_at_each_engine(deployment, clie
         assert http_status(f"{base}/v1/completions", API_KEY, body=request) == 200, base
         assert http_status(f"{base}/health") == 200, base
     assert API_KEY not in (deployment["exp_dir"] / "state.json").read_text()
-    assert API_KEY not in run_cli(deployment["conf"], "action=status", "output=json", timeout=120).output
+    assert API_KEY not in status_cli(deployment["conf"], "output=json").output
 
 
 def test_every_engine_path_but_health_needs_the_key(deployment, client):
@@ -368,7 +376,7 @@ def test_stop_leaves_nothing_but_the_logs(deployment, client):
     assert not (deployment["exp_dir"] / "state.json").exists()
     again = run_cli(deployment["conf"], "action=stop", timeout=120)
     assert again.returncode == 0 and "nothing is running" in again.output
-    status = run_cli(deployment["conf"], "action=status", timeout=120)
+    status = status_cli(deployment["conf"])
     assert status.returncode != 0 and "nothing is running" in status.output
 
     # stopped: the logs are still there, found from the log dir

@@ -6,7 +6,7 @@ import json
 
 from flagscale.cluster.state import HostRecord, RunState
 from flagscale.net import free_port
-from tests.conftest import demo_engine_args, run_cli, write_config
+from tests.conftest import demo_engine_args, run_cli, status_cli, write_config
 
 PORT = 18951
 
@@ -32,7 +32,7 @@ def stale_run(tmp_path):
 
 def test_status_of_a_gone_cluster(tmp_path):
     conf, _ = stale_run(tmp_path)
-    result = run_cli(conf, "action=status", "output=json", timeout=120)
+    result = status_cli(conf, "output=json")
     assert result.returncode == 1
     report = json.loads(result.stdout[result.stdout.index("{") :])
     assert report["status"] == "CLUSTER_GONE" and not report["healthy"] and "action=stop" in report["message"]

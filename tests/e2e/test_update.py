@@ -26,7 +26,7 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import REPO, demo_engine_args, run_cli, wait_for, write_config
+from tests.conftest import REPO, STATUS_WAIT_S, demo_engine_args, run_cli, status_cli, wait_for, write_config
 
 PORT = 19171
 # What the update of test 1 turns on besides the engine arg (one replacement for both; two clients keep the load
@@ -42,13 +42,15 @@ AUTOSCALED = {
 
 
 def status_json(conf) -> dict:
-    result = run_cli(conf, "action=status", "output=json", timeout=120)
+    result = status_cli(conf, "output=json")
     assert result.returncode == 0, result.output
     return json.loads(result.stdout[result.stdout.index("{") :])
 
 
-def serving_replicas(conf) -> list[dict]:
-    return [r for r in status_json(conf)["replicas"] if r["state"] == "READY"]
+def serving_replicas(conf) -> list[dict] | None:
+    """The one READY replica as a list of one; None ("not yet") while none or several are (one still draining)."""
+    ready = [r for r in status_json(conf)["replicas"] if r["state"] == "READY"]
+    return ready if len(ready) == 1 else None
 
 
 def vllm_argv(replica: dict) -> list[str]:
@@ -133,7 +135,7 @@ def test_changing_an_engine_arg_under_load_replaces_the_replica_without_a_failed
         started_output = first.communicate(timeout=900)[0]
         assert first.returncode == 0, started_output
         assert still_starting, "the second run was not tried while the first was starting"
-        (before,) = wait_for(lambda: serving_replicas(conf), 120, "the replica to be listed")
+        (before,) = wait_for(lambda: serving_replicas(conf), STATUS_WAIT_S, "the replica to be listed")
         assert (
             "--max-num-seqs" in vllm_argv(before)
             and vllm_argv(before)[vllm_argv(before).index("--max-num-seqs") + 1] == "8"
@@ -160,7 +162,7 @@ def test_changing_an_engine_arg_under_load_replaces_the_replica_without_a_failed
         assert updated.returncode == 0 and "updated" in updated.stdout, updated.output
         assert not load.failures, f"{len(load.failures)} of {load.ok + len(load.failures)} failed: {load.failures[:3]}"
 
-        (after,) = wait_for(lambda: serving_replicas(conf), 60, "one serving replica after the update")
+        (after,) = wait_for(lambda: serving_replicas(conf), STATUS_WAIT_S, "one serving replica after the update")
         assert after["replica_id"] != before["replica_id"]
         argv = vllm_argv(after)
         assert argv[argv.index("--max-num-seqs") + 1] == "4"
@@ -186,7 +188,7 @@ def scale(conf) -> tuple[int, int]:
 def test_an_autoscaled_node_scales_up_under_load_and_down_when_idle(module_dir):
     conf = module_dir / "conf"  # test 1's update turned autoscaling on
     try:
-        assert wait_for(lambda: scale(conf) == (1, 1) and scale(conf), 60, "one replica at rest") == (1, 1)
+        assert wait_for(lambda: scale(conf) == (1, 1) and scale(conf), STATUS_WAIT_S, "one replica at rest") == (1, 1)
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=300, max_retries=0)
         stop, failures, served = threading.Event(), [], []
