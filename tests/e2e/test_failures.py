@@ -89,27 +89,29 @@ def test_a_second_deployment_on_the_port_is_refused_when_the_router_binds(tmp_pa
     deployment's router, which shares the port with SO_REUSEPORT) is found by the router right after it binds."""
     exp_dir = tmp_path / "exp"
     conf = write_config(tmp_path / "conf", [llama_cpp_node("demo")], exp_dir, PORT)
+    # The other deployment: a socket on the same port with SO_REUSEPORT, opened once the run has checked the port
+    # and launched Ray (its state file), before Serve starts the router. Its process is started first and waits
+    # for the word, so that binding is a step of microseconds, not a Python start on a busy machine.
+    listen = (
+        "import socket, sys, time\n"
+        "sys.stdin.readline()\n"
+        "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
+        f"s.bind(('127.0.0.1', {PORT})); s.listen(); print('listening', flush=True); time.sleep(600)\n"
+    )
+    other = subprocess.Popen([sys.executable, "-c", listen], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     run = start_run(conf)
-    other = None
     try:
-        # The other deployment: a socket on the same port with SO_REUSEPORT, opened once the run has checked the
-        # port and launched Ray (its state file), before Serve starts the router.
         wait_for(lambda: (exp_dir / "state.json").exists() or run.poll() is not None, 300, "the run to launch Ray")
         assert run.poll() is None, run.communicate(timeout=60)[0]
-        listen = (
-            "import socket, time\n"
-            "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
-            f"s.bind(('127.0.0.1', {PORT})); s.listen(); print('listening', flush=True); time.sleep(600)\n"
-        )
-        other = subprocess.Popen([sys.executable, "-c", listen], stdout=subprocess.PIPE, text=True)
+        other.stdin.write("bind\n")
+        other.stdin.flush()
         assert other.stdout.readline().strip() == "listening"
         out = run.communicate(timeout=600)[0]
         assert run.returncode != 0, out
         assert f"port {PORT} is served by another deployment too" in out and f"pid {other.pid}" in out, out
         assert "stopped everything this run started" in out
     finally:
-        if other is not None:
-            other.kill()
-            other.wait(30)
+        other.kill()
+        other.wait(30)
         if run.poll() is None:
             run.kill()
