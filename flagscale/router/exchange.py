@@ -35,6 +35,7 @@ class Exchange:
     moves: int = 0
     engine_deaths: int = 0  # replicas whose connection broke off during this request (RETRIES_AFTER_ENGINE_DEATH)
     unreachable: int = 0
+    refreshed: bool = False  # it ran out of replicas and had the router read the registry again (once per request)
     failure: str = ""  # why the last replica that had it failed
     last_answer: Any = None  # the last 5xx answer, returned as is when no replica is left
     response: Any = None  # the client's stream response, once begun

@@ -89,6 +89,10 @@ class Failover:
             except Overloaded as exc:
                 return await self.overloaded(exchange, str(exc))
             if upstream is None:
+                if not exchange.refreshed:  # none left to try: one may have joined since the last refresh
+                    exchange.refreshed = True
+                    await router.refresh_on_miss()
+                    continue
                 return await self._give_up(exchange)
             try:
                 return await self.forward(exchange, upstream)

@@ -53,6 +53,10 @@ log = logging.getLogger("flagscale.router")
 # VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so the router does not send a request on a connection being closed.
 UPSTREAM_KEEPALIVE_S = 4.0
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
+# A request that finds no replica of its model has the registry read again at once (refresh_on_miss); a read that
+# began at most this long before it asked counts as fresh, so requests for a model without replicas cost a few
+# reads a second.
+MISS_REFRESH_GAP_S = 0.25
 
 
 def upstream_session() -> aiohttp.ClientSession:
@@ -159,6 +163,8 @@ class Router:
         self.sharing = False  # shares reports and drains with the other router processes (spec.share_with_peers)
         self.hints = None  # the datagram endpoint routing hints come in on (peers.RoutingHints)
         self.admission = AdmissionQueue()
+        self._miss_refresh = asyncio.Lock()
+        self._read_began = float("-inf")  # when the last registry read that completed began (monotonic)
         self.frontend = Frontend(self)
         self.failover = Failover(self)
         self.prefill = Prefill(self)
@@ -222,8 +228,23 @@ class Router:
         """Replicas whose circuit cool-down is over get one /health probe, so an idle router readmits them too."""
         await probe_half_open(list(self.table.by_replica.values()), self.session)
 
+    async def refresh_on_miss(self) -> None:
+        """A request found no replica of its model: read the registry now, not at the next refresh_s tick, so a
+        replica that has just joined (one `status` already shows) takes it. One read at a time; one that began at
+        most MISS_REFRESH_GAP_S before the ask is taken as it is."""
+        asked = time.monotonic()
+        async with self._miss_refresh:
+            if self._read_began >= asked - MISS_REFRESH_GAP_S:
+                return
+            try:
+                await self._refresh()
+            except Exception as exc:  # GCS hiccup: keep the last table
+                log.warning("replica refresh failed: %s", exc)
+
     async def _refresh(self) -> None:
+        began = time.monotonic()
         records = await asyncio.get_running_loop().run_in_executor(None, registry.list_replicas, self.spec.app)
+        self._read_began = max(self._read_began, began)
         old = self.table
         self.table = table = ReplicaTable.of(records, old)
         for upstream in table.by_replica.values():

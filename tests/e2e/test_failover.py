@@ -82,10 +82,11 @@ class Progress:
         with self._lock:
             self._chunks.pop(key, None)
 
-    def every_stream_past(self, chunks: int) -> bool:
-        """Streams are in flight, and every one of them has received more than `chunks` chunks."""
+    def in_flight_past(self, chunks: int) -> frozenset[object] | None:
+        """The streams in flight when every one of them has received more than `chunks` chunks; else None."""
         with self._lock:
-            return bool(self._chunks) and min(self._chunks.values()) > chunks
+            past = bool(self._chunks) and min(self._chunks.values()) > chunks
+            return frozenset(self._chunks) if past else None
 
 
 def stream(client: openai.OpenAI, kind: str, prompt: str, progress: Progress | None = None) -> str:
@@ -270,17 +271,28 @@ def test_killing_a_replica_under_streaming_load_loses_no_request(deployment):
 
     victim = before[0]
     server = psutil.Process(victim["engine_pid"]).children()[0]  # engine_proc's child: vLLM's API server
-    generated_before = engine_metrics(victim["url"])["vllm:generation_tokens_total"]
 
     progress = Progress()
 
+    def generated() -> float:
+        return engine_metrics(victim["url"])["vllm:generation_tokens_total"]
+
     def streaming_on_victim() -> bool:
-        """A request runs on the victim and has generated tokens, while every stream in flight has reached its
-        client part-way: so the victim's stream has too (a time-based guess failed on a busy machine: the kill
-        came before the router had relayed anything, and the streams moved instead of resuming)."""
-        now = engine_metrics(victim["url"])  # first: a request running there now is in flight when streams are read
-        running = now["vllm:num_requests_running"] >= 1 and now["vllm:generation_tokens_total"] - generated_before >= 4
-        return running and progress.every_stream_past(2)
+        """The victim generates tokens for a stream that has reached its client part-way. Read as: the same
+        streams in flight, each past 2 chunks at its client, before and after the victim's token count rose; so
+        no stream began or ended meanwhile and the victim's tokens were some of theirs. (A time-based guess, and
+        then the engine's running-requests gauge, which stays as it was once an engine goes idle, both let the
+        kill come when the victim held no stream part-way: the streams moved instead of resuming.)"""
+        streams = progress.in_flight_past(2)
+        if streams is None:
+            return False
+        tokens = generated()
+        deadline = time.monotonic() + 2
+        while generated() <= tokens:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return progress.in_flight_past(2) == streams
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = {pool.submit(stream, client, *item, progress): item for item in work}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 from aiohttp import web
@@ -110,5 +111,51 @@ def test_request_dropped_by_every_replica_is_a_502_naming_the_last():
                 server.close()
         assert status == 502 and "dropping1" in body["error"]["message"], body
         assert len(seen) == 2  # each replica got it once
+
+    asyncio.run(main())
+
+
+def test_a_request_that_finds_no_replica_has_the_registry_read_again_and_takes_one_that_just_joined(monkeypatch):
+    """The registry has a replica the router's table does not have yet (it joined since the last refresh_s tick,
+    and `status` already shows it): the request gets it, not a 503."""
+    from flagscale.replica import registry
+
+    async def main():
+        seen: list = []
+        runner, port = await healthy_replica(seen)
+        joined = replica_record("joined", f"http://127.0.0.1:{port}")
+        reads: list[str] = []
+        monkeypatch.setattr(registry, "list_replicas", lambda app, include_stale=False: reads.append(app) or [joined])
+        try:
+            status, body = await through_router([])  # the table as last read: no replica of "m"
+        finally:
+            await runner.cleanup()
+        assert status == 200 and body["choices"][0]["text"] == "ok" and seen, body
+        assert reads == ["a"]
+
+    asyncio.run(main())
+
+
+def test_requests_for_a_model_without_replicas_share_the_registry_reads_and_get_a_503(monkeypatch):
+    from flagscale.replica import registry
+
+    async def main():
+        reads: list[str] = []
+
+        def slow_empty_read(app, include_stale=False):
+            reads.append(app)
+            time.sleep(0.1)
+            return []
+
+        monkeypatch.setattr(registry, "list_replicas", slow_empty_read)
+        async with router_listening(bare_router([], "least_load")) as url, aiohttp.ClientSession() as client:
+
+            async def one() -> tuple[int, str]:
+                async with client.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+                    return r.status, (await r.json())["error"]["message"]
+
+            answers = await asyncio.gather(*(one() for _ in range(20)))
+        assert answers == [(503, "no ready replica for model 'm'")] * 20
+        assert 1 <= len(reads) <= 2, reads  # 20 requests at once: one read, or one begun before the rest asked
 
     asyncio.run(main())
