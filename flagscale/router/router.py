@@ -57,6 +57,7 @@ UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 # began at most this long before it asked counts as fresh, so requests for a model without replicas cost a few
 # reads a second.
 MISS_REFRESH_GAP_S = 0.25
+MISS_REFRESH_TIMEOUT_S = 2.0  # the most such a request waits for the read (a GCS that does not answer: 503 then)
 
 
 def upstream_session() -> aiohttp.ClientSession:
@@ -86,7 +87,6 @@ class Router:
         self._engines = engines  # handles keep the engine deployments part of this application
         self.graph = graph  # DeploymentHandle of the graph driver, when the config has custom nodes
         self._init_state()
-        self._pinning = None
         self.started_at = time.time()
         if spec.pin_cpus:
             # (in a Serve replica, where Ray is loaded already; the benchmark's routers run without Ray)
@@ -163,6 +163,7 @@ class Router:
         self.sharing = False  # shares reports and drains with the other router processes (spec.share_with_peers)
         self.hints = None  # the datagram endpoint routing hints come in on (peers.RoutingHints)
         self.admission = AdmissionQueue()
+        self._pinning = None  # the router processes' cores (RouterPinning), where spec.pin_cpus asks for it
         self._miss_refresh = asyncio.Lock()
         self._read_began = float("-inf")  # when the last registry read that completed began (monotonic)
         self.frontend = Frontend(self)
@@ -217,9 +218,9 @@ class Router:
         while True:
             await asyncio.sleep(self.spec.refresh_s)
             try:
-                await self._refresh()
-            except Exception as exc:  # GCS hiccup: keep the last table
-                log.warning("replica refresh failed: %s", exc)
+                await asyncio.wait_for(self._refresh(), MISS_REFRESH_TIMEOUT_S)
+            except Exception as exc:  # GCS hiccup or no answer in time: keep the last table
+                log.warning("replica refresh for a request that found no replica failed: %r", exc)
             await self._probe_half_open()
             if self.spec.share_with_peers:
                 await self.peers.publish()
@@ -237,9 +238,9 @@ class Router:
             if self._read_began >= asked - MISS_REFRESH_GAP_S:
                 return
             try:
-                await self._refresh()
-            except Exception as exc:  # GCS hiccup: keep the last table
-                log.warning("replica refresh failed: %s", exc)
+                await asyncio.wait_for(self._refresh(), MISS_REFRESH_TIMEOUT_S)
+            except Exception as exc:  # GCS hiccup or no answer in time: keep the last table
+                log.warning("replica refresh for a request that found no replica failed: %r", exc)
 
     async def _refresh(self) -> None:
         began = time.monotonic()

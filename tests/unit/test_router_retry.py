@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import aiohttp
@@ -159,3 +160,24 @@ def test_requests_for_a_model_without_replicas_share_the_registry_reads_and_get_
         assert 1 <= len(reads) <= 2, reads  # 20 requests at once: one read, or one begun before the rest asked
 
     asyncio.run(main())
+
+
+def test_a_registry_that_does_not_answer_holds_a_request_without_replicas_a_bounded_time(monkeypatch):
+    from flagscale.replica import registry
+    from flagscale.router import router as router_module
+
+    hung = threading.Event()
+    monkeypatch.setattr(registry, "list_replicas", lambda app, include_stale=False: hung.wait(3) or [])
+    monkeypatch.setattr(router_module, "MISS_REFRESH_TIMEOUT_S", 0.3)
+
+    async def main():
+        async with router_listening(bare_router([], "least_load")) as url, aiohttp.ClientSession() as client:
+            began = time.monotonic()
+            async with client.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+                return r.status, time.monotonic() - began
+
+    try:
+        status, took = asyncio.run(main())
+    finally:
+        hung.set()
+    assert status == 503 and took < 2, (status, took)  # the read hangs 3 s
