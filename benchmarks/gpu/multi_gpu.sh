@@ -51,7 +51,18 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 out=${1:-/tmp/bench}
 shift || true
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 steps=${*:-tp2 dp2 tests}
+# Every call of the device tool copies the working tree afresh, so a file can be missing for a moment under a chain
+# that runs from it (on 2026-11-28 a poll made tp2r's `run.py status` fail on a missing module). The chain runs from
+# a snapshot of the repo taken now (with the carried FlagScale configs); FLAGSCALE_CHAIN_SNAPSHOT=0 runs in place.
+if [ "${FLAGSCALE_CHAIN_SNAPSHOT:-1}" = 1 ]; then
+  snap=$(mktemp -d "${TMPDIR:-/tmp}/flagscale-chain-XXXXXX")
+  tar -C "$PWD" --exclude=./.git --exclude=./.venv --exclude=./.gpu-wheels -cf - . | tar -C "$snap" -xf - || exit 1
+  [ -d .gpu-wheels/flagscale-configs ] && { mkdir -p "$snap/.gpu-wheels" && cp -r .gpu-wheels/flagscale-configs "$snap/.gpu-wheels/"; }
+  echo "=== running from a snapshot of the repo: $snap"
+  cd "$snap" && FLAGSCALE_CHAIN_SNAPSHOT=0 exec bash benchmarks/gpu/multi_gpu.sh "$out" $steps
+fi
 model="--size 8b --dummy-weights --input-len 512 --output-len 128 --clients 1 --waves 2 --keep-plain --placement-check"
 # Stopped early: `kill -TERM -- -<the chain's process group>` (a chain started in the background ignores SIGINT).
 # The running step stops what it started (bench_gpu.py, auto_tune.py and run.py handle SIGTERM), and no later step
@@ -134,8 +145,15 @@ for step in $steps; do
           python3 -m pytest tests/gpu/test_sglang.py -v -p no:cacheprovider --junitxml="$out/tests-sglang.xml"
           python3 benchmarks/gpu/bench_gpu.py --engine sglang --size 1b --input-len 512 --output-len 128 --clients 1 \
             --waves 2 --keep-plain --rounds 2 --concurrency 1 16 64 --output "$out/sgl1.json" ;;
-    pdfs2|pdfs4) FLAGSCALE_CONFIGS=${FLAGSCALE_CONFIGS:-$PWD/.gpu-wheels/flagscale-configs} python3 -m pytest \
-             tests/gpu/test_pd.py -v -p no:cacheprovider -k flagscale_xpyd --junitxml="$out/tests-$step.xml" ;;
+    pdfs2|pdfs4) configs=${FLAGSCALE_CONFIGS:-$PWD/.gpu-wheels/flagscale-configs}
+           # the test skips without the configs; asked for by name, their absence is this step's failure
+           if [ ! -d "$configs/qwen2_5-disagg-xpyd" ]; then
+             echo "$step: no FlagScale configs at $configs (carry .gpu-wheels/flagscale-configs in the call that" \
+               "starts the chain, or copy them out of the repo and give FLAGSCALE_CONFIGS)"; false
+           else
+             FLAGSCALE_CONFIGS=$configs python3 -m pytest tests/gpu/test_pd.py -v -p no:cacheprovider \
+               -k flagscale_xpyd --junitxml="$out/tests-$step.xml"
+           fi ;;
     itl1) CUDA_VISIBLE_DEVICES=${ITL1_GPU:-1} taskset -c "${ITL1_CPUS:-0-15}" python3 benchmarks/gpu/bench_gpu.py \
             --size 1b --rounds 2 --clients 4 --concurrency 256 --input-len 256 --output-len 256 --keep-plain \
             --output "$out/itl1.json" ;;
