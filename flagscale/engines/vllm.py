@@ -267,7 +267,8 @@ class VLLM(EngineKind):
         command = [
             sys.executable,
             "-m",
-            "vllm.entrypoints.openai.api_server",
+            # a KV engine's server: vLLM's, with NIXL's busy progress thread off on CPU (that module says why)
+            "flagscale.engines.vllm_server" if role else "vllm.entrypoints.openai.api_server",
             *argv,
             "--host",
             host,

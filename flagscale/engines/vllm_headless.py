@@ -8,6 +8,7 @@ args with the same `vllm serve` parser and calls the headless entry itself.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from flagscale.engines.vllm_args import vllm_serve_parser
@@ -19,6 +20,10 @@ def main(argv: list[str]) -> None:
     args = vllm_serve_parser().parse_args(argv)
     if not args.headless:
         raise SystemExit("flagscale.engines.vllm_headless runs headless ranks only: pass --headless")
+    if args.kv_transfer_config is not None:  # ranks of a prefill or decode replica
+        from flagscale.engines.vllm_server import apply_progress_thread_choice
+
+        apply_progress_thread_choice(os.environ, "headless ranks")
     args.api_server_count = 0  # as `vllm serve --headless` does
     validate_parsed_serve_args(args)
     run_headless(args)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
+from pathlib import Path
 
 import openai
 import psutil
@@ -106,6 +107,12 @@ def test_pools_are_planned_and_shown_with_their_roles(deployment):
     roles = wait_for(all_routed, 300, "the router to route to 2 prefill, 1 decode and 1 colocated replica")
     assert {r["serve_id"] for r in roles["prefill"]} == {"pd-prefill"}
     assert roles["decode"][0]["serve_id"] == "pd-decode" and roles["decode"][0]["url"].startswith("http://")
+    # KV engines on CPU start without NIXL's busy progress thread (flagscale/engines/vllm_server.py), the engine
+    # core vLLM spawns (where the agent lives) included; other engines are vLLM's server as it is
+    said = "NIXL agents start without their progress thread (CPU; pid "
+    for replica in [*roles["prefill"], *roles["decode"]]:
+        assert said in Path(replica["log"]).read_text(errors="replace"), replica["log"]
+    assert "NIXL agents" not in Path(roles["colocated"][0]["log"]).read_text(errors="replace")
 
 
 def test_disaggregated_answers_equal_colocated_ones_and_kv_moves_over_nixl(deployment):
