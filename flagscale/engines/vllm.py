@@ -267,7 +267,7 @@ class VLLM(EngineKind):
         command = [
             sys.executable,
             "-m",
-            # a KV engine's server: vLLM's, with NIXL's busy progress thread off on CPU (that module says why)
+            # a KV engine's server: vLLM's, NIXL's progress thread pausing between polls on CPU (that module says why)
             "flagscale.engines.vllm_server" if role else "vllm.entrypoints.openai.api_server",
             *argv,
             "--host",

@@ -107,12 +107,12 @@ def test_pools_are_planned_and_shown_with_their_roles(deployment):
     roles = wait_for(all_routed, 300, "the router to route to 2 prefill, 1 decode and 1 colocated replica")
     assert {r["serve_id"] for r in roles["prefill"]} == {"pd-prefill"}
     assert roles["decode"][0]["serve_id"] == "pd-decode" and roles["decode"][0]["url"].startswith("http://")
-    # KV engines on CPU start without NIXL's busy progress thread (flagscale/engines/vllm_server.py), the engine
-    # core vLLM spawns (where the agent lives) included; other engines are vLLM's server as it is
-    said = "NIXL agents start without their progress thread (CPU; pid "
+    # KV engines on CPU: NIXL's progress thread pauses between polls (flagscale/engines/vllm_server.py), in the
+    # engine core vLLM spawns (where the agent lives) too; other engines are vLLM's server as it is
+    said = "NIXL's progress thread pauses 100 us between polls (pid "
     for replica in [*roles["prefill"], *roles["decode"]]:
         assert said in Path(replica["log"]).read_text(errors="replace"), replica["log"]
-    assert "NIXL agents" not in Path(roles["colocated"][0]["log"]).read_text(errors="replace")
+    assert "NIXL's progress thread" not in Path(roles["colocated"][0]["log"]).read_text(errors="replace")
 
 
 def test_disaggregated_answers_equal_colocated_ones_and_kv_moves_over_nixl(deployment):
