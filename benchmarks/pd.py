@@ -16,8 +16,9 @@ pools in float32; the colocated engines get it too, so that only the serving lay
 
 A and B are deployed one after the other, once each (each its own Ray cluster on a private exp_dir and port;
 a deployment costs 1-1.5 minutes here, too much to redeploy per round), C while B is up, as a subprocess in a
-session of its own. Not both at once: idle PD engines keep their workers busy (measured here: the two idle B
-workers held one core at ~100%), so an idle B beside A would take CPU from A. Each deployment gets a short
+session of its own. Not both at once: an idle deployment still costs CPU (before 2026-11-28 each idle PD engine
+held a core at ~100% in NIXL's progress thread, which now pauses between polls on CPU:
+flagscale/engines/vllm_server.py), so an idle B beside A would take CPU from A. Each deployment gets a short
 warm-up, then --rounds rounds; within B's, B and C alternate (order rotated per round). Two workloads, streamed completions loaded with vLLM's own serving benchmark (random
 dataset, ignore_eos, as in benchmarks/overhead.py): prefill-heavy (prompts 1000-1500 tokens, ~16 output tokens)
 and decode-heavy (64-token prompts, 256 output tokens), the same prompts for every system of a round, new ones
