@@ -12,6 +12,7 @@ import os
 import sys
 
 from flagscale.engines.vllm_args import vllm_serve_parser
+from flagscale.engines.vllm_server import apply_progress_pause
 
 
 def main(argv: list[str]) -> None:
@@ -21,8 +22,6 @@ def main(argv: list[str]) -> None:
     if not args.headless:
         raise SystemExit("flagscale.engines.vllm_headless runs headless ranks only: pass --headless")
     if args.kv_transfer_config is not None:  # ranks of a prefill or decode replica
-        from flagscale.engines.vllm_server import apply_progress_pause
-
         apply_progress_pause(os.environ, "headless ranks")
     args.api_server_count = 0  # as `vllm serve --headless` does
     validate_parsed_serve_args(args)
