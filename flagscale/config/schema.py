@@ -379,6 +379,10 @@ class ExperimentConfig(Strict):
                     raise ValueError("nodes_envs must map host -> {VAR: value}")
             elif isinstance(value, (dict, list)):
                 raise ValueError(f"env var {key} must be a scalar, got {type(value).__name__}")
+        for table in [envs, *envs.get("nodes_envs", {}).values()]:
+            for key, value in table.items():  # what engines read once started is checked here, before
+                if key != "nodes_envs":
+                    engines.checked_env(key, _env_str(value))
         return envs
 
     def env_for(self, host: str | None = None) -> dict[str, str]:

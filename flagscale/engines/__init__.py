@@ -22,7 +22,16 @@ ENGINES = {
 }
 DEFAULT_ENGINE = "vllm"
 
-__all__ = ["Capabilities", "DEFAULT_ENGINE", "ENGINES", "EngineKind", "ServerLaunch", "dropped_request_headers", "get"]
+__all__ = [
+    "Capabilities",
+    "DEFAULT_ENGINE",
+    "ENGINES",
+    "EngineKind",
+    "ServerLaunch",
+    "checked_env",
+    "dropped_request_headers",
+    "get",
+]
 
 
 def get(name: str | None) -> EngineKind:
@@ -35,3 +44,11 @@ def dropped_request_headers() -> frozenset[str]:
     """Request headers (lower case) the router drops before passing a request to any engine: the union over the
     kinds (one router serves models of several kinds)."""
     return frozenset(header for name in ENGINES for header in get(name).dropped_request_headers)
+
+
+def checked_env(name: str, value: str) -> None:
+    """Checks an experiment.envs variable that an engine kind reads (ValueError naming it); others pass."""
+    for kind in ENGINES:
+        check = get(kind).env_checks.get(name)
+        if check is not None:
+            check(value)

@@ -9,6 +9,7 @@ files and packages. One module per kind under flagscale/engines/, registered in 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +110,9 @@ class EngineKind(ABC):
     # request headers (lower case) the router must not pass on to this engine: they change what the engine does in
     # ways the router cannot undo (llama.cpp's X-Conversation-Id keeps a hung-up stream generating)
     dropped_request_headers: tuple[str, ...] = ()
+    # variables of experiment.envs this engine's processes read, each with its check (raises ValueError naming it):
+    # the schema runs them before anything starts
+    env_checks: dict[str, Callable[[str], object]] = {}
 
     # ---- before start (the planner) ----
 

@@ -15,6 +15,7 @@ from flagscale.engines import vllm_args
 from flagscale.engines.base import OPENAI_INFERENCE_PATHS, Capabilities, EngineKind, HostShare, ServerLaunch
 from flagscale.engines.model_args import check_hf_model, positive_int
 from flagscale.engines.vllm_auth import KEY_ENV, MIDDLEWARE
+from flagscale.engines.vllm_server import PAUSE_ENV, parse_pause_us
 from flagscale.errors import ConfigError
 from flagscale.net import free_port
 
@@ -206,6 +207,7 @@ class VLLM(EngineKind):
     # EngineDeadError's message (vllm/v1/engine/exceptions.py), which its server answers with a 500 once the
     # engine core process is gone
     dead_engine_marker = b"EngineCore encountered an issue"
+    env_checks = {PAUSE_ENV: parse_pause_us}  # read by KV engines' servers (flagscale/engines/vllm_server.py)
 
     def status_load(self, metrics: dict[str, float]) -> dict[str, float]:
         load = super().status_load(metrics)

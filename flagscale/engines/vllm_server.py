@@ -32,14 +32,22 @@ CPU_PAUSE_US = 100
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
+def parse_pause_us(value: str) -> int:
+    """PAUSE_ENV's value; ValueError naming it otherwise (the config schema checks it before anything starts)."""
+    if not value.strip().isdigit():
+        raise ValueError(f"{PAUSE_ENV}={value!r}: microseconds, a whole number (0: NIXL's busy polling)")
+    return int(value)
+
+
 def progress_pause_us(env: Mapping[str, str], on_cpu: bool) -> int | None:
     """The pause to give NIXL's progress thread, or None to leave NIXL's default."""
-    value = env.get(PAUSE_ENV, "").strip()
-    if not value:
+    value = env.get(PAUSE_ENV, "")
+    if not value.strip():
         return CPU_PAUSE_US if on_cpu else None
-    if not value.isdigit():
-        raise SystemExit(f"{PAUSE_ENV}={value!r}: microseconds, a whole number (0: NIXL's busy polling)")
-    return int(value)
+    try:
+        return parse_pause_us(value)
+    except ValueError as exc:  # set in the shell, past the schema's check
+        raise SystemExit(str(exc)) from None
 
 
 class PausedProgressBindings(types.ModuleType):

@@ -57,7 +57,7 @@ UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 # began at most this long before it asked counts as fresh, so requests for a model without replicas cost a few
 # reads a second.
 MISS_REFRESH_GAP_S = 0.25
-MISS_REFRESH_TIMEOUT_S = 2.0  # the most such a request waits for the read (a GCS that does not answer: 503 then)
+MISS_REFRESH_TIMEOUT_S = 2.0  # the most a registry read may take (a GCS that does not answer: 503 then)
 
 
 def upstream_session() -> aiohttp.ClientSession:
@@ -217,10 +217,7 @@ class Router:
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self.spec.refresh_s)
-            try:
-                await asyncio.wait_for(self._refresh(), MISS_REFRESH_TIMEOUT_S)
-            except Exception as exc:  # GCS hiccup or no answer in time: keep the last table
-                log.warning("replica refresh for a request that found no replica failed: %r", exc)
+            await self._bounded_refresh("replica refresh")
             await self._probe_half_open()
             if self.spec.share_with_peers:
                 await self.peers.publish()
@@ -237,10 +234,13 @@ class Router:
         async with self._miss_refresh:
             if self._read_began >= asked - MISS_REFRESH_GAP_S:
                 return
-            try:
-                await asyncio.wait_for(self._refresh(), MISS_REFRESH_TIMEOUT_S)
-            except Exception as exc:  # GCS hiccup or no answer in time: keep the last table
-                log.warning("replica refresh for a request that found no replica failed: %r", exc)
+            await self._bounded_refresh("replica refresh for a request that found no replica")
+
+    async def _bounded_refresh(self, what: str) -> None:
+        try:
+            await asyncio.wait_for(self._refresh(), MISS_REFRESH_TIMEOUT_S)
+        except Exception as exc:  # GCS hiccup or no answer in time: keep the last table
+            log.warning("%s failed: %r", what, exc)
 
     async def _refresh(self) -> None:
         began = time.monotonic()

@@ -101,6 +101,20 @@ def test_env_values_are_scalars_with_per_host_overrides():
     assert config.experiment.env_for("h1") == {"A": "2", "B": "1"}
 
 
+@pytest.mark.parametrize(
+    "envs",
+    [{"FLAGSCALE_NIXL_PROGRESS_PAUSE_US": "1ms"}, {"nodes_envs": {"h1": {"FLAGSCALE_NIXL_PROGRESS_PAUSE_US": -5}}}],
+)
+def test_a_nixl_progress_pause_that_is_no_whole_number_is_refused_before_start(envs):
+    cfg = base()
+    cfg["experiment"]["envs"] = envs
+    message = error_of(cfg)
+    assert "experiment.envs" in message and "FLAGSCALE_NIXL_PROGRESS_PAUSE_US=" in message, message
+    assert "microseconds, a whole number" in message, message
+    cfg["experiment"]["envs"] = {"FLAGSCALE_NIXL_PROGRESS_PAUSE_US": 250}
+    assert load_config(cfg, SOURCES).experiment.env_for() == {"FLAGSCALE_NIXL_PROGRESS_PAUSE_US": "250"}
+
+
 def test_cpu_affinity_is_auto_or_off():
     assert load_config(base(), SOURCES).experiment.runner.deploy.cpu_affinity == "auto"
     cfg = base()
