@@ -34,6 +34,7 @@
 #          are steps too: llamaprep (CPU only: the build, the model, its GGUF; may run beside another chain),
 #          llamabench, vllm1, llamatest (LLAMA1_ROUNDS, LLAMA1_PROMPTS shorten the benchmarks)
 #   dptest the GPU test of vLLM's data_parallel_size 2 inside one replica alone
+#   pdtest tests/gpu/test_pd.py's 1P1D checks alone (2 GPUs, NIXL installed): KV over cuda_ipc, multicast off, stop
 #   pdfs4  FlagScale's own xpyd PD config (2 prefill + 2 decode, a GPU each) as it is, model path overridden to a
 #          random-weight Qwen2.5-7B shape (tests/gpu/test_pd.py; NIXL carried; the configs carried as
 #          .gpu-wheels/flagscale-configs, a copy of ../shared/flagscale-configs, or FLAGSCALE_CONFIGS)
@@ -157,6 +158,8 @@ for step in $steps; do
     itl1) CUDA_VISIBLE_DEVICES=${ITL1_GPU:-1} taskset -c "${ITL1_CPUS:-0-15}" python3 benchmarks/gpu/bench_gpu.py \
             --size 1b --rounds 2 --clients 4 --concurrency 256 --input-len 256 --output-len 256 --keep-plain \
             --output "$out/itl1.json" ;;
+    pdtest) python3 -m pytest tests/gpu/test_pd.py -v -p no:cacheprovider -k "not flagscale_xpyd" \
+              --junitxml="$out/tests-pd.xml" ;;
     dptest) python3 -m pytest tests/gpu/test_placement.py -v -p no:cacheprovider -k dp2_inside \
               --junitxml="$out/tests-dp.xml" ;;
     *) echo "unknown step $step" ;;
