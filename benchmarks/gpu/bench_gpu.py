@@ -64,7 +64,7 @@ from overhead import (  # noqa: E402
     router_cpu_us_per_token,
 )
 
-from flagscale.actions.bench import report_row, vllm_bench_argv, vllm_bench_worker  # noqa: E402
+from flagscale.actions.bench import BenchWorker, report_row, vllm_bench_argv, vllm_bench_worker  # noqa: E402
 from flagscale.config.schema import BenchConfig  # noqa: E402
 from flagscale.net import port_is_free  # noqa: E402
 
@@ -424,6 +424,10 @@ def pooled_row(concurrency: int, clients: int, results: list[dict[str, Any]]) ->
             if start is not None:  # perf_counter: CLOCK_MONOTONIC, comparable across the client processes
                 first_start, last_end = min(first_start, start), max(last_end, start + latency)
     span = last_end - first_start if last_end > first_start else max(float(r["duration"]) for r in results)
+    # When the clients' measured runs began, apart (each starts after its own warm-up wave): the span, and so the
+    # throughput, counts a late client's start as time the system served less.
+    firsts = [min(r["start_times"]) for r in results if r.get("start_times")]
+    skew = max(firsts) - min(firsts) if len(firsts) == len(results) and len(firsts) > 1 else None
     total_out = sum(int(r["total_output_tokens"]) for r in results)
     itl_ms = _percentiles(itls)
     if itls:
@@ -440,6 +444,7 @@ def pooled_row(concurrency: int, clients: int, results: list[dict[str, Any]]) ->
         # Every client's output tokens over the span from the first request's start to the last one's end.
         "output_tok_s": total_out / span if span > 0 else 0.0,
         "output_tokens": total_out,
+        "client_start_skew_s": None if skew is None else round(skew, 3),
         "sum_client_output_tok_s": sum(float(r["output_throughput"]) for r in results),
         "ttft_ms": _percentiles(ttfts),
         "tpot_ms": _percentiles(tpots),
@@ -448,6 +453,43 @@ def pooled_row(concurrency: int, clients: int, results: list[dict[str, Any]]) ->
         "tokens_per_chunk": tokens / chunks if chunks else 0.0,
         "per_client": [report_row(concurrency, r) for r in results],
     }
+
+
+def client_pass(client: BenchWorker, argv: list[str]) -> tuple[dict[str, Any], float | None]:
+    """One client's part of a pass: vLLM's result, and the cores its process used meanwhile (CPU seconds over
+    the pass's wall time, warm-up included). Near 1.0, that one Python process is what limits the pass."""
+    try:
+        process = psutil.Process(client.pid)
+        cpu_before = sum(process.cpu_times()[:2])
+    except psutil.Error:
+        process = None
+    start = time.monotonic()
+    result = client(argv)
+    wall = time.monotonic() - start
+    try:
+        cores = (sum(process.cpu_times()[:2]) - cpu_before) / wall if process and wall > 0 else None
+    except psutil.Error:
+        cores = None
+    return result, None if cores is None else round(cores, 2)
+
+
+CLIENT_BOUND_CORES = 0.9  # a client process this busy is likely what limits the pass
+
+
+def client_note(row: dict[str, Any]) -> str:
+    """What the round line says of the load generators: their busiest process's cores, flagged when it is likely
+    the limit, and the clients' start skew when it is over a tenth of the span."""
+    cores = [c for c in row.get("client_cpu_cores") or [] if c is not None]
+    note = ""
+    if cores:
+        busiest = max(cores)
+        note += f"  client {busiest:.2f} core" + ("s" if busiest != 1 else "")
+        if busiest >= CLIENT_BOUND_CORES:
+            note += " [yellow](client-bound: more --clients)[/]"
+    skew = row.get("client_start_skew_s")
+    if skew and row.get("span_s") and skew > 0.1 * row["span_s"]:
+        note += f"  [yellow]clients started {skew:.1f} s apart[/]"
+    return note
 
 
 def run_pass(
@@ -471,10 +513,12 @@ def run_pass(
         )
         argvs.append(vllm_bench_argv(url, MODEL_NAME, str(model_dir), settings, concurrency, num_warmups=concurrency))
     before = cpu_seconds(watched())
-    futures = [pool.submit(client, argv) for client, argv in zip(clients, argvs)]
-    results = [f.result() for f in futures]
+    futures = [pool.submit(client_pass, client, argv) for client, argv in zip(clients, argvs)]
+    timed = [f.result() for f in futures]
+    results = [result for result, _ in timed]
     row = pooled_row(concurrency, len(clients), results)
     row["cpu_s"] = cpu_used(before, cpu_seconds(watched()))
+    row["client_cpu_cores"] = [cores for _, cores in timed]
     if row["completed"] == 0:
         error = next((e for r in results for e in r["errors"] if e), "?")
         raise RuntimeError(f"every request to {url} failed, e.g. {error}")
@@ -605,6 +649,10 @@ def median_rows(rounds: list[dict[str, Any]], system: str, concurrency: int) -> 
     imbalance = [p["replica_share"]["requests_imbalance"] for p in passes if p.get("replica_share")]
     imbalance = [x for x in imbalance if x is not None]
     medians["replica requests imbalance"] = statistics.median(imbalance) if imbalance else None
+    busiest = [
+        max(c for c in p["client_cpu_cores"] if c is not None) for p in passes if any(p.get("client_cpu_cores") or [])
+    ]
+    medians["busiest client cores"] = statistics.median(busiest) if busiest else None
     for label in PACE_METRICS:
         paces = [p["engine_pace"][label] for p in passes if (p.get("engine_pace") or {}).get(label) is not None]
         medians[label] = statistics.median(paces) if paces else None
@@ -912,7 +960,8 @@ def main() -> int:
                                 if row["engine_pace"]["engine TPOT mean ms"] is not None
                                 else ""
                             )
-                            + (f"  [red]{row['failed']} failed[/]" if row["failed"] else ""),
+                            + (f"  [red]{row['failed']} failed[/]" if row["failed"] else "")
+                            + client_note(row),
                             soft_wrap=True,
                         )
                         top = ", ".join(f"{role} {sec:.1f}" for role, sec in list(row["cpu_s"].items())[:6])

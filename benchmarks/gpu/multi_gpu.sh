@@ -2,8 +2,10 @@
 # Issue 31's 2-GPU runs, one after another, each stopping what it started (docs/benchmarks.md, "Two H100s"):
 #   tp2    8B-class shape (dummy weights), tensor_parallel_size 2: plain `vllm ... --tensor-parallel-size 2` vs the
 #          orchestrator, alternating, c=1/64/256; placement checks (status vs nvidia-smi) and nothing left after stop
-#   tp2r   the TP=2 re-check at 256 streams alone (issue 31, item 1: 0.915x there on 2026-11-26): 5 rounds, the
-#          order reversed every other round, each system's engine-side TPOT beside the client's
+#   tp2r   the TP=2 re-check at 256 streams alone (issue 31, item 1): 4 clients x 64 streams, 8 waves a pass (on
+#          2026-11-28 one client at 256 streams saw TPOT ~2x the engines' own in both systems, and 2-wave passes of
+#          ~5 s let the clients' start skew move throughput), 5 rounds, the order reversed every other round, the
+#          engines' own TPOT and each client's cores beside the client's numbers
 #   dp2    the same shape at TP=1: plain vLLM on one GPU vs the orchestrator's 2 replicas (one GPU each), c=1 (the
 #          TP=1 baseline of the TP=2/TP=1 ratio) and at saturation; each replica's share of the load
 #   tests  tests/gpu (placement, env, replacement, stop)
@@ -106,7 +108,7 @@ for step in $steps; do
     tp2) python3 benchmarks/gpu/bench_gpu.py $model --engine-arg tensor_parallel_size=2 --rounds 3 \
            --concurrency 1 64 256 --output "$out/tp2.json" ;;
     tp2r) python3 benchmarks/gpu/bench_gpu.py $model --engine-arg tensor_parallel_size=2 --rounds 5 \
-           --concurrency 256 --output "$out/tp2r.json" ;;
+           --clients 4 --waves 8 --concurrency 64 --output "$out/tp2r.json" ;;
     dp2) python3 benchmarks/gpu/bench_gpu.py $model --replicas 2 --gpus-per-replica 1 --no-orchestrator \
            --gpu-memory-utilization 0.43 --replica-gpu-memory-utilization 0.43 --rounds 2 \
            --concurrency 1 256 512 --output "$out/dp2.json" ;;

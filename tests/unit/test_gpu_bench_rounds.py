@@ -127,3 +127,53 @@ def test_each_replicas_counters_come_from_the_one_reading_of_its_engine():
     reading = {bench_gpu.REQUESTS_METRIC: 7.0, bench_gpu.TOKENS_METRIC: 700.0}
     counters = orch.engine_counters({"http://127.0.0.1:8701": reading, "http://127.0.0.1:8702": None})
     assert counters == {"r1": {"requests": 7.0, "tokens": 700.0}}  # r2's engine did not answer: left out
+
+
+def bench_result(starts: list[float], ttft: float = 0.1, itl: float = 0.01, tokens: int = 3) -> dict:
+    """One client's `vllm bench serve` result with requests that began at `starts` (perf_counter seconds)."""
+    n = len(starts)
+    return {
+        "start_times": starts,
+        "ttfts": [ttft] * n,
+        "itls": [[itl] * (tokens - 1)] * n,
+        "latencies": [ttft + itl * (tokens - 1)] * n,
+        "output_lens": [tokens] * n,
+        "errors": [""] * n,
+        "total_output_tokens": tokens * n,
+        "completed": n,
+        "failed": 0,
+        "duration": max(starts) - min(starts) + ttft + itl * (tokens - 1),
+        "output_throughput": 1.0,
+        "request_throughput": 1.0,
+        **{f"{stat}_{m}_ms": 1.0 for m in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "p50", "p90", "p99")},
+    }
+
+
+def test_pooled_row_reports_how_far_apart_the_clients_began():
+    row = bench_gpu.pooled_row(2, 2, [bench_result([10.0, 10.5]), bench_result([13.0, 13.2])])
+    assert row["client_start_skew_s"] == pytest.approx(3.0)
+    assert row["span_s"] == pytest.approx(13.2 + 0.12 - 10.0)  # the late client's start is in the span
+    assert bench_gpu.pooled_row(2, 1, [bench_result([10.0])])["client_start_skew_s"] is None
+
+
+def test_the_round_line_flags_a_busy_client_and_a_skewed_start():
+    calm = {"client_cpu_cores": [0.3, 0.41], "client_start_skew_s": 0.05, "span_s": 20.0}
+    assert bench_gpu.client_note(calm) == "  client 0.41 cores"
+    busy = {"client_cpu_cores": [0.97, None], "client_start_skew_s": 3.0, "span_s": 7.6}
+    note = bench_gpu.client_note(busy)
+    assert "client 0.97 cores" in note and "client-bound" in note and "3.0 s apart" in note
+    assert bench_gpu.client_note({}) == ""
+
+
+def test_the_medians_carry_the_busiest_client_per_pass():
+    def row(cores):
+        return {
+            **bench_gpu.pooled_row(1, 2, [bench_result([1.0]), bench_result([1.0])]),
+            "cpu_s": {},
+            "client_cpu_cores": cores,
+            "router_us_per_token": None,
+            "engine_pace": {},
+        }
+
+    rounds = [{"plain": {"1": row([0.2, 0.9])}}, {"plain": {"1": row([0.5, 0.1])}}, {"plain": {"1": row([None])}}]
+    assert bench_gpu.median_rows(rounds, "plain", 1)["busiest client cores"] == pytest.approx(0.7)
