@@ -11,6 +11,13 @@ busy threads (docs/disaggregation.md). Turning the thread off frees the core but
 inside the engine's own NIXL calls, once per engine step: a 15 MB KV transfer then took 1.8-2.1 s instead of
 9 ms. A pause of 100 us between polls keeps transfers in the background at ~2 % of a core when idle.
 
+vLLM's automatic CPU binding (VLLM_CPU_OMP_THREADS_BIND=auto, what a single-rank replica gets) keeps one more
+core per rank away from the workers when a KV connector is set, for that busy thread. Where the host has no core
+to spare it binds the worker's OpenMP threads over every core instead, shared with the other engines and the
+API servers: on 2 cores the decode step took 8x as long (docs/disaggregation.md). With the thread paused, the
+server here gives vLLM the reservation it makes without a connector, one core per rank
+(VLLM_CPU_NUM_OF_RESERVED_CPU), unless the environment sets either variable.
+
 FLAGSCALE_NIXL_PROGRESS_PAUSE_US (experiment.envs): the pause, in microseconds, on any host; `0` is NIXL's own
 busy polling. Unset: 100 on CPU, NIXL's default on GPUs. The NIXL agents live in the engine core (or its
 workers), which vLLM on CPU always spawns (never forks): a spawned process imports its parent's `__main__` module
@@ -20,6 +27,7 @@ the same pause when imported so.
 
 from __future__ import annotations
 
+import argparse
 import os
 import runpy
 import sys
@@ -30,6 +38,8 @@ from typing import Any
 PAUSE_ENV = "FLAGSCALE_NIXL_PROGRESS_PAUSE_US"
 CPU_PAUSE_US = 100
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
 def parse_pause_us(value: str) -> int:
@@ -92,8 +102,35 @@ def apply_progress_pause(env: Mapping[str, str], where: str) -> int | None:
     return pause_us
 
 
+def ranks_per_engine(argv: list[str]) -> int:
+    """TP x PP from the server's argv: the ranks one engine binds (vLLM's local world size on one host)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    known, _ = parser.parse_known_args(argv)
+    return max(1, known.tensor_parallel_size) * max(1, known.pipeline_parallel_size)
+
+
+def light_progress_reservation(env: Mapping[str, str], argv: list[str], pause_us: int | None) -> int | None:
+    """The cores vLLM's automatic CPU binding should keep from the workers when NIXL's progress thread pauses
+    (one per rank, as without a connector), or None to leave vLLM's own choice: the thread busy or NIXL's
+    default, the binding set by hand, or the reservation given."""
+    if not pause_us or env.get(RESERVED_ENV, "").strip() or env.get(BIND_ENV, "auto").strip() != "auto":
+        return None
+    return ranks_per_engine(argv)
+
+
 def main(argv: list[str]) -> None:
-    apply_progress_pause(os.environ, "the API server")
+    pause_us = apply_progress_pause(os.environ, "the API server")
+    reserved = light_progress_reservation(os.environ, argv, pause_us)
+    if reserved is not None:  # inherited by the engine core vLLM spawns, which binds the workers
+        os.environ[RESERVED_ENV] = str(reserved)
+        print(
+            f"flagscale: vLLM's CPU binding keeps {reserved} core(s) from the workers, as without a KV connector "
+            "(NIXL's progress thread pauses)",
+            file=sys.stderr,
+            flush=True,
+        )
     sys.argv = [SERVER_MODULE, *argv]
     # not alter_sys: this module stays __main__, so that what vLLM spawns imports it (below)
     runpy.run_module(SERVER_MODULE, run_name="__main__")

@@ -10,7 +10,15 @@ import types
 
 import pytest
 
-from flagscale.engines.vllm_server import PAUSE_ENV, PausedProgressBindings, pause_progress, progress_pause_us
+from flagscale.engines.vllm_server import (
+    BIND_ENV,
+    PAUSE_ENV,
+    RESERVED_ENV,
+    PausedProgressBindings,
+    light_progress_reservation,
+    pause_progress,
+    progress_pause_us,
+)
 
 
 def test_a_pause_on_cpu_nixls_default_on_gpu_unless_the_env_says():
@@ -60,3 +68,13 @@ def test_a_nixl_agent_made_after_the_change_idles_without_a_busy_thread():
     # NIXL's own default keeps one core busy for the agent's whole life (1.0 measured here, 0.02 with the pause);
     # an idle process can only use less on a busy machine, so this cannot pass by load
     assert cores < 0.3, done.stdout
+
+
+def test_a_paused_progress_thread_gets_vllms_reservation_without_a_connector_one_core_per_rank():
+    assert light_progress_reservation({}, ["--model", "m"], 100) == 1
+    assert light_progress_reservation({BIND_ENV: "auto"}, ["-tp", "2", "--pipeline-parallel-size=2"], 100) == 4
+    # vLLM's own choice stands: a busy thread, NIXL's default (GPU), the binding or the reservation set by hand
+    assert light_progress_reservation({}, [], 0) is None
+    assert light_progress_reservation({}, [], None) is None
+    assert light_progress_reservation({BIND_ENV: "0|1"}, [], 100) is None
+    assert light_progress_reservation({RESERVED_ENV: "3"}, [], 100) is None
