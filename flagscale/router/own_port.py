@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import time
 
 import psutil
 
 # Set in every router process's environment by the Serve app (flagscale/serve/app.py): "<app>@<exp_dir>".
 DEPLOYMENT_ENV = "FLAGSCALE_ROUTER_DEPLOYMENT"
+# psutil maps sockets to processes by reading every process's fds first and the socket table after: a socket
+# bound in between (a sibling router process starting at the same moment) shows with no owner. A listener
+# without one is looked at again this many times, this far apart, before it counts as someone else's.
+OWNERLESS_RESCANS = 5
+OWNERLESS_RESCAN_S = 0.2
 
 
 def _overlaps(host: str, other: str) -> bool:
@@ -38,14 +44,26 @@ def _deployment_of(pid: int) -> str | None:
 def foreign_listeners(host: str, port: int, deployment: str | None) -> list[str]:
     """The listeners on host:port other than this process and the routers of `deployment`, each as a phrase that
     names it ("pid 123 (deployment x@/exp)", "pid 77 (python3)"). Empty: the port is this deployment's."""
-    found = []
+    for _ in range(OWNERLESS_RESCANS):
+        found, ownerless = _listeners(host, port, deployment)
+        if not ownerless:
+            return found
+        time.sleep(OWNERLESS_RESCAN_S)
+    found, ownerless = _listeners(host, port, deployment)
+    # (the kernel lets only the same user share a port: one whose fds this process cannot read, listed as found)
+    return sorted(set(found + ["a process whose owner cannot be read"] * bool(ownerless)))
+
+
+def _listeners(host: str, port: int, deployment: str | None) -> tuple[list[str], bool]:
+    """One look: the foreign listeners with an owner, and whether some listener showed none."""
+    found, ownerless = [], False
     for conn in psutil.net_connections(kind="tcp"):
         if conn.status != psutil.CONN_LISTEN or not conn.laddr or conn.laddr.port != port:
             continue
         if not _overlaps(host, conn.laddr.ip) or conn.pid == os.getpid():
             continue
-        if conn.pid is None:  # (the kernel lets only the same user share a port; listed for the record)
-            found.append("a process of another user")
+        if conn.pid is None:
+            ownerless = True
             continue
         theirs = _deployment_of(conn.pid)
         if deployment is not None and theirs == deployment:
@@ -55,4 +73,4 @@ def foreign_listeners(host: str, port: int, deployment: str | None) -> list[str]
         except psutil.Error:
             name = "exited"
         found.append(f"pid {conn.pid} ({f'deployment {theirs}' if theirs else name})")
-    return sorted(set(found))
+    return sorted(set(found)), ownerless

@@ -78,3 +78,34 @@ def test_a_wildcard_listener_overlaps_a_loopback_one(listener):
     theirs = listener("0.0.0.0", port, "app@/exp/b")
     assert foreign_listeners("127.0.0.1", port, "app@/exp/a") == [f"pid {theirs.pid} (deployment app@/exp/b)"]
     assert foreign_listeners("127.0.0.1", port + 1 if port < 65535 else port - 1, "app@/exp/a") == []
+
+
+def test_a_sibling_bound_during_the_look_is_looked_at_again_not_called_foreign(listener, monkeypatch):
+    # psutil reads the processes' fds before the socket table: a router of the same deployment that binds in
+    # between shows with no owner (what a CI run met on 2026-11-28, refusing its own deployment's port)
+    port = free_port()
+    sibling = listener("127.0.0.1", port, "app@/exp/a")
+    real, looks = psutil.net_connections, []
+
+    def racing(kind):
+        looks.append(kind)
+        conns = real(kind=kind)
+        return [c._replace(pid=None) if c.pid == sibling.pid and len(looks) == 1 else c for c in conns]
+
+    monkeypatch.setattr(psutil, "net_connections", racing)
+    monkeypatch.setattr("flagscale.router.own_port.OWNERLESS_RESCAN_S", 0.01)
+    with own_socket("127.0.0.1", port):
+        assert foreign_listeners("127.0.0.1", port, "app@/exp/a") == []
+    assert len(looks) == 2
+
+
+def test_a_listener_that_never_shows_an_owner_is_named_after_the_rescans(listener, monkeypatch):
+    port = free_port()
+    other = listener("127.0.0.1", port, "app@/exp/a")
+    real = psutil.net_connections
+    monkeypatch.setattr(
+        psutil, "net_connections", lambda kind: [c._replace(pid=None) if c.pid == other.pid else c for c in real(kind)]
+    )
+    monkeypatch.setattr("flagscale.router.own_port.OWNERLESS_RESCAN_S", 0.01)
+    with own_socket("127.0.0.1", port):
+        assert foreign_listeners("127.0.0.1", port, "app@/exp/a") == ["a process whose owner cannot be read"]
