@@ -15,7 +15,7 @@ vLLM's automatic CPU binding (VLLM_CPU_OMP_THREADS_BIND=auto, what a single-rank
 core per rank away from the workers when a KV connector is set, for that busy thread. Where the host has no core
 to spare it binds the worker's OpenMP threads over every core instead, shared with the other engines and the
 API servers: on 2 cores the decode step took 8x as long (docs/disaggregation.md). With the thread paused, the
-server here gives vLLM the reservation it makes without a connector, one core per rank
+server here gives vLLM the reservation it makes without a connector, one core for a one-rank replica
 (VLLM_CPU_NUM_OF_RESERVED_CPU), unless the environment sets either variable.
 
 FLAGSCALE_NIXL_PROGRESS_PAUSE_US (experiment.envs): the pause, in microseconds, on any host; `0` is NIXL's own
@@ -27,7 +27,6 @@ the same pause when imported so.
 
 from __future__ import annotations
 
-import argparse
 import os
 import runpy
 import sys
@@ -102,27 +101,19 @@ def apply_progress_pause(env: Mapping[str, str], where: str) -> int | None:
     return pause_us
 
 
-def ranks_per_engine(argv: list[str]) -> int:
-    """TP x PP from the server's argv: the ranks one engine binds (vLLM's local world size on one host)."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    known, _ = parser.parse_known_args(argv)
-    return max(1, known.tensor_parallel_size) * max(1, known.pipeline_parallel_size)
-
-
-def light_progress_reservation(env: Mapping[str, str], argv: list[str], pause_us: int | None) -> int | None:
-    """The cores vLLM's automatic CPU binding should keep from the workers when NIXL's progress thread pauses
-    (one per rank, as without a connector), or None to leave vLLM's own choice: the thread busy or NIXL's
-    default, the binding set by hand, or the reservation given."""
+def light_progress_reservation(env: Mapping[str, str], pause_us: int | None) -> int | None:
+    """The cores vLLM's automatic CPU binding should keep from the workers when NIXL's progress thread pauses,
+    or None to leave vLLM's own choice: the thread busy or NIXL's default, the binding set by hand, or the
+    reservation given. Automatic binding is a one-rank replica's (the orchestrator binds the ranks of larger ones
+    itself, core by core), for which vLLM keeps one core without a connector."""
     if not pause_us or env.get(RESERVED_ENV, "").strip() or env.get(BIND_ENV, "auto").strip() != "auto":
         return None
-    return ranks_per_engine(argv)
+    return 1
 
 
 def main(argv: list[str]) -> None:
     pause_us = apply_progress_pause(os.environ, "the API server")
-    reserved = light_progress_reservation(os.environ, argv, pause_us)
+    reserved = light_progress_reservation(os.environ, pause_us)
     if reserved is not None:  # inherited by the engine core vLLM spawns, which binds the workers
         os.environ[RESERVED_ENV] = str(reserved)
         print(

@@ -44,14 +44,14 @@ def _deployment_of(pid: int) -> str | None:
 def foreign_listeners(host: str, port: int, deployment: str | None) -> list[str]:
     """The listeners on host:port other than this process and the routers of `deployment`, each as a phrase that
     names it ("pid 123 (deployment x@/exp)", "pid 77 (python3)"). Empty: the port is this deployment's."""
-    for _ in range(OWNERLESS_RESCANS):
+    for look in range(OWNERLESS_RESCANS + 1):
         found, ownerless = _listeners(host, port, deployment)
         if not ownerless:
             return found
-        time.sleep(OWNERLESS_RESCAN_S)
-    found, ownerless = _listeners(host, port, deployment)
-    # (the kernel lets only the same user share a port: one whose fds this process cannot read, listed as found)
-    return sorted(set(found + ["a process whose owner cannot be read"] * bool(ownerless)))
+        if look < OWNERLESS_RESCANS:
+            time.sleep(OWNERLESS_RESCAN_S)  # (start-up only, and only while a listener shows no owner)
+    # Still none: a process this one cannot read (only the same user may share the port; another PID namespace)
+    return sorted([*found, "a process whose owner cannot be read"])
 
 
 def _listeners(host: str, port: int, deployment: str | None) -> tuple[list[str], bool]:
