@@ -8,6 +8,7 @@ Two port questions with different answers, kept apart on purpose:
 from __future__ import annotations
 
 import ipaddress
+import random
 import socket
 import time
 import urllib.error
@@ -54,8 +55,35 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+# Ports handed to processes that bind them later are drawn from below the kernel's ephemeral range: a port from
+# bind(0) lies inside that range, where any outgoing connection on the machine (ZMQ, HTTP clients, Ray's own) can take
+# it between this probe and the owner's bind. Ray's worker ports (cluster/ray_node.py) end at 29999.
+_PICK_RANGE = (30000, 32767)
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS reports free on host (bind to port 0); free when asked, not reserved."""
+    """A port this machine can bind on host now, for a process that binds it later (free when asked, not reserved).
+
+    Drawn at random from below the ephemeral range, where no outgoing connection is given it meanwhile, and never the
+    same one twice in this process until it has gone round the range; the OS's choice (bind to port 0) when that range holds none free."""
+    low, high = _PICK_RANGE[0], min(_PICK_RANGE[1], _ephemeral_low() - 1)
+    candidates = [port for port in range(low, high + 1) if port not in _handed_out]
+    if not candidates and _handed_out:  # a long-lived process went round the range once: start again
+        _handed_out.clear()
+        candidates = list(range(low, high + 1))
+    for port in random.sample(candidates, min(len(candidates), 64)):
+        if port_is_free(host, port):
+            _handed_out.add(port)
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

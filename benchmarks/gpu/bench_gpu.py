@@ -81,6 +81,8 @@ GPU_UTIL_THREE_SYSTEMS = 0.28
 # (label, row key, stat). Latencies are pooled over every request of every client of a pass.
 METRICS = (
     ("output tok/s", "output_tok_s", None),
+    ("output tok/s, all clients on", "all_on_tok_s", None),
+    ("TPOT p50 ms, all clients on", "all_on_tpot_ms", "p50"),
     ("TTFT p50 ms", "ttft_ms", "p50"),
     ("TTFT p99 ms", "ttft_ms", "p99"),
     ("TPOT p50 ms", "tpot_ms", "p50"),
@@ -398,6 +400,45 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return out
 
 
+def all_clients_on(results: list[dict[str, Any]]) -> tuple[float, float, list[float]]:
+    """The window in which every client was sending (its last client's first request's start to its first client's
+    last request's end): its length, the output tokens streamed within it, and the TPOTs of the requests that ran
+    wholly inside it. Independent clients begin apart (each after its own warm-up), so the pass's span holds a
+    ramp at each end; this window is the load the pass asked for, whatever the skew. (0, 0, []) without start
+    times or overlap. A chunk's tokens are spread evenly over the request's chunks (its ITLs count chunks)."""
+    if len(results) < 1 or not all(r.get("start_times") for r in results):
+        return 0.0, 0.0, []
+    begin = max(min(r["start_times"]) for r in results)
+    end = min(max(t + lat for t, lat in zip(r["start_times"], _latencies(r))) for r in results)
+    if end <= begin:
+        return 0.0, 0.0, []
+    tokens, tpots = 0.0, []
+    for result in results:
+        for start, ttft, itl, latency, out_len, error in zip(
+            result["start_times"],
+            result["ttfts"],
+            result["itls"],
+            _latencies(result),
+            result["output_lens"],
+            result["errors"],
+        ):
+            if error or not out_len:
+                continue
+            per_chunk, at = out_len / (len(itl) + 1), start + ttft
+            tokens += per_chunk * (begin <= at <= end)
+            for gap in itl:
+                at += gap
+                tokens += per_chunk * (begin <= at <= end)
+            if out_len > 1 and begin <= start and start + latency <= end:
+                tpots.append((latency - ttft) / (out_len - 1))
+    return end - begin, tokens, tpots
+
+
+def _latencies(result: dict[str, Any]) -> list[float]:
+    # vLLM < 0.29 keeps no per-request latency: a streamed request's is its TTFT plus its inter-token gaps.
+    return result.get("latencies") or [ttft + sum(itl) for ttft, itl in zip(result["ttfts"], result["itls"])]
+
+
 def pooled_row(concurrency: int, clients: int, results: list[dict[str, Any]]) -> dict[str, Any]:
     """One pass of `clients` concurrent `vllm bench serve` runs -> pooled numbers (latencies in ms)."""
     import numpy as np
@@ -407,8 +448,7 @@ def pooled_row(concurrency: int, clients: int, results: list[dict[str, Any]]) ->
     first_start, last_end = float("inf"), float("-inf")
     for result in results:
         starts = result.get("start_times") or [None] * len(result["ttfts"])
-        # vLLM < 0.29 keeps no per-request latency: a streamed request's is its TTFT plus its inter-token gaps.
-        latencies = result.get("latencies") or [ttft + sum(itl) for ttft, itl in zip(result["ttfts"], result["itls"])]
+        latencies = _latencies(result)
         for ttft, itl, latency, out_len, error, start in zip(
             result["ttfts"], result["itls"], latencies, result["output_lens"], result["errors"], starts
         ):
@@ -429,6 +469,7 @@ def pooled_row(concurrency: int, clients: int, results: list[dict[str, Any]]) ->
     firsts = [min(r["start_times"]) for r in results if r.get("start_times")]
     skew = max(firsts) - min(firsts) if len(firsts) == len(results) and len(firsts) > 1 else None
     total_out = sum(int(r["total_output_tokens"]) for r in results)
+    all_on_s, all_on_tokens, all_on_tpots = all_clients_on(results)
     itl_ms = _percentiles(itls)
     if itls:
         arr = np.asarray(itls) * 1000.0
@@ -445,6 +486,9 @@ def pooled_row(concurrency: int, clients: int, results: list[dict[str, Any]]) ->
         "output_tok_s": total_out / span if span > 0 else 0.0,
         "output_tokens": total_out,
         "client_start_skew_s": None if skew is None else round(skew, 3),
+        "all_on_s": all_on_s,
+        "all_on_tok_s": all_on_tokens / all_on_s if all_on_s > 0 else 0.0,
+        "all_on_tpot_ms": _percentiles(all_on_tpots),
         "sum_client_output_tok_s": sum(float(r["output_throughput"]) for r in results),
         "ttft_ms": _percentiles(ttfts),
         "tpot_ms": _percentiles(tpots),
@@ -489,6 +533,10 @@ def client_note(row: dict[str, Any]) -> str:
     skew = row.get("client_start_skew_s")
     if skew and row.get("span_s") and skew > 0.1 * row["span_s"]:
         note += f"  [yellow]clients started {skew:.1f} s apart[/]"
+        if row.get("all_on_s"):
+            tpot = row["all_on_tpot_ms"].get("p50")
+            note += f" (all on {row['all_on_s']:.1f} s: {row['all_on_tok_s']:.1f} tok/s"
+            note += f", TPOT p50 {tpot:.2f} ms)" if tpot is not None else ")"
     return note
 
 

@@ -107,7 +107,7 @@ for step in $steps; do
   case $step in
     tp2) python3 benchmarks/gpu/bench_gpu.py $model --engine-arg tensor_parallel_size=2 --rounds 3 \
            --concurrency 1 64 256 --output "$out/tp2.json" ;;
-    tp2r) python3 benchmarks/gpu/bench_gpu.py $model --engine-arg tensor_parallel_size=2 --rounds 5 \
+    tp2r) python3 benchmarks/gpu/bench_gpu.py $model --engine-arg tensor_parallel_size=2 --rounds 4 \
            --clients 4 --waves 8 --concurrency 64 --output "$out/tp2r.json" ;;
     dp2) python3 benchmarks/gpu/bench_gpu.py $model --replicas 2 --gpus-per-replica 1 --no-orchestrator \
            --gpu-memory-utilization 0.43 --replica-gpu-memory-utilization 0.43 --rounds 2 \

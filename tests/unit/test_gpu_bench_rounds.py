@@ -156,12 +156,26 @@ def test_pooled_row_reports_how_far_apart_the_clients_began():
     assert bench_gpu.pooled_row(2, 1, [bench_result([10.0])])["client_start_skew_s"] is None
 
 
+def test_the_all_clients_window_counts_only_what_streamed_while_every_client_ran():
+    # client A: requests at 10.0 and 10.5; client B at 13.0 and 13.2 (3 tokens: TTFT 0.1, then 0.01 apart)
+    early, late = bench_result([10.0, 10.5, 13.1]), bench_result([13.0, 13.2])
+    seconds, tokens, tpots = bench_gpu.all_clients_on([early, late])
+    assert seconds == pytest.approx(13.1 + 0.12 - 13.0)  # B's first start to A's last end
+    assert tokens == pytest.approx(3 + 3)  # A's 13.1 request and B's 13.0 one (B's 13.2 one streams after 13.22)
+    assert tpots == [pytest.approx(0.01), pytest.approx(0.01)]  # the two requests wholly inside
+    row = bench_gpu.pooled_row(2, 2, [early, late])
+    assert row["all_on_tok_s"] == pytest.approx(6 / 0.22) and row["all_on_tpot_ms"]["p50"] == pytest.approx(10.0)
+    assert bench_gpu.all_clients_on([bench_result([1.0]), bench_result([5.0])]) == (0.0, 0.0, [])  # no overlap
+
+
 def test_the_round_line_flags_a_busy_client_and_a_skewed_start():
     calm = {"client_cpu_cores": [0.3, 0.41], "client_start_skew_s": 0.05, "span_s": 20.0}
     assert bench_gpu.client_note(calm) == "  client 0.41 cores"
     busy = {"client_cpu_cores": [0.97, None], "client_start_skew_s": 3.0, "span_s": 7.6}
     note = bench_gpu.client_note(busy)
     assert "client 0.97 cores" in note and "client-bound" in note and "3.0 s apart" in note
+    skewed = {**busy, "all_on_s": 4.0, "all_on_tok_s": 900.0, "all_on_tpot_ms": {"p50": 9.5}}
+    assert "(all on 4.0 s: 900.0 tok/s, TPOT p50 9.50 ms)" in bench_gpu.client_note(skewed)
     assert bench_gpu.client_note({}) == ""
 
 

@@ -52,3 +52,29 @@ def test_health_probes():
     dead = f"http://127.0.0.1:{free_port()}"
     assert not health_ok(dead, 1)
     assert health_problem(dead, 1).startswith("unreachable (")
+
+
+def test_free_port_skips_ports_in_use_and_ports_handed_out(monkeypatch):
+    import flagscale.net as net
+
+    monkeypatch.setattr(net, "_ephemeral_low", lambda: 65536)
+    monkeypatch.setattr(net, "_handed_out", set())
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(net, "_PICK_RANGE", (taken, taken))
+        fallback = free_port()  # the range's one port is listened on: the OS's choice instead
+        assert fallback != taken and port_is_free("127.0.0.1", fallback)
+    monkeypatch.setattr(net, "_PICK_RANGE", (30000, 30099))
+    picks = [free_port() for _ in range(10)]
+    assert len(set(picks)) == 10 and all(port_is_free("127.0.0.1", port) for port in picks)
+
+
+def test_free_port_stays_below_the_ephemeral_range(monkeypatch):
+    import flagscale.net as net
+
+    monkeypatch.setattr(net, "_handed_out", set())
+    low = min(net._ephemeral_low(), net._PICK_RANGE[1] + 1)
+    ports = [free_port() for _ in range(20)]
+    assert all(net._PICK_RANGE[0] <= port < low for port in ports) or low <= net._PICK_RANGE[0]
