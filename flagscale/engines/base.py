@@ -85,6 +85,9 @@ class EngineKind(ABC):
     # the share of each of its GPUs a replica is taken to fill when engine_args set no gpu_memory_utilization (the
     # checks of GPUs shared by replicas and of weights that must fit)
     default_gpu_memory_utilization: float = 0.9
+    # log lines that mean the server will never become healthy although its process lives on (a thread of it
+    # died): a replica's start-up that meets one fails then, not at startup_timeout_s
+    start_failure_lines: tuple[str, ...] = ()
     rank_runner: str = "the engine's own executor"  # what runs a replica's ranks (TP x PP x DP > 1), for dryrun
     # engine args other engines' configs carry that mean nothing to this one: dropped by map_common_args, and the
     # config's notices say so (key -> why), rather than refused

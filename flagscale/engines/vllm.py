@@ -169,6 +169,8 @@ class VLLM(EngineKind):
         "vllm:kv_cache_usage_perc": "kv_cache_usage",
     }
     load_metrics = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    # the KV connector's handshake listener could not bind its port: its thread died, and the engine waits for it
+    start_failure_lines = ("ZMQError: Address already in use",)
     sizing_args = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
     secret_args = tuple(vllm_args.SECRET_ARGS)
     secret_arg_env = vllm_args.SECRET_ARGS

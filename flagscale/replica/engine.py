@@ -25,6 +25,7 @@ from flagscale.replica.autoscaling import ENGINE_REQUESTS
 from flagscale.replica.cpu_layout import pin_engine
 from flagscale.replica.process import (
     NODE_LOG_DIR,
+    LogWatch,
     cause_from_log,
     engine_env,
     listens_on,
@@ -174,11 +175,19 @@ class EngineReplica:
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         said_not_ours = False
+        failures = LogWatch(self.log_path, self.spec.kind.start_failure_lines)
         while time.monotonic() < deadline:
             code = self.proc.poll()
             if code is not None:
                 raise EngineStartError(
                     f"{self._server} for '{self.spec.serve_id}' exited with code {code} during start-up; "
+                    f"log {self.log_path}:\n{cause_from_log(self.log_path)}"
+                )
+            failure = failures.found()
+            if failure:
+                self._terminate()
+                raise EngineStartError(
+                    f"{self._server} for '{self.spec.serve_id}' cannot become healthy: its log says {failure!r}; "
                     f"log {self.log_path}:\n{cause_from_log(self.log_path)}"
                 )
             if self.ranks:

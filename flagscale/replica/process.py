@@ -25,6 +25,29 @@ def cause_from_log(path: Path) -> str:
         return "(no log)"
 
 
+class LogWatch:
+    """Reads a log as it grows, from its start, and says whether a line holding one of `needles` is in it (a line
+    written in two parts is still found: a partial last line is read again with what follows it)."""
+
+    def __init__(self, path: Path, needles: tuple[str, ...]) -> None:
+        self._path, self._needles = path, needles
+        self._offset, self._partial = 0, ""
+
+    def found(self) -> str | None:
+        """The first line not read before that holds a needle, or None."""
+        if not self._needles:
+            return None
+        try:
+            with open(self._path, "rb") as log:
+                log.seek(self._offset)
+                chunk = log.read()
+        except OSError:
+            return None
+        self._offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk.decode(errors="replace")).split("\n")
+        return next((line.strip() for line in (*lines, self._partial) if any(n in line for n in self._needles)), None)
+
+
 def engine_env(user_env: dict[str, str]) -> dict[str, str]:
     """The replica's env minus the thread caps Ray puts on actors (OMP_NUM_THREADS=num_cpus): the engine sizes
     its own CPU threads, exactly as when it runs alone. The user's envs win over both."""

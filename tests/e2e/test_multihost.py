@@ -226,7 +226,9 @@ def test_unreachable_host_fails_fast_and_leaves_nothing(hosts, tmp_path, stop_on
     elapsed = time.monotonic() - t0
     assert run.returncode != 0
     assert unreachable in run.output and "SSH" in run.output, run.output
-    assert elapsed < 5 + 30, f"took {elapsed:.0f}s with ssh_timeout_s=5"
+    # Without the SSH timeout, a connect to a silent address waits out the kernel's SYN retries (~130 s); the bound
+    # leaves a busy machine's CLI start-up room and still tells the two apart.
+    assert elapsed < 90, f"took {elapsed:.0f}s with ssh_timeout_s=5"
     assert_no_ray_left(hosts)
     assert not (exp_dir / "state.json").exists()
 

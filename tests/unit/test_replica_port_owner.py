@@ -12,7 +12,7 @@ import pytest
 from flagscale.net import free_port, health_ok
 from flagscale.replica import engine as replica_engine
 from flagscale.replica.engine import EngineReplica, EngineSpec, EngineStartError
-from flagscale.replica.process import listens_on, terminate_engine
+from flagscale.replica.process import LogWatch, listens_on, terminate_engine
 from tests.conftest import wait_for
 
 SERVER = """
@@ -85,3 +85,32 @@ def test_a_server_that_took_the_port_first_is_never_the_engine(tmp_path, process
     r._last_healthy = 0.0
     with pytest.raises(RuntimeError, match="answered by a process this replica did not start"):
         r.check_health()
+
+
+def test_a_start_failure_line_in_the_log_fails_the_start_at_once(tmp_path):
+    # vLLM's KV handshake listener dies when its port is taken; the server itself lives on and never gets healthy
+    script = (
+        "import sys, time; print('zmq.error.ZMQError: Address already', end='', flush=True); time.sleep(0.3); "
+        "print(' in use (addr=tcp://127.0.0.1:31000)', flush=True); time.sleep(120)"
+    )
+    with open(tmp_path / "engine.log", "ab") as log:
+        engine = subprocess.Popen([sys.executable, "-c", script], stdout=log, process_group=0)
+    try:
+        r = replica(tmp_path, engine, free_port("127.0.0.1"))
+        with pytest.raises(EngineStartError, match="cannot become healthy: its log says .*Address already in use"):
+            r._wait_healthy(60)  # fails on the line, long before this
+        assert engine.poll() is not None  # and the server it started is stopped
+    finally:
+        terminate_engine(engine, grace_s=2)
+
+
+def test_log_watch_finds_a_line_written_in_parts(tmp_path):
+    log = tmp_path / "log"
+    watch = LogWatch(log, ("needle here",))
+    assert watch.found() is None  # no log yet
+    log.write_text("start\nthe need")
+    assert watch.found() is None
+    with open(log, "a") as f:
+        f.write("le here, then\nmore\n")
+    assert watch.found() == "the needle here, then"
+    assert LogWatch(log, ()).found() is None  # an engine with no such lines
