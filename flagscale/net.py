@@ -74,7 +74,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port this machine can bind on host now, for a process that binds it later (free when asked, not reserved).
 
     Drawn at random from below the ephemeral range, where no outgoing connection is given it meanwhile, and never the
-    same one twice in this process until it has gone round the range; the OS's choice (bind to port 0) when that range holds none free."""
+    same one twice in this process until it has gone round the range; the OS's choice (bind to port 0) when that
+    range holds none free."""
     low, high = _PICK_RANGE[0], min(_PICK_RANGE[1], _ephemeral_low() - 1)
     candidates = [port for port in range(low, high + 1) if port not in _handed_out]
     if not candidates and _handed_out:  # a long-lived process went round the range once: start again
