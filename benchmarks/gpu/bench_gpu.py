@@ -406,21 +406,17 @@ def all_clients_on(results: list[dict[str, Any]]) -> tuple[float, float, list[fl
     wholly inside it. Independent clients begin apart (each after its own warm-up), so the pass's span holds a
     ramp at each end; this window is the load the pass asked for, whatever the skew. (0, 0, []) without start
     times or overlap. A chunk's tokens are spread evenly over the request's chunks (its ITLs count chunks)."""
-    if len(results) < 1 or not all(r.get("start_times") for r in results):
+    if not results or not all(r.get("start_times") for r in results):
         return 0.0, 0.0, []
+    latencies = [_latencies(r) for r in results]
     begin = max(min(r["start_times"]) for r in results)
-    end = min(max(t + lat for t, lat in zip(r["start_times"], _latencies(r))) for r in results)
+    end = min(max(t + lat for t, lat in zip(r["start_times"], lats)) for r, lats in zip(results, latencies))
     if end <= begin:
         return 0.0, 0.0, []
     tokens, tpots = 0.0, []
-    for result in results:
+    for result, lats in zip(results, latencies):
         for start, ttft, itl, latency, out_len, error in zip(
-            result["start_times"],
-            result["ttfts"],
-            result["itls"],
-            _latencies(result),
-            result["output_lens"],
-            result["errors"],
+            result["start_times"], result["ttfts"], result["itls"], lats, result["output_lens"], result["errors"]
         ):
             if error or not out_len:
                 continue

@@ -4,8 +4,8 @@
 #          orchestrator, alternating, c=1/64/256; placement checks (status vs nvidia-smi) and nothing left after stop
 #   tp2r   the TP=2 re-check at 256 streams alone (issue 31, item 1): 4 clients x 64 streams, 8 waves a pass (on
 #          2026-11-28 one client at 256 streams saw TPOT ~2x the engines' own in both systems, and 2-wave passes of
-#          ~5 s let the clients' start skew move throughput), 5 rounds, the order reversed every other round, the
-#          engines' own TPOT and each client's cores beside the client's numbers
+#          ~5 s let the clients' start skew move throughput), 4 rounds, the order reversed every other round, the
+#          engines' own TPOT, each client's cores and the all-clients-on window beside the client's numbers
 #   dp2    the same shape at TP=1: plain vLLM on one GPU vs the orchestrator's 2 replicas (one GPU each), c=1 (the
 #          TP=1 baseline of the TP=2/TP=1 ratio) and at saturation; each replica's share of the load
 #   tests  tests/gpu (placement, env, replacement, stop)
