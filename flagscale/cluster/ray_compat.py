@@ -42,6 +42,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from flagscale.adaptors import LazyImport, ray, serve
+
 if TYPE_CHECKING:
     from ray.serve import Application
     from ray.serve.schema import ServeInstanceDetails
@@ -49,11 +51,15 @@ if TYPE_CHECKING:
 RAY_CLI_MODULE = "ray.scripts.scripts"
 SERVE_WAITING_FOR_RESOURCES = "to be scheduled"
 
+_internal_kv = LazyImport("ray.experimental.internal_kv")
+_raylet = LazyImport("ray._raylet")
+_state = LazyImport("ray._private.state")
+_serve_context = LazyImport("ray.serve.context")
+_serve_schema = LazyImport("ray.serve.schema")
+
 
 def deploy_app(app: Application, name: str) -> None:
     """Submit the application to Serve and return at once (no route prefix: the router is the HTTP entry)."""
-    from ray import serve
-
     serve._run(app, _blocking=False, name=name, route_prefix=None)
 
 
@@ -66,9 +72,7 @@ def with_version(deployment: Any, version: str) -> Any:
 
 
 def free_resources_per_node() -> dict[str, dict[str, float]]:
-    from ray._private.state import available_resources_per_node
-
-    return available_resources_per_node()
+    return _state.available_resources_per_node()
 
 
 def running_replicas(app: str, deployment: str) -> list[tuple[str, dict[str, float]]]:
@@ -83,59 +87,41 @@ def running_replicas(app: str, deployment: str) -> list[tuple[str, dict[str, flo
 
 def delete_app(name: str) -> None:
     """Ask Serve to delete the application; return without waiting."""
-    from ray import serve
-
     serve.delete(name, _blocking=False)
 
 
 def serve_details() -> ServeInstanceDetails:
     """The Serve controller's full view of its applications (raises when no controller runs)."""
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeInstanceDetails
-
-    return ServeInstanceDetails(**_get_global_client().get_serve_details())
+    return _serve_schema.ServeInstanceDetails(**_serve_context._get_global_client().get_serve_details())
 
 
 def kv_put(key: bytes, value: bytes, namespace: str) -> None:
-    from ray.experimental.internal_kv import _internal_kv_put
-
-    _internal_kv_put(key, value, overwrite=True, namespace=namespace)
+    _internal_kv._internal_kv_put(key, value, overwrite=True, namespace=namespace)
 
 
 def kv_get(key: bytes, namespace: str) -> bytes | None:
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    return _internal_kv_get(key, namespace=namespace)
+    return _internal_kv._internal_kv_get(key, namespace=namespace)
 
 
 def kv_del(key: bytes, namespace: str) -> None:
-    from ray.experimental.internal_kv import _internal_kv_del
-
-    _internal_kv_del(key, namespace=namespace)
+    _internal_kv._internal_kv_del(key, namespace=namespace)
 
 
 def kv_list(prefix: bytes, namespace: str) -> list[bytes]:
-    from ray.experimental.internal_kv import _internal_kv_list
-
-    return _internal_kv_list(prefix, namespace=namespace)
+    return _internal_kv._internal_kv_list(prefix, namespace=namespace)
 
 
 def connect_kv(gcs_address: str) -> None:
     """Make kv_put/kv_get/kv_del/kv_list work in this process, which is not a Ray driver, against that GCS (token
     auth as Ray reads it from the environment)."""
-    from ray._raylet import GcsClient
-    from ray.experimental.internal_kv import _initialize_internal_kv
-
-    _initialize_internal_kv(GcsClient(address=gcs_address))
+    _internal_kv._initialize_internal_kv(_raylet.GcsClient(address=gcs_address))
 
 
 def reload_ray_config() -> None:
     """Make Ray re-read its RAY_* env settings and its auth token (after RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH were
     set). The config first: Ray's own test helper orders it so, a token reload must not see the old mode."""
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
+    _raylet.Config.initialize("")
+    _raylet.AuthenticationTokenLoader.instance().reset_cache()
 
 
 def node_ip_init_kwargs(node_ip: str | None) -> dict[str, Any]:
@@ -145,13 +131,9 @@ def node_ip_init_kwargs(node_ip: str | None) -> dict[str, Any]:
 
 def check_gcs_auth(address: str) -> None:
     """Ask the GCS at `address` for its cluster id: raises AuthenticationError when it refuses this process's token."""
-    from ray._raylet import GcsClient
-
-    GcsClient(address=address)
+    _raylet.GcsClient(address=address)
 
 
 def node_logs_dir() -> str:
     """The Ray session log dir of the node this worker runs on."""
-    import ray
-
     return ray._private.worker.global_worker.node.get_logs_dir_path()

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from flagscale.adaptors import ray, ray_exceptions
 from flagscale.cluster.ray_compat import check_gcs_auth, free_resources_per_node, serve_details
 from flagscale.cluster.ray_env import project_root
 from flagscale.cluster.ray_facts import ClusterFacts, NodeFacts, fmt, fmt_labels
@@ -61,9 +62,7 @@ def check_answers(address: str, timeout_s: float = ANSWER_TIMEOUT_S) -> None:
 
 
 def _auth_problem(exc: BaseException) -> str | None:
-    from ray.exceptions import AuthenticationError
-
-    if isinstance(exc, AuthenticationError) or "InvalidAuthToken" in str(exc):
+    if isinstance(exc, ray_exceptions.AuthenticationError) or "InvalidAuthToken" in str(exc):
         mode = os.environ.get("RAY_AUTH_MODE", "unset")
         given = [name for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH") if os.environ.get(name)]
         return (
@@ -77,8 +76,6 @@ def _auth_problem(exc: BaseException) -> str | None:
 def connect(address: str) -> None:
     """Attach this process to the cluster as a driver, the flagscale package shipped as the job's py_modules (the
     Serve application inherits the job's runtime env, so replicas and their vLLM servers import it)."""
-    import ray
-
     if ray.is_initialized():
         return
     check_answers(address)
@@ -98,8 +95,6 @@ def connect(address: str) -> None:
 
 def gather_facts(address: str) -> ClusterFacts:
     """Connect (see connect) and read the alive nodes, what each has free, and the Serve applications."""
-    import ray
-
     connect(address)
     free = free_resources_per_node()
     nodes = [

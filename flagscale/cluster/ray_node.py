@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from flagscale.adaptors import ray
 from flagscale.cluster import ssh
 from flagscale.cluster.ray_compat import RAY_CLI_MODULE, node_ip_init_kwargs, reload_ray_config
 from flagscale.cluster.ray_compat import connect_kv as connect_gcs
@@ -289,8 +290,6 @@ def connect_kv(state: RunState) -> None:
 def connect(state: RunState) -> None:
     """Connect this process as a Ray driver to the cluster the run started (token auth from the state). Any run's
     cluster: flagscale.launchers.connect."""
-    import ray
-
     if ray.is_initialized():
         return
     _use_token(state)

@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from flagscale.adaptors import ray, ray_scheduling
 from flagscale.cluster.node_logs import EngineLog, engine_log_dir, engine_logs_here
 from flagscale.cluster.ray_existing import connect
 from flagscale.cluster.runner import CommandRunner, CommandTimeout, Result, Session
@@ -34,11 +35,8 @@ def _run_here(argv: list[str], env: dict[str, str] | None, timeout_s: float | No
 
 def on_node(node_id: str, fn, *args):
     """fn(*args) in a task on that node (no CPU reserved); its result, within NODE_TASK_TIMEOUT_S."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     task = ray.remote(num_cpus=0, max_retries=0)(fn).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+        scheduling_strategy=ray_scheduling.NodeAffinitySchedulingStrategy(node_id, soft=False)
     )
     return ray.get(task.remote(*args), timeout=NODE_TASK_TIMEOUT_S)
 
@@ -86,8 +84,6 @@ def _list_engine_logs(app: str) -> list[tuple[str, float]]:
 
 def node_engine_logs(app: str) -> list[EngineLog]:
     """Every alive node's engine logs of `app`, each read through a task on its node."""
-    import ray
-
     found = []
     for n in ray.nodes():
         if not n.get("Alive"):

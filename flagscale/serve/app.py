@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-
-import ray
-from ray import serve
-from ray.serve import Application
+from typing import TYPE_CHECKING
 
 from flagscale import launchers
+from flagscale.adaptors import ray, serve
 from flagscale.cluster.ray_compat import with_version
 from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS
 from flagscale.plan import ROUTER_DEPLOYMENT, EnginePlan, Plan
@@ -20,6 +18,9 @@ from flagscale.router import own_port, peers
 from flagscale.router.router import Router
 from flagscale.router.spec import GRAPH_MAX_ONGOING, RouterSpec
 from flagscale.serve.graph import GRAPH_DRIVER_DEPLOYMENT, CustomNode, GraphDriver, NodeSpec
+
+if TYPE_CHECKING:
+    from ray.serve import Application
 
 HEALTH_CHECK_PERIOD_S = 5
 HEALTH_CHECK_TIMEOUT_S = 30

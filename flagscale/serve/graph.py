@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from flagscale.adaptors import serve
 from flagscale.config.graph import GRAPH_DRIVER_DEPLOYMENT, GraphPlan, load_class  # noqa: F401
 from flagscale.config.request import bind
 from flagscale.errors import error_excerpt
@@ -79,8 +80,6 @@ class CustomNode:
     """One replica of a custom node: the user's object, with forward run so the event loop stays free."""
 
     def __init__(self, spec: NodeSpec):
-        from ray import serve
-
         self.spec = spec
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         cls = load_class(spec.module_path, spec.class_name)
