@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from flagscale.adaptors import tokenizers, torch, transformers
 from flagscale.engines import llama_cpp_build
 from flagscale.paths import default_cache_dir
 from flagscale.progress import waiting
@@ -60,20 +61,18 @@ def demo_model_dir(seed: int = DEMO_SEED, cache_dir: Path | None = None) -> Path
 
 
 def _train_tokenizer(out_dir: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    models, pre_tokenizers, decoders = tokenizers.models, tokenizers.pre_tokenizers, tokenizers.decoders
+    tokenizer = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
+    trainer = tokenizers.trainers.BpeTrainer(
         vocab_size=DEMO_SHAPE["vocab_size"],
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(_training_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
+    fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token="<s>",
         eos_token="</s>",
@@ -85,11 +84,8 @@ def _train_tokenizer(out_dir: Path) -> None:
 
 
 def _write_weights(out_dir: Path, seed: int) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = transformers.LlamaConfig(
         **DEMO_SHAPE,
         bos_token_id=0,
         eos_token_id=1,
@@ -97,7 +93,7 @@ def _write_weights(out_dir: Path, seed: int) -> None:
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
@@ -165,7 +161,8 @@ def _convert_to_gguf(converter: Path, hf_dir: Path, out: Path, outtype: str = "f
     """llama.cpp's convert_hf_to_gguf.py run in this process, told the demo tokenizer's pre-tokenizer (any model
     with the demo tokenizer: benchmarks/gpu/model.py's random-weight Llamas too, in f16 there)."""
     sys.path[:0] = [str(converter / "gguf-py"), str(converter)]
-    import convert_hf_to_gguf  # from the converter dir
+    # both from the converter's directories, which the line above put on sys.path
+    import convert_hf_to_gguf
     from conversion.base import TextModel
 
     TextModel.get_vocab_base_pre = lambda self, tokenizer: DEMO_GGUF_PRE_TOKENIZER

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import shlex
+import sys
+from pathlib import Path
+
 import yaml
 from rich.console import Console
 from rich.table import Table
@@ -54,8 +59,6 @@ def dryrun(
         if engine.devices_per_replica > 1:
             _print_ranks(plan, engine, console)
     if plan.graph:
-        from pathlib import Path
-
         console.print("[bold]graph[/]")
         console.print("\n".join(describe(plan)), markup=False)
         console.print(f"graph picture: {draw(plan, Path(plan.exp_dir) / 'graph.png')}")
@@ -97,10 +100,6 @@ def _print_update(running_config: dict, snapshot: dict, console: Console) -> Non
 def _print_ranks(plan: Plan, engine, console: Console) -> None:
     """Each replica's ranks: which host (first fit over the hostfile's hosts, as Ray would) and devices, and the
     command each host runs (replica/ranks.py, the engine kind's bind_ranks / headless_launch)."""
-    import math
-    import shlex
-    import sys
-
     hosts = launchers.get(plan.launcher).rank_hosts(plan, engine)
     tp, pp, dp = engine.parallel
     on_gpu = engine.device == "gpu"

@@ -7,6 +7,7 @@ session id recorded at launch names all of them and nothing else on the host.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -135,8 +136,6 @@ def main(argv: list[str]) -> int:
     """`python -m flagscale.cluster.processes stop <session> [<leader_start_ticks>]`: what `stop` runs on a remote
     host over SSH (the ticks, when the launch recorded them, guard against a reused leader PID).
     Prints one JSON line {"killed": [...], "left": [...]}; exit 0 when nothing of the session is left."""
-    import json
-
     if len(argv) not in (2, 3) or argv[0] != "stop" or not all(a.isdigit() for a in argv[1:]):
         print("usage: python -m flagscale.cluster.processes stop <session-id> [<leader-start-ticks>]", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
+from flagscale.adaptors import hydra_config
 from flagscale.config import compat
 from flagscale.config.schema import ServeConfig
 from flagscale.errors import ConfigError
@@ -34,9 +35,7 @@ class ConfigSources:
 def hydra_sources() -> ConfigSources:
     """Name the config files of the running Hydra job (main config and the chosen `serve` module)."""
     try:
-        from hydra.core.hydra_config import HydraConfig
-
-        hc = HydraConfig.get()
+        hc = hydra_config.HydraConfig.get()
     except Exception:
         return ConfigSources()
     config_dir = next((s.path for s in hc.runtime.config_sources if s.provider == "main" and s.schema == "file"), None)

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
+
 from flagscale.adaptors import serve
 from flagscale.config.graph import GRAPH_DRIVER_DEPLOYMENT, GraphPlan, load_class  # noqa: F401
 from flagscale.config.request import bind
@@ -44,8 +46,6 @@ class EngineClient:
         return f"EngineClient({self.endpoint!r}, {self.model!r})"
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        import aiohttp
-
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             request = {"model": self.model, **body}

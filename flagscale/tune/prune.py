@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from flagscale.devices import local_gpus
 from flagscale.plan import model_weight_bytes
 
@@ -120,8 +122,6 @@ def _max_positions(model: str) -> int | None:
 def device_bytes_of(device: str) -> int | None:
     """Memory of one device of this machine: a GPU's (the smallest), or for CPU engines the RAM; None if unknown."""
     if device == "cpu":
-        import psutil
-
         return psutil.virtual_memory().total
     if device == "gpu":
         gpus = local_gpus()

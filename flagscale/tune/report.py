@@ -9,6 +9,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from flagscale.adaptors import matplotlib_figure
 from flagscale.config.schema import ServeConfig
 from flagscale.paths import private_dir, write_private
 from flagscale.update import SECRET_NAME
@@ -97,9 +98,7 @@ def _num(value: Any, digits: int, unit: str = "") -> str:
 def write_plot(rows: list[dict[str, Any]], best: dict[str, Any] | None, slo: Any, path: Path, title: str) -> None:
     """Request throughput against p99 TTFT and p99 TPOT, one point per measured candidate (labelled by its row in
     history.csv), the SLO limits as dashed lines, the best candidate as a star."""
-    from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas
-
-    fig = Figure(figsize=(11, 4.4))
+    fig = matplotlib_figure.Figure(figsize=(11, 4.4))
     axes = fig.subplots(1, 2)
     measured = [(i, r) for i, r in enumerate(rows, 1) if isinstance(r.get("request_throughput"), (int, float))]
     for ax, metric, label in ((axes[0], "ttft", "TTFT p99 (ms)"), (axes[1], "tpot", "TPOT p99 (ms)")):

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import signal
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,8 +222,6 @@ WORKER_CLEANUP_S = 300
 
 
 def _worker_main(send, target, args, log_path: str) -> None:
-    import traceback
-
     os.setpgrp()  # out of the terminal's process group: a Ctrl-C reaches it once, passed on by the search
     with open(log_path, "a") as log_file:
         console = Console(file=log_file, width=160, highlight=False, soft_wrap=True)
