@@ -1,7 +1,8 @@
 """Port and HTTP probes, in one place: is something listening, can a port be bound, a free port, `/health`.
 
 Two port questions with different answers, kept apart on purpose:
-- `port_open`: does something accept a TCP connection at host:port (works for remote hosts);
+- `port_open`: does something accept a TCP connection at host:port (works for remote hosts; `endpoint_in_use`
+  asks it of a bind address);
 - `port_is_free`: can this machine bind host:port (local only; SO_REUSEADDR, so TIME_WAIT does not count).
 """
 
@@ -32,6 +33,13 @@ def port_open(host: str, port: int, timeout_s: float = 1.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def endpoint_in_use(host: str, port: int) -> bool:
+    """Whether something already answers at host:port, a wildcard bind address asked at loopback (the router binds
+    on a remote head, so no local bind test)."""
+    target = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return port_open(target, port, timeout_s=2)
 
 
 def wait_for_port(host: str, port: int, timeout_s: float, interval_s: float = 0.2) -> bool:

@@ -1,7 +1,8 @@
 """The FlagScale hostfile: one host per line, `<ip-or-hostname> slots=<N> [type=<chip>]`.
 
 `#` starts a comment; blank lines are ignored. The first host is the Ray head unless `runner.head`
-names another one. Every mistake is reported with the file and line, before anything is started.
+names another one (pick_head, shared with a Slurm allocation's hosts: cluster/slurm.py). Every mistake is reported
+with the file and line, before anything is started.
 """
 
 from __future__ import annotations
@@ -93,14 +94,18 @@ def parse_hostfile(path: str | Path, head: str | None = None, where_head: str = 
         entries.append(entry)
     if not entries:
         raise ConfigError("hostfile lists no host (expected lines like `10.0.0.1 slots=8 type=gpu`)", str(path))
-    head_entry = entries[0]
-    if head is not None:
-        head_entry = next((e for e in entries if e.host == head), None)
-        if head_entry is None:
-            raise ConfigError(
-                f"head {head!r} is not a host of {path} ({', '.join(e.host for e in entries)})", where_head
-            )
-    return Hostfile(path=str(path), hosts=entries, head=head_entry)
+    return Hostfile(path=str(path), hosts=entries, head=pick_head(entries, head, where_head, f"a host of {path}"))
+
+
+def pick_head(entries: list[HostEntry], head: str | None, where_head: str, among: str) -> HostEntry:
+    """The Ray head: the host `head` names (runner.head), else the first; a ConfigError at `where_head` when
+    `head` is none of `entries` (`among` says what they are: "a host of <path>")."""
+    if head is None:
+        return entries[0]
+    for entry in entries:
+        if entry.host == head:
+            return entry
+    raise ConfigError(f"head {head!r} is not {among} ({', '.join(e.host for e in entries)})", where_head)
 
 
 def _parse_line(line: str, where: str, number: int) -> HostEntry:

@@ -13,7 +13,6 @@ from flagscale.cluster.ssh import SshSettings
 from flagscale.config.replicas import actor_options
 from flagscale.config.schema import Resources
 from flagscale.errors import ConfigError
-from flagscale.net import port_open
 
 
 @dataclass
@@ -379,9 +378,3 @@ def plan_cluster(config, sources, hostfile: Hostfile, engines_nodes: list[tuple[
         join_timeout_s=runner.join_timeout_s,
         demand=demand,
     )
-
-
-def endpoint_in_use(host: str, port: int) -> bool:
-    """Whether something already answers at host:port (the router binds on a remote head, so no local bind test)."""
-    target = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return port_open(target, port, timeout_s=2)

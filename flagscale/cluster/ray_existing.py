@@ -1,7 +1,7 @@
 """This process as a driver of an existing Ray cluster (`runner.type: ray`): the address it is given, the
 connection (token auth as Ray reads it from the environment, the flagscale package shipped as the job's
 `py_modules`), the cluster's nodes as facts read once before planning, and where replicas would fit on them.
-Nothing here starts or stops a node (launchers/ray_cluster.py is the launcher built on it)."""
+Nothing here starts or stops a node (launchers/ray.py is the launcher built on it)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Ray node lifecycle: start a Ray node (head, worker or driver) as a recorded session on a host, through that
 host's CommandRunner (cluster/runner.py: this machine or SSH), wait for it, connect a driver, stop exactly that
-session. No hostfile is a one-host cluster on the local runner (launchers/local.py); launchers/multihost.py starts
+session. No hostfile is a one-host cluster on the local runner (launchers/local.py); launchers/ssh.py starts
 every host through the same start_node.
 
 Token auth stays on: `run` writes a token file under exp_dir (mode 0600); every Ray process we start

@@ -89,9 +89,15 @@ class EngineKind(ABC):
     # died): a replica's start-up that meets one fails then, not at startup_timeout_s
     start_failure_lines: tuple[str, ...] = ()
     rank_runner: str = "the engine's own executor"  # what runs a replica's ranks (TP x PP x DP > 1), for dryrun
+    # FlagScale's engine-neutral keys this engine spells otherwise (max_num_seqs, max_model_len, ...): key -> its own
+    # spelling, renamed by map_common_args; its own key, if also given, wins
+    common_args: dict[str, str] = {}
     # engine args other engines' configs carry that mean nothing to this one: dropped by map_common_args, and the
     # config's notices say so (key -> why), rather than refused
     ignored_args: dict[str, str] = {}
+    # engine args this engine checks before start (in `parallel`) but has no flag for: dropped by map_common_args
+    # without a notice
+    checked_only_args: tuple[str, ...] = ()
     # engine args that give every client of the endpoint more than the model (code run on the host, shell tools,
     # files read or written at a client's request): key -> what it turns on. Refused unless the node opts in by
     # name (allow_engine_args); a false or empty value turns nothing on and passes.
@@ -148,8 +154,18 @@ class EngineKind(ABC):
 
     def map_common_args(self, args: dict[str, Any]) -> dict[str, Any]:
         """FlagScale's engine-neutral keys (max_num_seqs, max_model_len, served_model_name, ...) in this engine's
-        own spelling; keys the engine spells alike pass through."""
-        return dict(args)
+        own spelling (common_args); ignored_args and checked_only_args dropped; other keys pass through."""
+        mapped = {}
+        for key, value in args.items():
+            if key in self.ignored_args or key in self.checked_only_args:
+                continue
+            own = self.common_args.get(key)
+            if own is not None:
+                if own in args:
+                    continue
+                key = own
+            mapped[key] = value
+        return mapped
 
     @abstractmethod
     def argv(self, args: dict[str, Any], where: str) -> list[str]:

@@ -155,7 +155,9 @@ class LlamaCpp(EngineKind):
     capabilities = Capabilities(prefix_caching=True, keeps_connections=False)
     status_gauges = {"llamacpp:requests_processing": "running", "llamacpp:requests_deferred": "waiting"}
     load_metrics = ("llamacpp:requests_processing", "llamacpp:requests_deferred")
+    common_args = COMMON_ARGS
     ignored_args = IGNORED_ARGS
+    checked_only_args = PARALLEL_ARGS  # `parallel` refuses any but 1
     unsafe_args = UNSAFE_ARGS
     # llama-server's OpenAI (and Anthropic messages, rerank) routes and its tokenizer. Left out: /slots (other
     # users' prompts), /props, /lora-adapters, /tools, /models/load, /v1/stream (another conversation's stream),
@@ -201,18 +203,6 @@ class LlamaCpp(EngineKind):
                     where,
                 )
         return (1, 1, 1)
-
-    def map_common_args(self, args: dict[str, Any]) -> dict[str, Any]:
-        mapped = {}
-        for key, value in args.items():
-            if key in IGNORED_ARGS or key in PARALLEL_ARGS:
-                continue
-            if key in COMMON_ARGS:
-                if COMMON_ARGS[key] in args:  # llama-server's own key, given too, wins
-                    continue
-                key = COMMON_ARGS[key]
-            mapped[key] = value
-        return mapped
 
     def argv(self, args: dict[str, Any], where: str) -> list[str]:
         table = flag_table(self.binary())

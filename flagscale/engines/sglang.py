@@ -173,6 +173,7 @@ class SGLang(EngineKind):
     }
     load_metrics = ("sglang:num_running_reqs", "sglang:num_queue_reqs")
     sizing_args = tuple(key for pair in SIZING_ARGS for key in pair)
+    common_args = COMMON_ARGS
     ignored_args = IGNORED_ARGS
     unsafe_args = UNSAFE_ARGS
     rank_runner = "SGLang's own scheduler processes"
@@ -210,18 +211,6 @@ class SGLang(EngineKind):
                 "engine: vllm or engine: llama_cpp on CPUs)",
                 where,
             )
-
-    def map_common_args(self, args: dict[str, Any]) -> dict[str, Any]:
-        mapped = {}
-        for key, value in args.items():
-            if key in IGNORED_ARGS:
-                continue
-            if key in COMMON_ARGS:
-                if COMMON_ARGS[key] in args:
-                    continue
-                key = COMMON_ARGS[key]
-            mapped[key] = value
-        return mapped
 
     def argv(self, args: dict[str, Any], where: str) -> list[str]:
         dist_info = installed()

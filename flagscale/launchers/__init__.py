@@ -2,12 +2,13 @@
 (flagscale/launchers/base.py: Launcher).
 
 - local (local.py): this machine alone, a one-host cluster started here;
-- ssh (multihost.py): the hosts of runner.hostfile, or of the Slurm allocation this runs in (slurm.py: a source of
-  hosts for it, `runner.hostfile: slurm`), started over SSH;
-- ray (ray_cluster.py): an existing Ray cluster (`runner.type: ray`); nothing is started or stopped but the
+- ssh (ssh.py): the hosts of runner.hostfile, or of the Slurm allocation this runs in (cluster/slurm.py reads it:
+  `runner.hostfile: slurm`), started over SSH;
+- ray (ray.py): an existing Ray cluster (`runner.type: ray`); nothing is started or stopped but the
   deployment.
 
-A new launcher is a module here that defines `LAUNCHER = <its Launcher>` and a line in LAUNCHERS; nothing else in the
+Each launcher lives in the module of its registry name (the name a run's state records). A new launcher is a
+module here that defines `LAUNCHER = <its Launcher>` and a line in LAUNCHERS; nothing else in the
 project asks which launcher a run has. Launchers may import flagscale/cluster/ (what every launcher shares: runners,
 SSH, Ray nodes, the state file, placement), the replica and the basics; never planning, serving or the actions.
 """
@@ -23,8 +24,8 @@ from flagscale.launchers.base import Launcher, TargetFacts
 # name (recorded in the run's state) -> the module that defines it; the first that claims experiment.runner runs it
 LAUNCHERS = {
     "local": "flagscale.launchers.local",
-    "ssh": "flagscale.launchers.multihost",
-    "ray": "flagscale.launchers.ray_cluster",
+    "ssh": "flagscale.launchers.ssh",
+    "ray": "flagscale.launchers.ray",
 }
 # runner.type values FlagScale has that no launcher here serves, and what to do instead
 UNSUPPORTED = {

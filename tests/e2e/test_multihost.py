@@ -19,7 +19,7 @@ import time
 import openai
 import pytest
 
-from flagscale.launchers.multihost import host_temp_dir
+from flagscale.launchers.ssh import host_temp_dir
 from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, status_cli, wait_for, write_config
 from tests.e2e import netns
 

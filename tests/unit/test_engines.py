@@ -86,6 +86,18 @@ def test_every_kind_is_registered_under_its_own_name_and_describes_itself(name):
 
 
 @pytest.mark.parametrize("name", list(engines.ENGINES))
+def test_every_kind_maps_common_args_from_its_tables(name):
+    """One loop on the base renames common_args and drops ignored_args: a kind states its keys, not the loop."""
+    kind = engines.get(name)
+    assert type(kind).map_common_args is EngineKind.map_common_args
+    assert not set(kind.common_args) & set(kind.ignored_args)
+    for common, own in kind.common_args.items():
+        assert kind.map_common_args({common: 1}) == {own: 1}
+        assert kind.map_common_args({common: 1, own: 2}) == {own: 2}  # the engine's own key wins
+    assert kind.map_common_args({key: 1 for key in kind.ignored_args}) == {}
+
+
+@pytest.mark.parametrize("name", list(engines.ENGINES))
 def test_every_kind_serves_or_refuses_consistently(name, fake_llama_server, gguf):
     """A kind that cannot run here refuses at check_available and at argv after it; every kind serves on the host
     and port it is given, with the API key in its secret env and never in argv."""

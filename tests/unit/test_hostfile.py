@@ -14,7 +14,7 @@ from flagscale.cluster.ssh import remote_command
 from flagscale.config.replicas import replica_settings
 from flagscale.config.schema import NodeConfig
 from flagscale.errors import ConfigError
-from flagscale.launchers.multihost import host_node
+from flagscale.launchers.ssh import host_node
 from flagscale.plan import EnginePlan
 
 

@@ -4,7 +4,7 @@ import socket
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-from flagscale.net import free_port, health_ok, health_problem, port_is_free, port_open, wait_for_port
+from flagscale.net import endpoint_in_use, free_port, health_ok, health_problem, port_is_free, port_open, wait_for_port
 
 
 def test_listening_port_is_open_and_not_free():
@@ -15,6 +15,8 @@ def test_listening_port_is_open_and_not_free():
         assert port_open("127.0.0.1", port)
         assert wait_for_port("127.0.0.1", port, timeout_s=2)
         assert not port_is_free("127.0.0.1", port)
+        assert endpoint_in_use("0.0.0.0", port) and endpoint_in_use("127.0.0.1", port)  # a wildcard asks loopback
+    assert not endpoint_in_use("0.0.0.0", port)
 
 
 def test_free_port_is_free_and_closed():

@@ -12,7 +12,7 @@ from flagscale.config.load import ConfigSources, load_config
 from flagscale.devices import Gpu
 from flagscale.errors import ConfigError
 from flagscale.facts import TargetFacts
-from flagscale.launchers.multihost import named_hosts
+from flagscale.launchers.ssh import named_hosts
 from flagscale.plan import build_plan
 
 SOURCES = ConfigSources(main="conf/serve.yaml", serve="conf/serve/nodes.yaml")

@@ -10,7 +10,7 @@ from flagscale.cluster.hostfile import parse_hostfile
 from flagscale.cluster.ray_node import RAY_CLI_MODULE, RayNode, head_port, ray_cli, ray_start_argv
 from flagscale.cluster.runner import LocalRunner, Result
 from flagscale.errors import ClusterError
-from flagscale.launchers.multihost import host_node
+from flagscale.launchers.ssh import host_node
 from flagscale.net import port_is_free
 
 

@@ -18,12 +18,12 @@ from flagscale.cluster.hostfile import parse_hostfile
 from flagscale.cluster.ray_node import ray_cli, start_local_head
 from flagscale.cluster.runner import CommandRunner, Result, Session
 from flagscale.cluster.state import RunState
-from flagscale.launchers import multihost
-from flagscale.launchers.multihost import SshClusterStart
+from flagscale.launchers import ssh as ssh_launcher
+from flagscale.launchers.ssh import SshClusterStart
 
 EXP_DIR = "/nonexistent/exp"  # short: the one-machine temp dir is EXP_DIR/ray
 TOKEN = "/nonexistent/exp/ray_auth_token"
-# multihost.host_temp_dir(EXP_DIR, host), recorded
+# ssh_launcher.host_temp_dir(EXP_DIR, host), recorded
 TEMP = {"node-a": "/tmp/fsr-3260ede3b9/ray", "node-b": "/tmp/fsr-5364ea9ed0/ray"}
 AUTH = {"RAY_AUTH_MODE": "token"}
 
@@ -73,14 +73,14 @@ class FakeRunner(CommandRunner):
 def calls(monkeypatch):
     """Fixed free ports (in the order asked), no state file written, no GCS waited for, no real LocalRunner."""
     ports = itertools.count(41001)
-    for module in (ray_node, multihost):
+    for module in (ray_node, ssh_launcher):
         monkeypatch.setattr(module, "free_port", lambda: next(ports), raising=False)
     monkeypatch.setattr(RunState, "save", lambda self: None)
     monkeypatch.setattr(ray_node, "wait_for_port", lambda *a, **k: True)
     recorded: list = []
-    for module in (ray_node, multihost):
+    for module in (ray_node, ssh_launcher):
         monkeypatch.setattr(module, "LocalRunner", lambda host="localhost": FakeRunner(host, False, recorded))
-    monkeypatch.setattr(multihost, "local_ip_towards", lambda ip: "10.0.0.9")
+    monkeypatch.setattr(ssh_launcher, "local_ip_towards", lambda ip: "10.0.0.9")
     monkeypatch.setattr(SshClusterStart, "_wait_joined", lambda self: None)
     return recorded
 

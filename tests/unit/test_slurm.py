@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from flagscale.cluster.slurm import allocation_hostfile, expand_counts, expand_hostlist, gpus_per_node
 from flagscale.errors import ConfigError
-from flagscale.launchers.slurm import allocation_hostfile, expand_counts, expand_hostlist, gpus_per_node
 from tests.conftest import demo_engine_args, run_cli, write_config
 
 

@@ -9,6 +9,8 @@ another. Nodes with GPUs are GPU hosts (typed by the GRES type when it is a GPU 
 a100 or h100); an allocation without GPUs gives CPU hosts (`type=cpu`, one slot per allocated CPU). Each Ray node
 declares the CPUs the job has on the fewest-CPU node (unless runner.num_cpus says otherwise), not the whole
 machine's.
+
+A source of hosts beside the hostfile (hostfile.py), read by the SSH launcher (launchers/ssh.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from flagscale.cluster.hostfile import GPU_TYPES, HostEntry, Hostfile
+from flagscale.cluster.hostfile import GPU_TYPES, HostEntry, Hostfile, pick_head
 from flagscale.errors import ConfigError
 
 KEYWORD = "slurm"  # the value of runner.hostfile that means "this Slurm allocation"
@@ -136,11 +138,7 @@ def allocation_hostfile(env: Mapping[str, str], head: str | None, where_head: st
                 "each node offers",
                 NODELIST,
             )
-    head_entry = entries[0]
-    if head is not None:
-        head_entry = next((e for e in entries if e.host == head), None)
-        if head_entry is None:
-            raise ConfigError(f"head {head!r} is not a node of the allocation ({', '.join(hosts)})", where_head)
+    head_entry = pick_head(entries, head, where_head, "a node of the allocation")
     job = env.get("SLURM_JOB_ID", "?")
     return Hostfile(
         path=f"slurm job {job}: {nodelist}",

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from rich.console import Console
 
 from flagscale.cluster.node_logs import EngineLog
-from flagscale.cluster.placement import Target, endpoint_in_use
+from flagscale.cluster.placement import Target
 from flagscale.cluster.ray_existing import (
     HEAD_RESOURCE,
     Placement,
@@ -37,6 +37,7 @@ from flagscale.cluster.ray_node_tasks import NodeRunner, node_engine_logs, remov
 from flagscale.cluster.state import RunState
 from flagscale.errors import ConfigError, FlagScaleError
 from flagscale.launchers.base import Launcher, TargetFacts
+from flagscale.net import endpoint_in_use
 from flagscale.replica.process import NODE_LOG_DIR
 from flagscale.replica.registry import list_replicas, withdraw_all
 

@@ -1,4 +1,4 @@
-"""A Ray cluster over the hosts of a hostfile (or of a Slurm allocation, launchers/slurm.py): `ray start` on each
+"""A Ray cluster over the hosts of a hostfile (or of a Slurm allocation, cluster/slurm.py): `ray start` on each
 host over SSH, and stopping exactly that.
 
 Order: SSH to every host in parallel (an unreachable host fails the run before anything starts), copy
@@ -24,16 +24,16 @@ from rich.console import Console
 from rich.table import Table
 
 from flagscale.cluster import hostfile as hostfiles
-from flagscale.cluster import ssh
+from flagscale.cluster import slurm, ssh
 from flagscale.cluster.hostfile import HostEntry, Hostfile
-from flagscale.cluster.placement import ClusterPlan, Target, endpoint_in_use, plan_cluster
+from flagscale.cluster.placement import ClusterPlan, Target, plan_cluster
 from flagscale.cluster.ray_env import worker_env
 from flagscale.cluster.ray_node import RayNode, auth_env, connect, head_port, prepare_ray_temp_dir, start_node
 from flagscale.cluster.runner import LocalRunner, SshRunner, parallel
 from flagscale.cluster.state import RunState
 from flagscale.errors import ClusterError
-from flagscale.launchers import slurm
 from flagscale.launchers.base import OwnCluster, TargetFacts
+from flagscale.net import endpoint_in_use
 
 log = logging.getLogger(__name__)
 
