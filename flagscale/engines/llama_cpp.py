@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flagscale.adaptors import ray
 from flagscale.engines import llama_cpp_build
 from flagscale.engines.base import OPENAI_INFERENCE_PATHS, Capabilities, EngineKind, ServerLaunch
 from flagscale.errors import ConfigError
@@ -245,8 +246,6 @@ class LlamaCpp(EngineKind):
 
 def reserved_cpus() -> int:
     """The CPUs Ray reserved for the calling replica (its ray_actor_options num_cpus), at least 1; 1 outside Ray."""
-    import ray
-
     if not ray.is_initialized():
         return 1
     return max(1, math.floor(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
@@ -254,8 +253,6 @@ def reserved_cpus() -> int:
 
 def reserved_gpus() -> list[str]:
     """The GPUs Ray reserved for the calling replica (its num_gpus); none outside Ray."""
-    import ray
-
     if not ray.is_initialized():
         return []
     return [str(gpu) for gpu in ray.get_gpu_ids()]

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 from rich.console import Console
 
+from flagscale.adaptors import ray
 from flagscale.cluster.node_logs import EngineLog
 from flagscale.cluster.placement import Target
 from flagscale.cluster.ray_existing import (
@@ -193,8 +194,6 @@ class RayClusterLauncher(Launcher):
 
     @contextlib.contextmanager
     def reading_registry(self, state: RunState) -> Iterator[None]:
-        import ray
-
         try:
             self.connect(state)  # the nodes' logs are read through Ray: a driver
             yield
@@ -211,8 +210,6 @@ class RayClusterLauncher(Launcher):
 
 def node_rows(replicas: list[dict]) -> list[dict]:
     """status: the cluster's nodes from Ray's node table (alive ones, and any that held a replica)."""
-    import ray
-
     rows = []
     for node in ray.nodes():
         on_it = [r for r in replicas if node["NodeID"].startswith(r["node_id"])]

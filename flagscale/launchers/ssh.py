@@ -23,6 +23,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from flagscale.adaptors import ray
 from flagscale.cluster import hostfile as hostfiles
 from flagscale.cluster import slurm, ssh
 from flagscale.cluster.hostfile import HostEntry, Hostfile
@@ -183,8 +184,6 @@ class SshClusterStart:
         )
 
     def _wait_joined(self) -> None:
-        import ray  # reason: ray's import takes seconds; the CLI's other actions do without it
-
         connect(self.state)
         deadline = time.monotonic() + self.cluster.join_timeout_s
         wanted = {r.node_ip: r for r in self.state.hosts}
@@ -296,8 +295,6 @@ class SshLauncher(OwnCluster):
 
     def hosts(self, state: RunState, replicas: list[dict]) -> list[dict] | None:
         """One row per hostfile host, with its Ray node's state as the GCS sees it."""
-        import ray  # reason: ray's import takes seconds; the CLI's other actions do without it
-
         nodes = {n["NodeID"]: n for n in ray.nodes()}
         rows = []
         for record in state.hosts:
