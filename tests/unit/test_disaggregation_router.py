@@ -48,8 +48,8 @@ async def through_pd_router(prefills, decodes, path, body):
             up.record.role = role
             ups.append(up)
     router = bare_router([u for u in ups if u.record.role == "decode"], "least_load")
-    router.table.prefill_by_model = {"m": [u for u in ups if u.record.role == "prefill"]}
-    router.prefill_policies = {"m": make_policy(RoutingSpec(policy="least_load"))}
+    router.replicas.table.prefill_by_model = {"m": [u for u in ups if u.record.role == "prefill"]}
+    router.replicas.prefill_policies = {"m": make_policy(RoutingSpec(policy="least_load"))}
     try:
         async with router_listening(router) as url, aiohttp.ClientSession() as client:
             async with client.post(f"{url}{path}", json=body) as resp:

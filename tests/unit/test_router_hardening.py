@@ -87,7 +87,7 @@ def test_a_client_that_hangs_up_closes_the_engines_request(streamed):
                 writer.close()
                 await asyncio.wait_for(engine.closed.wait(), 5)
                 await asyncio.sleep(0.2)
-                assert router.inflight == 0 and up.inflight == 0
+                assert router.counters.inflight == 0 and up.inflight == 0
         finally:
             await engine.runner.cleanup()
 
