@@ -15,7 +15,7 @@ from flagscale.net import free_port
 from flagscale.router.circuit_breaker import BREAKER_FAILURES, CircuitBreaker, CircuitState
 from flagscale.router.policies import make_policy
 from tests.conftest import bare_router, router_listening, serve
-from tests.unit.test_router_retry import upstream
+from tests.unit.fakes import upstream
 
 
 def test_consecutive_failures_open_the_circuit_then_one_probe_readmits():

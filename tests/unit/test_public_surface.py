@@ -17,10 +17,8 @@ from aiohttp import web
 from flagscale.config.routing import RoutingSpec
 from flagscale.router.policies import make_policy
 from tests.conftest import bare_router, router_listening, serve
-from tests.unit.test_failover import FakeEngine
-from tests.unit.test_failover import through_router as stream_through_router
-from tests.unit.test_router_hardening import raw_request
-from tests.unit.test_router_retry import started_upstreams, upstream
+from tests.unit.fakes import FakeEngine, raw_request, started_upstreams, through_pd_router, upstream
+from tests.unit.fakes import through_router as stream_through_router
 
 KEY = {"Authorization": "Bearer sesame"}
 # vLLM's dead engine core, as its server answers every request after it (vllm/v1/engine/exceptions.py)
@@ -267,8 +265,6 @@ def test_an_engine_that_died_during_the_request_is_retried_at_most_once(body, he
 
 
 def test_a_prompt_during_which_prefill_engines_died_goes_to_at_most_one_more_prefill_replica(caplog):
-    from tests.unit.test_disaggregation_router import through_pd_router
-
     prefills = [RecordingEngine(n, status=lambda m, p, b: 500, body=ENGINE_DEAD) for n in ("p0", "p1", "p2")]
     decode = FakeEngine("d0")
     body = {"model": "m", "prompt": "hello", "max_tokens": 4}

@@ -17,8 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from tests.conftest import bare_router, router_listening, serve
-from tests.unit.test_router_hardening import post_head, raw_request
-from tests.unit.test_router_retry import upstream
+from tests.unit.fakes import post_head, raw_request, upstream
 
 SEED = 19
 CASES = 400

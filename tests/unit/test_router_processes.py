@@ -12,7 +12,7 @@ import aiohttp
 from flagscale.router import peers
 from flagscale.router.peers import RoutingHints, decode_hint, encode_hint, merge_stats
 from tests.conftest import bare_router, router_listening
-from tests.unit.test_router_retry import healthy_replica, upstream
+from tests.unit.fakes import healthy_replica, upstream
 
 SECRET = "0123456789abcdef" * 4  # the deployment's peer secret (RouterSpec.peer_secret)
 PROMPTS = [f"document {d}: " + "lorem ipsum dolor sit amet " * 20 + f"question {q}" for d in range(6) for q in range(3)]
