@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -85,7 +85,7 @@ class Replicas:
         """Does `model` have a prefill pool (its requests are prefilled first: pd.py)?"""
         return model in self.prefill_policies
 
-    def missing(self, models) -> list[str]:
+    def missing(self, models: Iterable[str]) -> list[str]:
         """Which of `models` (and of the disaggregated models' prefill pools) have no replica now."""
         missing = [m for m in models if not self.table.by_model.get(m)]
         return missing + [f"{m} (prefill)" for m in self.prefill_policies if not self.table.prefill_by_model.get(m)]
