@@ -321,7 +321,9 @@ def bare_router(upstreams: list, policy: str):
         app="a", host="127.0.0.1", port=0, models={"m": "s"}, pin_cpus=False, routing={"m": RoutingSpec(policy=policy)}
     )
     router._init_state()
-    router.table = ReplicaTable(by_model={"m": upstreams}, by_replica={u.record.replica_id: u for u in upstreams})
+    router.replicas.table = ReplicaTable(
+        by_model={"m": upstreams}, by_replica={u.record.replica_id: u for u in upstreams}
+    )
     return router
 
 
@@ -344,14 +346,14 @@ async def router_listening(router):
     from flagscale.router.frontend import RUNNER_OPTIONS
     from flagscale.router.router import upstream_session
 
-    router.session = upstream_session()
+    router.clients.session = upstream_session()
     runner, port = await serve(router.web_app(), **RUNNER_OPTIONS)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        await router.session.close()
+        await router.clients.session.close()
         await runner.cleanup()
-        router.upstream_client.close()
+        router.clients.relay.close()
 
 
 def flagscale_command() -> list[str]:

@@ -10,16 +10,31 @@ import itertools
 import time
 from collections.abc import Callable
 
+from aiohttp import web
+
+from flagscale.router.client_request import error_response
 from flagscale.router.policies import Policy, RequestInfo
 from flagscale.router.replicas import Upstream
 from flagscale.router.spec import RouterSpec
 
 FULL = "every replica it may take is at max_ongoing_requests"
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client
 
 
 class Overloaded(Exception):
     """Every replica of the model has max_ongoing_requests in flight and the queue is full, or the request waited
     its queue_timeout_s."""
+
+
+def overloaded_message(model: str, reason: str) -> str:
+    """Why a request that Overloaded turned away (`reason`: the exception's) got no replica."""
+    return f"every replica of {model!r} is at its max_ongoing_requests and {reason}"
+
+
+def overloaded_answer(model: str, reason: str) -> web.Response:
+    """The 503 with Retry-After for a request that Overloaded turned away."""
+    message = overloaded_message(model, reason)
+    return error_response(503, message, "ServiceUnavailableError", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def first_untried(policy: Policy, upstreams: list[Upstream], info: RequestInfo, tried: set[str]) -> Upstream | None:

@@ -9,33 +9,34 @@ until one answers, each at most once and at most `max_migrations` moves after a 
 - a 5xx on a path where the engine does not run the model (EngineKind.inference_paths: /tokenize, /version, a
   stored response, ...): passed on as it is, the replica neither counted as failing nor passed over.
 
-After an engine dies during a request (dropped connection, stream broken off, a 5xx saying the engine is dead, or
-a 5xx after which the replica's health check fails) the request goes to at most RETRIES_AFTER_ENGINE_DEATH more
-replicas: it may be what killed the engine. That is logged.
+What an answer says of the replica is verdict.py's pure rule. After an engine dies during a request (dropped
+connection, stream broken off, a 5xx saying the engine is dead, or a 5xx after which the replica's health check
+fails) the request goes to at most RETRIES_AFTER_ENGINE_DEATH more replicas: it may be what killed the engine.
+That is logged.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
-import aiohttp
 from aiohttp import web
 
 from flagscale import engines
-from flagscale.router.admission import Overloaded, first_untried
+from flagscale.router.admission import AdmissionQueue, Overloaded, first_untried, overloaded_answer, overloaded_message
 from flagscale.router.client_request import HOP_BY_HOP, error_response
 from flagscale.router.exchange import Exchange
-from flagscale.router.replicas import Upstream
+from flagscale.router.pd import Prefill
+from flagscale.router.peers import PeerLink
+from flagscale.router.replicas import Replicas, Upstream, engine_death
 from flagscale.router.resume import CHAT, COMPLETIONS, error_event
+from flagscale.router.spec import RouterSpec
+from flagscale.router.state import Clients, Counters
 from flagscale.router.upstream_http import Answer, ConnectFailed, Disconnected
+from flagscale.router.verdict import RETRIES_AFTER_ENGINE_DEATH, Verdict, judge
 
 log = logging.getLogger("flagscale.router")
-
-RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client
-RETRIES_AFTER_ENGINE_DEATH = 1  # a request during which an engine died is sent to at most this many more replicas
-DEATH_PROBE_TIMEOUT_S = 2.0  # after a 5xx, the replica's health check that tells whether its engine died
-DEAD_MARKER_SCAN_BYTES = 4096  # how much of a 5xx body is searched for the engine kind's engine-dead error
 
 
 class Unreachable(Exception):
@@ -70,28 +71,43 @@ class _Attempt:
 
 class Failover:
     """The request path after admission checks: prefill (disaggregated models), then the replicas in turn.
-    `router`: the Router (flagscale/router/router.py) whose replicas, admission queue and counters it uses."""
 
-    def __init__(self, router) -> None:
-        self.router = router
+    `spec` gives the router's current spec; `replicas`, the table and policies; `counters`, where the moves and
+    resumes are counted; `admission`, the queue for a replica's free slot; `clients`, the connections to the
+    replicas; `peers`, where routing hints go; `prefill`, the prefill step; `refresh`, a read of the registry now."""
+
+    def __init__(
+        self,
+        spec: Callable[[], RouterSpec],
+        replicas: Replicas,
+        counters: Counters,
+        admission: AdmissionQueue,
+        clients: Clients,
+        peers: PeerLink,
+        prefill: Prefill,
+        refresh: Callable[[], Awaitable[None]],
+    ) -> None:
+        self._spec, self._replicas, self._counters = spec, replicas, counters
+        self._admission, self._clients, self._peers = admission, clients, peers
+        self._prefill, self._refresh = prefill, refresh
 
     async def route(self, exchange: Exchange, payload: dict) -> web.StreamResponse:
         """Prefill (disaggregated models), then replicas in the policy's order until one answers, bounded."""
-        router, model, request = self.router, exchange.model, exchange.http
-        if model in router.prefill_policies and request.method == "POST" and request.path in (COMPLETIONS, CHAT):
-            kv = await router.prefill.kv_params(exchange, payload)
+        model, request = exchange.model, exchange.http
+        if self._replicas.disaggregated(model) and request.method == "POST" and request.path in (COMPLETIONS, CHAT):
+            kv = await self._prefill.kv_params(exchange, payload)
             if not isinstance(kv, dict):
                 return kv  # the prefill pool's answer (a 4xx) or why none could take the prompt
             exchange.with_kv(payload, kv)
         while True:
             try:
-                upstream = await router.admission.admitted(("serve", model), lambda: self._pick(exchange), router.spec)
+                upstream = await self._admission.admitted(("serve", model), lambda: self._pick(exchange), self._spec())
             except Overloaded as exc:
-                return await self.overloaded(exchange, str(exc))
+                return await self._overloaded(exchange, str(exc))
             if upstream is None:
                 if not exchange.refreshed:  # none left to try: one may have joined since the last refresh
                     exchange.refreshed = True
-                    await router.refresh_on_miss()
+                    await self._refresh()
                     continue
                 return await self._give_up(exchange)
             try:
@@ -103,7 +119,7 @@ class Failover:
                 if not self._moves_on(exchange, exc):
                     return await self._give_up(exchange)
                 upstream.migrations += 1
-                router.moved += 1
+                self._counters.moved += 1
 
     def _moves_on(self, exchange: Exchange, failure: Failed) -> bool:
         """May the request a replica failed go to another one? (Counts the move.)"""
@@ -127,16 +143,15 @@ class Failover:
         return True
 
     def _pick(self, exchange: Exchange) -> Upstream | str | None:
-        upstreams = self.router.table.by_model.get(exchange.model, [])
+        upstreams = self._replicas.pool(exchange.model)
         return first_untried(exchange.policy, upstreams, exchange.info, exchange.tried)
 
-    async def overloaded(self, exchange: Exchange, reason: str) -> web.StreamResponse:
+    async def _overloaded(self, exchange: Exchange, reason: str) -> web.StreamResponse:
         """503 with Retry-After (a stream already begun, waiting to go on elsewhere: a closing error event)."""
-        message = f"every replica of {exchange.model!r} is at its max_ongoing_requests and {reason}"
         if exchange.response is not None:
-            exchange.failure = message
+            exchange.failure = overloaded_message(exchange.model, reason)
             return await self._give_up(exchange)
-        return error_response(503, message, "ServiceUnavailableError", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return overloaded_answer(exchange.model, reason)
 
     async def _give_up(self, exchange: Exchange) -> web.StreamResponse:
         """No replica is left to try: the last answer, an error, or (stream begun) a closing error event."""
@@ -161,7 +176,7 @@ class Failover:
         """Send the request to one replica and relay its answer. Raises Unreachable (nothing was sent) or
         Failed (the replica failed before the client got its answer, or mid-stream where the stream can go
         on elsewhere); a stream that cannot go on ends with an error event."""
-        router, stream = self.router, exchange.stream
+        stream = exchange.stream
         if stream is not None and stream.sent_events:
             path, data = stream.resume_request()
         else:
@@ -169,7 +184,7 @@ class Failover:
             data = stream.first_request(exchange.body) if stream is not None else exchange.body
         attempt = _Attempt(upstream)
         exchange.policy.before_request(upstream, exchange.info)
-        router.peers.send_hint("serve", exchange.model, upstream, exchange.info)
+        self._peers.send_hint("serve", exchange.model, upstream, exchange.info)
         upstream.inflight += 1
         upstream.sent += 1
         answer = None
@@ -183,16 +198,16 @@ class Failover:
             if answer is not None:
                 answer.close()
             upstream.inflight -= 1
-            router.admission.slot_freed(upstream)
-            if attempt.ok is None and upstream.breaker.probing:  # cancelled before it answered: another may probe
-                upstream.breaker.probing = False
+            self._admission.slot_freed(upstream)
+            if attempt.ok is None:  # cancelled before it answered: another request may probe
+                upstream.breaker.release()
             exchange.policy.after_request(upstream, exchange.info, bool(attempt.ok))
 
     async def _send(self, exchange: Exchange, attempt: _Attempt, path: str, data: bytes) -> Answer:
         """The replica's answer, its head in; its status recorded in the replica's circuit breaker."""
         upstream = attempt.upstream
         try:
-            answer = await self.router.upstream_client.request(
+            answer = await self._clients.relay.request(
                 exchange.http.method,
                 upstream.record.url + path,
                 data,
@@ -207,14 +222,15 @@ class Failover:
             attempt.failed()
             raise Failed(f"{attempt.name} dropped the connection before answering ({exc})", engine_died=True) from exc
         upstream.served += 1
-        if answer.status < 500:  # a 4xx is the client's problem: passed on, the replica is fine
+        verdict = judge(answer.status, exchange.inference)  # (its body, read later, may say the engine died)
+        if verdict is Verdict.OK:
             attempt.ok = True
             upstream.breaker.success()
-        elif exchange.inference:
-            attempt.failed()
-        else:  # the engine does not run the model on this path: its 5xx is passed on, the replica not judged
+        elif verdict is Verdict.NOT_JUDGED:  # passed on as it is
             attempt.ok = True
-            upstream.breaker.probing = False  # (if this was the half-open probe, the next request probes)
+            upstream.breaker.release()  # (if this was the half-open probe, the next request probes)
+        else:
+            attempt.failed()
         return answer
 
     async def _whole_answer(
@@ -230,7 +246,10 @@ class Failover:
         if not attempt.ok:
             if exchange.response is None:
                 exchange.last_answer = reply  # returned as is when no other replica can take it
-            death = await self.engine_death(attempt.upstream, body)
+            upstream = attempt.upstream
+            marker = engines.get(upstream.record.engine).dead_engine_marker
+            verdict = judge(answer.status, exchange.inference, body, marker)
+            death = await engine_death(self._clients.session, upstream, verdict)
             if death:
                 attempt.upstream.breaker.trip(time.monotonic())
                 log.warning(
@@ -246,20 +265,6 @@ class Failover:
         exchange.first_byte_at = time.monotonic()
         exchange.sent_bytes += len(body)
         return reply
-
-    async def engine_death(self, upstream: Upstream, body: bytes) -> str:
-        """Why a replica that answered 5xx is taken to have lost its engine (its body is the engine kind's
-        engine-dead error, or its health check fails right after), or "" when it still looks alive."""
-        kind = engines.get(upstream.record.engine)
-        if kind.dead_engine_marker and kind.dead_engine_marker in body[:DEAD_MARKER_SCAN_BYTES]:
-            return "its engine died (the engine-dead error)"
-        timeout = aiohttp.ClientTimeout(total=DEATH_PROBE_TIMEOUT_S)
-        try:
-            async with self.router.session.get(upstream.record.url + kind.health_path, timeout=timeout) as resp:
-                healthy = resp.status < 500
-        except (TimeoutError, aiohttp.ClientError):
-            healthy = False
-        return "" if healthy else "its engine died (its health check failed right after)"
 
     async def _relay_stream(
         self, exchange: Exchange, attempt: _Attempt, answer: Answer, headers: dict
@@ -301,7 +306,7 @@ class Failover:
                 await response.write_eof()
                 return response
             if exchange.engine_deaths < RETRIES_AFTER_ENGINE_DEATH:
-                self.router.resumed += 1
+                self._counters.resumed += 1
             raise Failed(reason + "; resuming it", engine_died=True)
         await exchange.write(error_event(f"{reason}; this request's stream cannot be resumed elsewhere"))
         await response.write_eof()

@@ -14,12 +14,15 @@ import asyncio
 import hmac
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from flagscale import engines
 from flagscale.config.routing import RoutingSpec
+from flagscale.router.admission import RETRY_AFTER_S
 from flagscale.router.client_request import (
     HOP_BY_HOP,
     BadRequest,
@@ -29,11 +32,14 @@ from flagscale.router.client_request import (
     read_body,
 )
 from flagscale.router.exchange import Exchange
-from flagscale.router.failover import RETRY_AFTER_S
-from flagscale.router.metrics import SCRAPE_TIMEOUT_S, merge_replica_metrics
+from flagscale.router.failover import Failover
+from flagscale.router.metrics import SCRAPE_TIMEOUT_S, RouterMetrics, merge_replica_metrics
+from flagscale.router.peers import PeerLink
 from flagscale.router.policies import RequestInfo, rank_replicas
-from flagscale.router.replicas import Upstream
+from flagscale.router.replicas import Replicas, Upstream
 from flagscale.router.resume import CHAT, COMPLETIONS, ClientStream, dumps
+from flagscale.router.spec import RouterSpec
+from flagscale.router.state import Clients, Counters
 from flagscale.router.surface import Surface
 
 log = logging.getLogger("flagscale.router")
@@ -46,20 +52,34 @@ NOT_PASSED_ON = HOP_BY_HOP | engines.dropped_request_headers()
 
 
 class Frontend:
-    """The HTTP surface of `router` (the Router of flagscale/router/router.py: its spec, replicas, policies,
-    metrics and counters)."""
+    """The router's HTTP surface. `spec` gives the router's current spec; `replicas`, the table and policies;
+    `counters`, the requests in flight and the drain; `metrics`, the router's series; `clients`, the session its
+    own calls to the replicas go through; `peers`, the other router processes' series; `failover`, where a
+    request goes once in; `graph`, the graph driver's handle (None without custom nodes)."""
 
-    def __init__(self, router) -> None:
-        self.router = router
+    def __init__(
+        self,
+        spec: Callable[[], RouterSpec],
+        replicas: Replicas,
+        counters: Counters,
+        metrics: RouterMetrics,
+        clients: Clients,
+        peers: PeerLink,
+        failover: Failover,
+        graph: Any = None,
+    ) -> None:
+        self._spec, self._replicas, self._counters, self._metrics = spec, replicas, counters, metrics
+        self._clients, self._peers, self._failover = clients, peers, failover
+        self.graph = graph
         self._surface: Surface | None = None
         self.graph_inflight = 0  # graph requests in flight through this process (bounded: spec.graph_max_ongoing)
 
     @property
     def surface(self) -> Surface:
         """The public surface of the router's current spec (built again when an update changed the spec)."""
-        surface = self._surface
-        if surface is None or surface.spec is not self.router.spec:
-            surface = self._surface = Surface(self.router.spec)
+        surface, spec = self._surface, self._spec()
+        if surface is None or surface.spec is not spec:
+            surface = self._surface = Surface(spec)
         return surface
 
     def app(self) -> web.Application:
@@ -77,7 +97,7 @@ class Frontend:
     async def _require_key(self, request: web.Request, handler):
         """deploy.api_key: `Authorization: Bearer <key>` on every request but GET /health (and GET /metrics unless
         protect_metrics), 401 in OpenAI's shape otherwise. Any other method on those paths needs the key too."""
-        spec = self.router.spec
+        spec = self._spec()
         key = spec.api_key
         open_path = request.method == "GET" and (
             request.path == "/health" or (request.path == "/metrics" and not spec.protect_metrics)
@@ -93,7 +113,7 @@ class Frontend:
 
     def upstream_headers(self, headers: dict) -> dict:
         """Headers of a request to an engine: the client's, with the deployment's key (engines require it too)."""
-        key = self.router.spec.api_key
+        key = self._spec().api_key
         if key:
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             headers["Authorization"] = f"Bearer {key}"
@@ -103,8 +123,8 @@ class Frontend:
 
     async def metrics(self, request: web.Request) -> web.Response:
         """Every engine replica's own series, labelled by replica, then the router's (flagscale/router/metrics.py)."""
-        router = self.router
         timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+        session = self._clients.session
 
         async def scrape(upstream: Upstream):
             record = upstream.record
@@ -116,41 +136,37 @@ class Frontend:
             }
             try:
                 headers = self.upstream_headers({})  # engines require the key on /metrics too
-                async with router.session.get(record.url + "/metrics", timeout=timeout, headers=headers) as resp:
+                async with session.get(record.url + "/metrics", timeout=timeout, headers=headers) as resp:
                     if resp.status == 200:
                         return labels, await resp.text()
             except (TimeoutError, aiohttp.ClientError):
                 pass
-            router.metrics.scrape_failures.inc()
+            self._metrics.scrape_failures.inc()
             return None
 
-        scraped = await asyncio.gather(*(scrape(u) for u in list(router.table.by_replica.values())))
-        # every router process's own series, labelled by process (the others' as of their last report)
-        routers = [({"router_process": router.process}, router.metrics.text().decode())]
-        routers += [({"router_process": r.process}, r.metrics) for r in router.peer_reports if not r.stale]
+        scraped = await asyncio.gather(*(scrape(u) for u in list(self._replicas.table.by_replica.values())))
+        routers = self._peers.router_series()
         text = merge_replica_metrics([s for s in scraped if s is not None]) + merge_replica_metrics(routers)
         return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def health(self, request: web.Request | None) -> web.Response:
-        router = self.router
-        missing = [m for m in router.spec.models if not router.table.by_model.get(m)]
-        missing += [f"{m} (prefill)" for m in router.prefill_policies if not router.table.prefill_by_model.get(m)]
-        if router.draining:
+        missing = self._replicas.missing(self._spec().models)
+        if self._counters.draining:
             return web.Response(status=503, text="draining\n")
         if missing:
             return web.Response(status=503, text=f"no ready replica for: {', '.join(missing)}\n")
         return web.Response(text="ok\n")
 
     async def models(self, request: web.Request) -> web.Response:
-        router, data = self.router, []
-        for serve_id in dict.fromkeys(router.spec.models.values()):
-            names = [m for m, sid in router.spec.models.items() if sid == serve_id]
-            ups = rank_replicas(router.table.by_model.get(names[0], []), 0, time.monotonic())
+        models, session, data = self._spec().models, self._clients.session, []
+        for serve_id in dict.fromkeys(models.values()):
+            names = [m for m, sid in models.items() if sid == serve_id]
+            ups = rank_replicas(self._replicas.pool(names[0]), 0, time.monotonic())
             entries = None
             for upstream in ups[:2]:
                 try:
                     headers = self.upstream_headers({})
-                    async with router.session.get(upstream.record.url + "/v1/models", headers=headers) as resp:
+                    async with session.get(upstream.record.url + "/v1/models", headers=headers) as resp:
                         entries = (await resp.json())["data"]
                         break
                 except Exception:
@@ -163,8 +179,8 @@ class Frontend:
     # ---- the proxied requests ---------------------------------------------------------------------------
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
-        router, spec, surface, path = self.router, self.router.spec, self.surface, request.path
-        if router.graph is not None and request.method == "POST" and path == spec.graph_route:
+        spec, surface, path = self._spec(), self.surface, request.path
+        if self.graph is not None and request.method == "POST" and path == spec.graph_route:
             return await self.run_graph(request)
         if path in surface.own:  # the router's own route, asked with another method
             allowed = surface.own[path]
@@ -173,7 +189,7 @@ class Frontend:
         served = surface.served(path)
         if served is None:  # not on the public surface: no engine sees it (docs/operations.md)
             return error_response(404, f"{path} is not served here", "NotFoundError")
-        if router.draining:
+        if self._counters.draining:
             return error_response(503, "server is shutting down", "ServiceUnavailableError")
         try:
             body = await read_body(request, spec.max_body_bytes)
@@ -196,33 +212,34 @@ class Frontend:
         exchange.inference = inference
         query = request.rel_url.raw_query_string
         exchange.target = f"{path}?{query}" if query else path  # the path checked above, as it was checked
-        router.inflight += 1
-        router.metrics.inflight.inc()
+        self._counters.inflight += 1
+        self._metrics.inflight.inc()
         status = 499  # the client went away (the handler was cancelled)
         try:
-            response = await router.failover.route(exchange, payload)
+            response = await self._failover.route(exchange, payload)
             status = response.status
             return response
         finally:
-            router.inflight -= 1
-            router.metrics.inflight.dec()
+            self._counters.inflight -= 1
+            self._metrics.inflight.dec()
             self._observe(exchange, status)
 
     def _exchange(self, request: web.Request, model: str, payload: dict, body: bytes) -> Exchange:
-        spec = self.router.spec
+        spec = self._spec()
         info = RequestInfo(model, payload, {k.lower(): v for k, v in request.headers.items()})
         stream = None
         if request.method == "POST" and request.path in (COMPLETIONS, CHAT) and payload.get("stream") is True:
             stream = ClientStream(request.path, payload, engine_resumes=model not in spec.no_resume)
         routing = spec.routing.get(model, RoutingSpec())
-        exchange = Exchange(request, model, self.router.policies[model], info, body, stream, routing.max_migrations)
+        policy = self._replicas.policy(model)
+        exchange = Exchange(request, model, policy, info, body, stream, routing.max_migrations)
         exchange.headers = self.upstream_headers(
             {k: v for k, v in request.headers.items() if k.lower() not in NOT_PASSED_ON}
         )
         return exchange
 
     def _observe(self, exchange: Exchange, status: int) -> None:
-        m, model = self.router.metrics, exchange.model
+        m, model = self._metrics, exchange.model
         m.requests.labels(model, str(status)).inc()
         m.e2e.labels(model).observe(time.monotonic() - exchange.started)
         if exchange.first_byte_at is not None:
@@ -235,30 +252,30 @@ class Frontend:
 
     async def run_graph(self, request: web.Request) -> web.Response:
         """The graph's entry: JSON body -> graph driver -> the sink's output as JSON (`?trace=1`: with timings)."""
-        router = self.router
-        if router.draining:
+        spec = self._spec()
+        if self._counters.draining:
             return error_response(503, "server is shutting down", "ServiceUnavailableError")
         try:
-            payload = parse_body(await read_body(request, router.spec.max_body_bytes) or b"{}")
+            payload = parse_body(await read_body(request, spec.max_body_bytes) or b"{}")
         except BadRequest as exc:
             return exc.response()
         with_trace = request.query.get("trace", "").lower() in ("1", "true", "yes")
-        if self.graph_inflight >= router.spec.share(router.spec.graph_max_ongoing):
+        if self.graph_inflight >= spec.share(spec.graph_max_ongoing):
             return error_response(
                 503,
-                f"the graph has {router.spec.graph_max_ongoing} requests in flight (its driver's max_ongoing_requests)",
+                f"the graph has {spec.graph_max_ongoing} requests in flight (its driver's max_ongoing_requests)",
                 "ServiceUnavailableError",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        router.inflight += 1
+        self._counters.inflight += 1
         self.graph_inflight += 1
         try:
-            reply = await router.graph.run.remote(payload, with_trace)
+            reply = await self.graph.run.remote(payload, with_trace)
         except Exception as exc:
             log.exception("graph request failed")
             return error_response(500, f"graph driver failed: {exc}", "InternalServerError")
         finally:
-            router.inflight -= 1
+            self._counters.inflight -= 1
             self.graph_inflight -= 1
         status = reply.pop("status")
         if status != 200:

@@ -10,15 +10,21 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
 
-from flagscale.router.admission import Overloaded, first_untried
+from flagscale import engines
+from flagscale.router.admission import AdmissionQueue, Overloaded, first_untried, overloaded_answer
 from flagscale.router.client_request import HOP_BY_HOP, error_response
 from flagscale.router.exchange import Exchange
-from flagscale.router.failover import RETRIES_AFTER_ENGINE_DEATH
-from flagscale.router.replicas import Upstream
+from flagscale.router.peers import PeerLink
+from flagscale.router.policies import Policy
+from flagscale.router.replicas import Replicas, Upstream, engine_death
+from flagscale.router.spec import RouterSpec
+from flagscale.router.state import Clients, Counters
+from flagscale.router.verdict import RETRIES_AFTER_ENGINE_DEATH, Verdict, judge
 
 log = logging.getLogger("flagscale.router")
 
@@ -50,30 +56,39 @@ class PrefillFailed:
 
 
 class Prefill:
-    """The prefill step of `router`'s disaggregated models (the Router of flagscale/router/router.py: its
-    prefill pools, their policies, its admission queue and aiohttp session)."""
+    """The prefill step of the disaggregated models: `spec` gives the router's current spec; `replicas`, the
+    prefill pools and their policies; `counters`, where moves are counted; `admission`, the queue for a replica's
+    free slot; `clients`, the session prefill requests go through; `peers`, where routing hints go."""
 
-    def __init__(self, router) -> None:
-        self.router = router
+    def __init__(
+        self,
+        spec: Callable[[], RouterSpec],
+        replicas: Replicas,
+        counters: Counters,
+        admission: AdmissionQueue,
+        clients: Clients,
+        peers: PeerLink,
+    ) -> None:
+        self._spec, self._replicas, self._counters = spec, replicas, counters
+        self._admission, self._clients, self._peers = admission, clients, peers
 
     async def kv_params(self, exchange: Exchange, payload: dict):
         """A disaggregated model's first step: a prefill replica computes the prompt's KV cache and answers with
         the kv_transfer_params a decode replica pulls it with. Returns them, or the answer for the client: a
         prefill replica's 4xx as is, or why no prefill replica could take the prompt (each tried at most once)."""
-        router = self.router
         data = prefill_body(payload)
-        policy = router.prefill_policies[exchange.model]
-        pool = router.table.prefill_by_model.get(exchange.model, [])
+        policy = self._replicas.policy(exchange.model, prefill=True)
+        pool = self._replicas.pool(exchange.model, prefill=True)
         tried: set[str] = set()
         failure = ""
         deaths = 0
         while True:
             try:
-                upstream = await router.admission.admitted(
-                    ("prefill", exchange.model), lambda: first_untried(policy, pool, exchange.info, tried), router.spec
+                upstream = await self._admission.admitted(
+                    ("prefill", exchange.model), lambda: first_untried(policy, pool, exchange.info, tried), self._spec()
                 )
-            except Overloaded as exc:
-                return await router.failover.overloaded(exchange, f"(prefill) {exc}")
+            except Overloaded as exc:  # (nothing reached the client yet)
+                return overloaded_answer(exchange.model, f"(prefill) {exc}")
             if upstream is None:
                 reason = f"{failure}; " if failure else ""
                 message = f"{reason}no prefill replica of {exchange.model!r} could take the prompt"
@@ -93,26 +108,28 @@ class Prefill:
                     log.warning("%s: not sent to another prefill replica", message)
                     return error_response(502, message + ": not sent to another prefill replica", "BadGatewayError")
                 upstream.migrations += 1
-                router.moved += 1
+                self._counters.moved += 1
                 continue
             upstream.breaker.success()
             upstream.served += 1
             return self._kv_of(name, *outcome)
 
-    async def _ask(self, exchange: Exchange, policy, upstream: Upstream, name: str, data: bytes):
+    async def _ask(self, exchange: Exchange, policy: Policy, upstream: Upstream, name: str, data: bytes):
         """One prefill replica's answer: (response, body) when it answered below 500; None when it refused the
         connection (its circuit tripped); else why it failed (PrefillFailed: a 5xx, a broken connection)."""
         ok = None
         failure = None
         policy.before_request(upstream, exchange.info)
-        self.router.peers.send_hint("prefill", exchange.model, upstream, exchange.info)
+        self._peers.send_hint("prefill", exchange.model, upstream, exchange.info)
         upstream.inflight += 1
         upstream.sent += 1
         try:
             url = upstream.record.url + exchange.http.path
-            async with self.router.session.post(url, data=data, headers=exchange.headers) as resp:
+            async with self._clients.session.post(url, data=data, headers=exchange.headers) as resp:
                 answer = await resp.read()
-            ok = resp.status < 500
+            marker = engines.get(upstream.record.engine).dead_engine_marker
+            verdict = judge(resp.status, True, answer, marker)  # (a prefill request always runs the model)
+            ok = verdict is Verdict.OK
             if not ok:
                 failure = PrefillFailed(f"{name} answered {resp.status}")
         except aiohttp.ClientConnectorError:
@@ -124,14 +141,14 @@ class Prefill:
             failure = PrefillFailed(f"{name} failed ({exc!r})", engine_died=True)
         finally:
             upstream.inflight -= 1
-            self.router.admission.slot_freed(upstream)
-            if ok is None and upstream.breaker.probing:
-                upstream.breaker.probing = False
+            self._admission.slot_freed(upstream)
+            if ok is None:  # cancelled before it answered: another request may probe
+                upstream.breaker.release()
             policy.after_request(upstream, exchange.info, bool(ok))
         if ok:
             return resp, answer
         if not failure.engine_died:
-            death = await self.router.failover.engine_death(upstream, answer)
+            death = await engine_death(self._clients.session, upstream, verdict)
             if death:
                 upstream.breaker.trip(time.monotonic())
                 log.warning("%s answered %d and %s", name, resp.status, death)

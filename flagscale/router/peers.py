@@ -33,14 +33,21 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flagscale.cluster.ray_compat import kv_del, kv_get, kv_list, kv_put
 from flagscale.router.policies import RequestInfo
 from flagscale.router.policies.base import Replica
 from flagscale.router.policies.cache_aware import PREFIX_KEY_BYTES
+
+if TYPE_CHECKING:  # (types only: `status` reads the reports through this module without loading aiohttp)
+    from flagscale.router.metrics import RouterMetrics
+    from flagscale.router.replicas import Replicas
+    from flagscale.router.spec import RouterSpec
+    from flagscale.router.state import Counters
 
 log = logging.getLogger("flagscale.router")
 
@@ -239,24 +246,51 @@ def decode_hint(data: bytes) -> tuple[str, str, str, list[bytes]]:
 
 class PeerLink:
     """A router process's side of the sharing: its report out and the others' in, the drain they share, the routing
-    hints. `router`: the Router of flagscale/router/router.py (its stats, metrics, policies, drain state)."""
+    hints. `spec` gives the router's current spec; `replicas`, the table and policies hints feed; `counters`, its
+    load and drain state; `metrics`, its own series; `own_stats`, its stats (Router.collect_stats)."""
 
-    def __init__(self, router) -> None:
-        self.router = router
+    def __init__(
+        self,
+        spec: Callable[[], RouterSpec],
+        replicas: Replicas,
+        counters: Counters,
+        metrics: RouterMetrics,
+        own_stats: Callable[[], dict[str, Any]],
+    ) -> None:
+        self._spec, self._replicas, self._counters = spec, replicas, counters
+        self._metrics, self._own_stats = metrics, own_stats
+        self.process = this_process()
+        self.started_at = time.time()
+        self.sharing = False  # shares reports and drains with the other router processes (spec.share_with_peers)
+        self.hints: RoutingHints | None = None  # the datagram endpoint routing hints come in on
+        self.peer_reports: list[PeerReport] = []  # the other processes' last reports
+
+    async def start_sharing(self) -> None:
+        """spec.share_with_peers: the hints' endpoint opened, the first report out, the drain watched."""
+        self.sharing = True
+        secret = self._spec().peer_secret
+        if secret:  # (without one, no hints: they could not be told from anyone else's)
+            self.hints = await RoutingHints.open(self.learn_hint, secret)
+        await self.publish()
+        asyncio.get_running_loop().create_task(self.watch_drain())
+
+    def router_series(self) -> list[tuple[dict[str, str], str]]:
+        """Every router process's own series, labelled by process (the others' as of their last report)."""
+        series = [({"router_process": self.process}, self._metrics.text().decode())]
+        return series + [({"router_process": r.process}, r.metrics) for r in self.peer_reports if not r.stale]
 
     async def publish(self) -> None:
         """This process's report out, the others' in (and so where their routing hints go)."""
-        router = self.router
         report = PeerReport(
-            process=router.process,
+            process=self.process,
             pid=os.getpid(),
-            started_at=router.started_at,
+            started_at=self.started_at,
             updated_at=0.0,
-            stats=router.collect_stats(),
-            metrics=router.metrics.text().decode(),
-            hints_port=router.hints.port if router.hints else 0,
+            stats=self._own_stats(),
+            metrics=self._metrics.text().decode(),
+            hints_port=self.hints.port if self.hints else 0,
         )
-        app = router.spec.app
+        app = self._spec().app
         try:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, publish, app, report)
@@ -264,37 +298,37 @@ class PeerLink:
         except Exception as exc:  # GCS hiccup: the next refresh tries again
             log.warning("publishing the router's report failed: %s", exc)
             return
-        router.peer_reports = [r for r in found if r.process != router.process]
-        if router.hints is not None:
-            router.hints.peers = [r.hints_port for r in router.peer_reports if r.hints_port]
+        self.peer_reports = [r for r in found if r.process != self.process]
+        if self.hints is not None:
+            self.hints.peers = [r.hints_port for r in self.peer_reports if r.hints_port]
 
     async def watch_drain(self) -> None:
         """Another process was asked to drain the deployment (stop): this one drains too (it looks every refresh:
         the one asked waits until every process has reported draining), then reports every DRAIN_POLL_S so that
         the one asked sees when nothing is in flight anywhere."""
-        router = self.router
+        counters = self._counters
         loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(DRAIN_POLL_S if router.draining else router.spec.refresh_s)
-            if not router.draining:
+            await asyncio.sleep(DRAIN_POLL_S if counters.draining else self._spec().refresh_s)
+            if not counters.draining:
                 try:
-                    asked = await loop.run_in_executor(None, drain_requested, router.spec.app, router.started_at)
+                    asked = await loop.run_in_executor(None, drain_requested, self._spec().app, self.started_at)
                 except Exception:
                     continue
-                router.draining = asked
-            if router.draining:
+                counters.draining = asked
+            if counters.draining:
                 await self.publish()
 
     async def drain(self, timeout_s: float) -> int:
         """Refuse new requests and wait (bounded) for in-flight ones, in every router process of the deployment
         (the others see the drain request within DRAIN_POLL_S); returns how many were still running."""
-        router = self.router
-        router.draining = True
+        counters = self._counters
+        counters.draining = True
         asked_at, deadline = time.time(), time.monotonic() + timeout_s
-        sharing = router.sharing
+        sharing = self.sharing
         if sharing:
             try:
-                await asyncio.to_thread(request_drain, router.spec.app, timeout_s)
+                await asyncio.to_thread(request_drain, self._spec().app, timeout_s)
             except Exception as exc:
                 log.warning("could not ask the other router processes to drain: %s", exc)
                 sharing = False
@@ -302,16 +336,16 @@ class PeerLink:
         while time.monotonic() < deadline:
             if sharing:
                 others = await asyncio.to_thread(self._others_inflight, asked_at)
-            if not router.inflight and not others:
+            if not counters.inflight and not others:
                 break
             await asyncio.sleep(DRAIN_POLL_S)
-        return router.inflight + others
+        return counters.inflight + others
 
     def _others_inflight(self, asked_at: float) -> int:
         """Requests the other processes still hold (one for a process that has not reported draining since)."""
         left = 0
-        for report in reports(self.router.spec.app):
-            if report.process == self.router.process:
+        for report in reports(self._spec().app):
+            if report.process == self.process:
                 continue
             drained = report.updated_at >= asked_at and report.stats.get("draining")
             left += report.stats.get("inflight", 0) if drained else max(1, report.stats.get("inflight", 0))
@@ -319,19 +353,18 @@ class PeerLink:
 
     def stats(self, own: dict[str, Any]) -> dict[str, Any]:
         """This process's stats merged with the others' (as of their last report)."""
-        router = self.router
-        by_process = {router.process: own}
-        if router.sharing:
+        by_process = {self.process: own}
+        if self.sharing:
             try:
-                others = reports(router.spec.app)
+                others = reports(self._spec().app)
             except Exception:
-                others = router.peer_reports
-            by_process.update({r.process: r.stats for r in others if r.process != router.process})
+                others = self.peer_reports
+            by_process.update({r.process: r.stats for r in others if r.process != self.process})
         return merge_stats(by_process)
 
     def send_hint(self, pool: str, model: str, upstream: Replica, info: RequestInfo) -> None:
         """Tell the other processes where this prompt went, so their cache-aware tables learn it too."""
-        hints = self.router.hints
+        hints = self.hints
         keys = info.memo.get("prefix_keys")
         if keys and hints is not None and hints.peers:
             hints.send(pool, model, upstream.replica_id, keys)
@@ -339,13 +372,12 @@ class PeerLink:
     def learn_hint(self, pool: str, model: str, replica_id: str, keys: list[bytes]) -> None:
         """A peer's hint, learnt if it names a replica of that pool and model this process knows (a replica it
         does not know would only grow its tables: it learns of replicas from the registry, not from hints)."""
-        router = self.router
         prefill = pool == "prefill"
-        upstream = router.table.by_replica.get(replica_id)
+        upstream = self._replicas.table.by_replica.get(replica_id)
         if upstream is None or model not in upstream.record.models or prefill != (upstream.record.role == "prefill"):
-            if router.hints is not None:
-                router.hints.dropped += 1
+            if self.hints is not None:
+                self.hints.dropped += 1
             return
-        policy = (router.prefill_policies if prefill else router.policies).get(model)
+        policy = self._replicas.policy(model, prefill)
         if policy is not None:
             policy.learn(replica_id, keys)

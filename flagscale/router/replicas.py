@@ -1,21 +1,26 @@
 """The engine replicas as the router sees them: one Upstream per replica (its load, its circuit breaker), the
-table of them by model and pool as last read from the registry, and the /health probe that readmits a replica
-whose circuit cool-down is over."""
+table of them by model and pool as last read from the registry, the routing policies over them (Replicas), and
+the health probes: the one that readmits a replica whose circuit cool-down is over, and the one that tells
+whether a replica that failed a request lost its engine."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from flagscale import engines
 from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS
 from flagscale.replica import registry
-from flagscale.router.circuit_breaker import CircuitBreaker
+from flagscale.router.circuit_breaker import CircuitBreaker, CircuitState
 from flagscale.router.policies import Policy
+from flagscale.router.verdict import Verdict
 
 HEALTH_PROBE_TIMEOUT_S = 2.0
+DEATH_PROBE_TIMEOUT_S = 2.0  # after a 5xx, the replica's health check that tells whether its engine died
 
 
 @dataclass
@@ -59,6 +64,64 @@ class ReplicaTable:
         return table
 
 
+class Replicas:
+    """The replica table as last read (`table`: replaced whole on each refresh) and each model's routing policy,
+    one per pool: `policies` over the replicas that answer, `prefill_policies` over the prefill replicas of a
+    disaggregated model. What the router's parts look replicas and policies up in."""
+
+    def __init__(self, policies: dict[str, Policy], prefill_policies: dict[str, Policy]) -> None:
+        self.table = ReplicaTable()
+        self.policies = policies
+        self.prefill_policies = prefill_policies
+
+    def pool(self, model: str, prefill: bool = False) -> list[Upstream]:
+        """The replicas of `model` that answer, or (`prefill`) its prefill replicas."""
+        return (self.table.prefill_by_model if prefill else self.table.by_model).get(model, [])
+
+    def policy(self, model: str, prefill: bool = False) -> Policy | None:
+        return (self.prefill_policies if prefill else self.policies).get(model)
+
+    def disaggregated(self, model: str) -> bool:
+        """Does `model` have a prefill pool (its requests are prefilled first: pd.py)?"""
+        return model in self.prefill_policies
+
+    def missing(self, models: Iterable[str]) -> list[str]:
+        """Which of `models` (and of the disaggregated models' prefill pools) have no replica now."""
+        missing = [m for m in models if not self.table.by_model.get(m)]
+        return missing + [f"{m} (prefill)" for m in self.prefill_policies if not self.table.prefill_by_model.get(m)]
+
+    def update(self, records: list[registry.ReplicaRecord], max_ongoing: Callable[[Upstream], int]) -> None:
+        """The registry's records read again: the new table, each replica's limit, the policies told who came
+        and went."""
+        old = self.table
+        self.table = table = ReplicaTable.of(records, old)
+        for upstream in table.by_replica.values():
+            upstream.max_ongoing = max_ongoing(upstream)
+        tell_policies(self.policies, old.by_model, table.by_model)
+        tell_policies(self.prefill_policies, old.prefill_by_model, table.prefill_by_model)
+
+    def stats(self) -> dict[str, dict]:
+        """Per replica: served, in flight, circuit, moves, and its policy's table (Router.stats)."""
+        counts: dict[str, dict] = {}
+        for upstream in self.table.by_replica.values():
+            entry = {
+                "serve_id": upstream.record.serve_id,
+                "url": upstream.record.url,
+                "served": upstream.served,
+                "inflight": upstream.inflight,
+                "circuit": upstream.breaker.state().value,
+                "circuit_opened": upstream.breaker.opened,
+                "migrations": upstream.migrations,
+            }
+            for model in upstream.record.models:
+                policy = self.policy(model, prefill=upstream.record.role == "prefill")
+                if policy is not None:
+                    entry["routing"] = policy.name
+                    entry.update(policy.stats(upstream.replica_id))
+            counts[upstream.record.replica_id] = entry
+        return counts
+
+
 def tell_policies(policies: dict[str, Policy], old: dict[str, list[Upstream]], new: dict[str, list[Upstream]]) -> None:
     """Tell each model's policy which replicas left and joined (a replica at a new URL: both)."""
     for model, policy in policies.items():
@@ -73,7 +136,7 @@ def tell_policies(policies: dict[str, Policy], old: dict[str, list[Upstream]], n
 async def probe_half_open(upstreams: list[Upstream], session: aiohttp.ClientSession) -> None:
     """Replicas whose circuit cool-down is over get one /health probe, so an idle router readmits them too."""
     now = time.monotonic()
-    probes = [u for u in upstreams if u.breaker.state(now) == "half_open"]
+    probes = [u for u in upstreams if u.breaker.state(now) is CircuitState.HALF_OPEN]
     if probes:
         await asyncio.gather(*(_probe(u, session) for u in probes))
 
@@ -91,3 +154,19 @@ async def _probe(upstream: Upstream, session: aiohttp.ClientSession) -> None:
         upstream.breaker.success()
     else:
         upstream.breaker.failure(time.monotonic())
+
+
+async def engine_death(session: aiohttp.ClientSession, upstream: Upstream, verdict: Verdict) -> str:
+    """Why a replica whose answer was judged FAILED or ENGINE_DIED (verdict.judge) is taken to have lost its
+    engine (its answer was the engine kind's engine-dead error, or its health check fails right after), or ""
+    when it still looks alive."""
+    if verdict is Verdict.ENGINE_DIED:
+        return "its engine died (the engine-dead error)"
+    url = upstream.record.url + engines.get(upstream.record.engine).health_path
+    timeout = aiohttp.ClientTimeout(total=DEATH_PROBE_TIMEOUT_S)
+    try:
+        async with session.get(url, timeout=timeout) as resp:
+            healthy = resp.status < 500
+    except (TimeoutError, aiohttp.ClientError):
+        healthy = False
+    return "" if healthy else "its engine died (its health check failed right after)"

@@ -6,13 +6,18 @@ stats, health) and the state its parts share. The parts, one module each:
 
 - frontend.py: the HTTP face (routes, API key, each request's way in: body checks, model, policy);
 - admission.py: at most max_ongoing_requests per replica, a bounded queue beyond (503 with Retry-After);
-- failover.py: the replicas in the policy's order (policies/), every retry and resume decision;
+- failover.py: the replicas in the policy's order (policies/), every retry and resume decision; verdict.py: what
+  an answer says of its replica;
 - exchange.py + upstream_http.py + resume.py: the relay of a streamed answer, piece by piece from the replica's
   connection to the client's, with no task woken per piece;
 - pd.py: the prefill step of disaggregated models;
 - replicas.py + circuit_breaker.py: the replicas as read from the registry, their load and circuits;
 - peers.py: what the router processes of one deployment share (reports, drains, routing hints);
+- state.py: the process's counters and its clients to the replicas;
 - metrics.py: /metrics.
+
+Each part is handed the few collaborators it uses (the current spec, the replicas and policies, the counters, ...),
+never the Router.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ import logging
 import os
 import threading
 import time
-from collections import defaultdict
 from typing import Any
 
 import aiohttp
@@ -38,8 +42,9 @@ from flagscale.router.frontend import RUNNER_OPTIONS, Frontend
 from flagscale.router.metrics import RouterMetrics
 from flagscale.router.pd import Prefill
 from flagscale.router.policies import Policy, make_policy
-from flagscale.router.replicas import ReplicaTable, Upstream, probe_half_open, tell_policies
+from flagscale.router.replicas import Replicas, Upstream, probe_half_open
 from flagscale.router.spec import RouterSpec
+from flagscale.router.state import Clients, Counters
 from flagscale.router.upstream_http import UpstreamClient
 
 try:  # the router's event loop: uvloop where installed (requirements/base.txt), asyncio's otherwise
@@ -77,17 +82,15 @@ class RouterListenError(RuntimeError):
 
 class Router:
     """The router's Ray Serve replica: its event loop thread, Serve's calls (reconfigure, drain, stats, health),
-    the replica table's refresh, and the state its parts share (frontend, admission, failover, prefill, peers):
-    `table`, the `policies` and `prefill_policies` per model, `metrics`, the clients (`session`, aiohttp's, for
-    its own calls; `upstream_client` for relayed requests), the counters (`inflight`, `moved`, `resumed`),
-    `draining`, and what it knows of the other router processes (`sharing`, `process`, `peer_reports`, `hints`)."""
+    the replica table's refresh, and the parts (frontend, admission, failover, prefill, peers), each handed only
+    what it uses of what they share: `spec` (replaced on reconfigure; the parts read the current one), `replicas`
+    (the table and the policies), `counters`, `metrics`, `clients`."""
 
     def __init__(self, spec: RouterSpec, *engines, graph=None):
         self.spec = spec
         self._engines = engines  # handles keep the engine deployments part of this application
         self.graph = graph  # DeploymentHandle of the graph driver, when the config has custom nodes
         self._init_state()
-        self.started_at = time.time()
         if spec.pin_cpus:
             # (in a Serve replica, where Ray is loaded already; the benchmark's routers run without Ray)
             import ray
@@ -121,16 +124,17 @@ class Router:
     def _apply_spec(self, spec: RouterSpec) -> None:
         old = self.spec
         self.spec = spec
-        for upstream in self.table.by_replica.values():
+        replicas, table = self.replicas, self.replicas.table
+        for upstream in table.by_replica.values():
             upstream.max_ongoing = self._max_ongoing(upstream)
         for policies, old_routing, routing, models, pools in (
-            (self.policies, old.routing, spec.routing, spec.models, self.table.by_model),
+            (replicas.policies, old.routing, spec.routing, spec.models, table.by_model),
             (
-                self.prefill_policies,
+                replicas.prefill_policies,
                 old.prefill_routing,
                 spec.prefill_routing,
                 spec.prefill_routing,
-                self.table.prefill_by_model,
+                table.prefill_by_model,
             ),
         ):
             for model in list(policies):
@@ -144,32 +148,40 @@ class Router:
 
     def _init_state(self) -> None:
         """The request path's state (the unit tests build a Router with this only: no Ray, no thread)."""
-        self.table = ReplicaTable()
-        self.policies: dict[str, Policy] = {
+        policies: dict[str, Policy] = {
             model: make_policy(self.spec.routing.get(model, RoutingSpec())) for model in self.spec.models
         }
-        self.prefill_policies: dict[str, Policy] = {
+        prefill_policies: dict[str, Policy] = {
             model: make_policy(spec) for model, spec in self.spec.prefill_routing.items()
         }
+        self.replicas = Replicas(policies, prefill_policies)
         self.metrics = RouterMetrics()
-        # the relayed requests' client (upstream_http); self.session, aiohttp's, does the router's own calls
-        self.upstream_client = UpstreamClient(UPSTREAM_KEEPALIVE_S, UPSTREAM_CONNECT_TIMEOUT_S)
-        self.inflight = 0
-        self.moved = 0  # requests moved to another replica after theirs failed them
-        self.resumed = 0  # of them, streams resumed mid-way
-        self.draining = False
-        self.process = peers.this_process()
-        self.peer_reports: list[peers.PeerReport] = []  # the other processes' last reports
-        self.sharing = False  # shares reports and drains with the other router processes (spec.share_with_peers)
-        self.hints = None  # the datagram endpoint routing hints come in on (peers.RoutingHints)
+        self.counters = Counters()
+        self.clients = Clients(UpstreamClient(UPSTREAM_KEEPALIVE_S, UPSTREAM_CONNECT_TIMEOUT_S))
         self.admission = AdmissionQueue()
         self._pinning = None  # the router processes' cores (RouterPinning), where spec.pin_cpus asks for it
         self._miss_refresh = asyncio.Lock()
         self._read_began = float("-inf")  # when the last registry read that completed began (monotonic)
-        self.frontend = Frontend(self)
-        self.failover = Failover(self)
-        self.prefill = Prefill(self)
-        self.peers = peers.PeerLink(self)
+        spec = self._current_spec
+        self.peers = peers.PeerLink(spec, self.replicas, self.counters, self.metrics, self.collect_stats)
+        self.prefill = Prefill(spec, self.replicas, self.counters, self.admission, self.clients, self.peers)
+        self.failover = Failover(
+            spec,
+            self.replicas,
+            self.counters,
+            self.admission,
+            self.clients,
+            self.peers,
+            self.prefill,
+            self.refresh_on_miss,
+        )
+        self.frontend = Frontend(
+            spec, self.replicas, self.counters, self.metrics, self.clients, self.peers, self.failover, self.graph
+        )
+
+    def _current_spec(self) -> RouterSpec:
+        """What the parts read the spec through: reconfigure replaces it."""
+        return self.spec
 
     # ---- event loop thread -------------------------------------------------------------------
 
@@ -187,7 +199,7 @@ class Router:
         loop.run_forever()
 
     async def _start(self) -> None:
-        self.session = upstream_session()
+        self.clients.session = upstream_session()
         runner = web.AppRunner(self.web_app(), **RUNNER_OPTIONS)
         await runner.setup()
         # every router process of the deployment listens on the same port; the kernel spreads connections
@@ -201,14 +213,9 @@ class Router:
                 "(stop it, or give this one another experiment.runner.deploy.port)"
             )
         await self._refresh()
-        loop = asyncio.get_running_loop()
         if self.spec.share_with_peers:
-            self.sharing = True
-            if self.spec.peer_secret:  # (without one, no hints: they could not be told from anyone else's)
-                self.hints = await peers.RoutingHints.open(self.peers.learn_hint, self.spec.peer_secret)
-            await self.peers.publish()
-            loop.create_task(self.peers.watch_drain())
-        loop.create_task(self._refresh_forever())
+            await self.peers.start_sharing()
+        asyncio.get_running_loop().create_task(self._refresh_forever())
 
     def web_app(self) -> web.Application:
         """The HTTP surface (flagscale/router/frontend.py)."""
@@ -224,7 +231,7 @@ class Router:
 
     async def _probe_half_open(self) -> None:
         """Replicas whose circuit cool-down is over get one /health probe, so an idle router readmits them too."""
-        await probe_half_open(list(self.table.by_replica.values()), self.session)
+        await probe_half_open(list(self.replicas.table.by_replica.values()), self.clients.session)
 
     async def refresh_on_miss(self) -> None:
         """A request found no replica of its model: read the registry now, not at the next refresh_s tick, so a
@@ -246,12 +253,7 @@ class Router:
         began = time.monotonic()
         records = await asyncio.get_running_loop().run_in_executor(None, registry.list_replicas, self.spec.app)
         self._read_began = max(self._read_began, began)
-        old = self.table
-        self.table = table = ReplicaTable.of(records, old)
-        for upstream in table.by_replica.values():
-            upstream.max_ongoing = self._max_ongoing(upstream)
-        tell_policies(self.policies, old.by_model, table.by_model)
-        tell_policies(self.prefill_policies, old.prefill_by_model, table.prefill_by_model)
+        self.replicas.update(records, self._max_ongoing)
         if self._pinning is not None:
             self._pinning.update(records)
         for key in list(self.admission.waiting):  # replicas may have joined, limits changed: every waiter looks again
@@ -288,29 +290,12 @@ class Router:
         return self.peers.stats(own)
 
     def collect_stats(self) -> dict:
-        counts: dict[str, dict] = defaultdict(dict)
-        for upstream in self.table.by_replica.values():
-            entry = {
-                "serve_id": upstream.record.serve_id,
-                "url": upstream.record.url,
-                "served": upstream.served,
-                "inflight": upstream.inflight,
-                "circuit": upstream.breaker.state(),
-                "circuit_opened": upstream.breaker.opened,
-                "migrations": upstream.migrations,
-            }
-            policies = self.prefill_policies if upstream.record.role == "prefill" else self.policies
-            for model in upstream.record.models:
-                policy = policies.get(model)
-                if policy is not None:
-                    entry["routing"] = policy.name
-                    entry.update(policy.stats(upstream.replica_id))
-            counts[upstream.record.replica_id] = entry
+        counters = self.counters
         return {
             "pid": os.getpid(),
-            "draining": self.draining,
-            "inflight": self.inflight,
-            "moved": self.moved,
-            "resumed": self.resumed,
-            "replicas": dict(counts),
+            "draining": counters.draining,
+            "inflight": counters.inflight,
+            "moved": counters.moved,
+            "resumed": counters.resumed,
+            "replicas": self.replicas.stats(),
         }

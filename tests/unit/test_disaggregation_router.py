@@ -9,15 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-import aiohttp
 from aiohttp import web
 
-from flagscale.config.routing import RoutingSpec
 from flagscale.router.pd import REMOTE_DECODE
-from flagscale.router.policies import make_policy
-from tests.conftest import bare_router, router_listening, serve
-from tests.unit.test_failover import FakeEngine, events, greedy, streamed_text, text_of, tokenize
-from tests.unit.test_router_retry import upstream
+from tests.conftest import serve
+from tests.unit.fakes import FakeEngine, events, greedy, streamed_text, text_of, through_pd_router, tokenize
 
 
 class FakePrefill:
@@ -37,26 +33,6 @@ class FakePrefill:
         app.router.add_post("/v1/chat/completions", complete)
         self.runner, port = await serve(app)
         return f"http://127.0.0.1:{port}"
-
-
-async def through_pd_router(prefills, decodes, path, body):
-    ups = []
-    for role, engines in (("prefill", prefills), ("decode", decodes)):
-        for sent, engine in enumerate(engines):
-            up = upstream(engine.name, 0, sent=sent)
-            up.record.url = await engine.start()
-            up.record.role = role
-            ups.append(up)
-    router = bare_router([u for u in ups if u.record.role == "decode"], "least_load")
-    router.table.prefill_by_model = {"m": [u for u in ups if u.record.role == "prefill"]}
-    router.prefill_policies = {"m": make_policy(RoutingSpec(policy="least_load"))}
-    try:
-        async with router_listening(router) as url, aiohttp.ClientSession() as client:
-            async with client.post(f"{url}{path}", json=body) as resp:
-                return resp.status, await resp.read()
-    finally:
-        for engine in [*prefills, *decodes]:
-            await engine.runner.cleanup()
 
 
 def test_prompt_is_prefilled_then_decoded_with_the_kv_transfer_parameters():

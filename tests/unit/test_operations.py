@@ -15,7 +15,7 @@ from flagscale.errors import ConfigError
 from flagscale.plan import build_plan
 from flagscale.router.metrics import merge_replica_metrics
 from tests.conftest import bare_router, router_listening, serve
-from tests.unit.test_router_retry import started_upstreams
+from tests.unit.fakes import started_upstreams
 
 ENGINE_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -17,10 +17,8 @@ from aiohttp import web
 from flagscale.config.routing import RoutingSpec
 from flagscale.router.policies import make_policy
 from tests.conftest import bare_router, router_listening, serve
-from tests.unit.test_failover import FakeEngine
-from tests.unit.test_failover import through_router as stream_through_router
-from tests.unit.test_router_hardening import raw_request
-from tests.unit.test_router_retry import started_upstreams, upstream
+from tests.unit.fakes import FakeEngine, raw_request, started_upstreams, through_pd_router, upstream
+from tests.unit.fakes import through_router as stream_through_router
 
 KEY = {"Authorization": "Bearer sesame"}
 # vLLM's dead engine core, as its server answers every request after it (vllm/v1/engine/exceptions.py)
@@ -65,7 +63,7 @@ async def with_router(engines, calls, api_key=None, protect_metrics=True, max_mi
     router = bare_router(await started_upstreams(engines), "least_load")
     router.spec.api_key, router.spec.protect_metrics = api_key, protect_metrics
     router.spec.routing["m"] = RoutingSpec(policy="least_load", max_migrations=max_migrations)
-    router.policies["m"] = make_policy(router.spec.routing["m"])
+    router.replicas.policies["m"] = make_policy(router.spec.routing["m"])
     results = []
     try:
         async with router_listening(router) as url, aiohttp.ClientSession() as client:
@@ -230,7 +228,7 @@ def test_client_errors_and_5xx_off_the_inference_paths_leave_the_replica_in_rota
     assert [s for s, _ in results[24:]] == [200] * 6
     assert len(a.seen) + len(b.seen) == 30  # each request went to one replica: none was retried on another
     for name, engine in (("a", a), ("b", b)):
-        breaker = router.table.by_replica[name].breaker
+        breaker = router.replicas.table.by_replica[name].breaker
         assert breaker.state() == "closed" and breaker.failures == 0 and breaker.opened == 0
         assert any(not body.get("bad") for _, p, body in engine.seen if p == "/v1/completions")
 
@@ -239,7 +237,7 @@ def test_a_5xx_on_an_inference_path_still_counts_and_moves_on():
     a, b = RecordingEngine("a", status=lambda m, p, body: 500), RecordingEngine("b")
     results, router = asyncio.run(with_router([a, b], [("POST", "/v1/completions", {"model": "m"}, {})]))
     assert results[0][0] == 200 and len(a.seen) == len(b.seen) == 1
-    assert router.table.by_replica["a"].breaker.failures == 1
+    assert router.replicas.table.by_replica["a"].breaker.failures == 1
 
 
 # ---- item 4: a request during which the engine died goes to at most one more replica ----
@@ -263,12 +261,10 @@ def test_an_engine_that_died_during_the_request_is_retried_at_most_once(body, he
     assert [len(e.seen) for e in engines] == [1] * (moves_on + 1) + [0] * (2 - moves_on)
     if moves_on == 1:
         assert "its engine died" in caplog.text and "not sent to another replica" in caplog.text
-        assert router.table.by_replica["a"].breaker.state() == "open"  # its engine is gone: out at once
+        assert router.replicas.table.by_replica["a"].breaker.state() == "open"  # its engine is gone: out at once
 
 
 def test_a_prompt_during_which_prefill_engines_died_goes_to_at_most_one_more_prefill_replica(caplog):
-    from tests.unit.test_disaggregation_router import through_pd_router
-
     prefills = [RecordingEngine(n, status=lambda m, p, b: 500, body=ENGINE_DEAD) for n in ("p0", "p1", "p2")]
     decode = FakeEngine("d0")
     body = {"model": "m", "prompt": "hello", "max_tokens": 4}
@@ -311,7 +307,7 @@ def test_client_kv_transfer_params_are_not_in_a_resumed_stream():
     body["vllm_xargs"] = {"kv_transfer_params": "x"}
     dying, spare = FakeEngine("dying", die_after=5), FakeEngine("spare")
     status, _, router = asyncio.run(stream_through_router([dying, spare], "/v1/completions", body))
-    assert status == 200 and router.resumed == 1
+    assert status == 200 and router.counters.resumed == 1
     sent = [b for _, b in dying.bodies + spare.bodies]
     assert len(sent) == 2 and all(kv_free(b) for b in sent), sent
 

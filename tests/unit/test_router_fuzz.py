@@ -17,8 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from tests.conftest import bare_router, router_listening, serve
-from tests.unit.test_router_hardening import post_head, raw_request
-from tests.unit.test_router_retry import upstream
+from tests.unit.fakes import post_head, raw_request, upstream
 
 SEED = 19
 CASES = 400
@@ -219,7 +218,7 @@ def test_generated_malformed_requests_never_get_a_5xx_from_the_router():
                         headers = {"Authorization": "Bearer sesame"} if router.spec.api_key else {}
                         async with client.post(f"{url}/v1/completions", json=good, headers=headers) as r:
                             assert r.status == 200 and (await r.json())["choices"][0]["text"] == "ok"
-                    assert router.inflight == 0 and all(u.inflight == 0 for u in ups)
+                    assert router.counters.inflight == 0 and all(u.inflight == 0 for u in ups)
         finally:
             for engine in engines:
                 await engine.runner.cleanup()

@@ -18,24 +18,8 @@ from flagscale.config.schema import DeployConfig
 from flagscale.router.policies import RequestInfo, make_policy
 from flagscale.router.policies.cache_aware import CacheAware, prompt_text
 from tests.conftest import bare_router, router_listening, serve
-from tests.unit.test_failover import FakeEngine, events
-from tests.unit.test_failover import through_router as stream_through_router
-from tests.unit.test_router_retry import dropping_replica, healthy_replica, upstream
-
-
-async def raw_request(url: str, head: bytes, body: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """An HTTP request written byte for byte (headers no client library would send); the open connection."""
-    host, port = url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(head + b"\r\n" + body)
-    await writer.drain()
-    return reader, writer
-
-
-def post_head(path: str, body: bytes, *headers: bytes) -> bytes:
-    lines = [f"POST {path} HTTP/1.1".encode(), b"Host: x", b"Content-Type: application/json"]
-    lines += [f"Content-Length: {len(body)}".encode(), *headers]
-    return b"\r\n".join(lines) + b"\r\n"
+from tests.unit.fakes import FakeEngine, dropping_replica, events, healthy_replica, post_head, raw_request, upstream
+from tests.unit.fakes import through_router as stream_through_router
 
 
 class HangingEngine:
@@ -87,7 +71,7 @@ def test_a_client_that_hangs_up_closes_the_engines_request(streamed):
                 writer.close()
                 await asyncio.wait_for(engine.closed.wait(), 5)
                 await asyncio.sleep(0.2)
-                assert router.inflight == 0 and up.inflight == 0
+                assert router.counters.inflight == 0 and up.inflight == 0
         finally:
             await engine.runner.cleanup()
 

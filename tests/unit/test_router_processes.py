@@ -12,7 +12,7 @@ import aiohttp
 from flagscale.router import peers
 from flagscale.router.peers import RoutingHints, decode_hint, encode_hint, merge_stats
 from tests.conftest import bare_router, router_listening
-from tests.unit.test_router_retry import healthy_replica, upstream
+from tests.unit.fakes import healthy_replica, upstream
 
 SECRET = "0123456789abcdef" * 4  # the deployment's peer secret (RouterSpec.peer_secret)
 PROMPTS = [f"document {d}: " + "lorem ipsum dolor sit amet " * 20 + f"question {q}" for d in range(6) for q in range(3)]
@@ -42,9 +42,9 @@ async def _two_routers_route(prompts: list[str], hints: bool) -> list[str]:
         routers.append(router)
     if hints:
         for router in routers:
-            router.hints = await RoutingHints.open(router.peers.learn_hint, SECRET)
-        routers[0].hints.peers = [routers[1].hints.port]
-        routers[1].hints.peers = [routers[0].hints.port]
+            router.peers.hints = await RoutingHints.open(router.peers.learn_hint, SECRET)
+        routers[0].peers.hints.peers = [routers[1].peers.hints.port]
+        routers[1].peers.hints.peers = [routers[0].peers.hints.port]
     served = []
     try:
         async with router_listening(routers[0]) as url0, router_listening(routers[1]) as url1:
@@ -58,8 +58,8 @@ async def _two_routers_route(prompts: list[str], hints: bool) -> list[str]:
                     await asyncio.sleep(0.01)  # the hint crosses to the other process
     finally:
         for router in routers:
-            if router.hints is not None:
-                router.hints.transport.close()
+            if router.peers.hints is not None:
+                router.peers.hints.transport.close()
         await runner_a.cleanup()
         await runner_b.cleanup()
     return served
@@ -151,7 +151,7 @@ def test_metrics_on_one_process_carry_every_processs_series():
         other.metrics.requests.labels("m", "200").inc(5)
         peer = peers.PeerReport("h:2", 2, 0.0, time.time(), {}, other.metrics.text().decode())
         stale = peers.PeerReport("h:3", 3, 0.0, time.time() - 60, {}, other.metrics.text().decode())
-        router.peer_reports = [peer, stale]
+        router.peers.peer_reports = [peer, stale]
         async with router_listening(router) as url, aiohttp.ClientSession() as client:
             async with client.get(url + "/metrics") as resp:
                 return await resp.text()
@@ -206,7 +206,7 @@ def test_hints_naming_replicas_this_router_does_not_know_are_dropped():
     router.peers.learn_hint("serve", "m", "a", keys)
     for pool, model, replica_id in (("serve", "m", "ghost"), ("serve", "other", "a"), ("prefill", "m", "b")):
         router.peers.learn_hint(pool, model, replica_id, keys)
-    table = router.policies["m"].table
+    table = router.replicas.policies["m"].table
     assert {r for holders in table.blocks.values() for r in holders} == {"a"}
     assert table.match(keys) == {"a": 3}
     many = [i.to_bytes(12, "big") for i in range(peers.HINT_MAX_KEYS + 1)]
@@ -266,7 +266,7 @@ def test_the_graph_route_answers_503_beyond_its_share_of_requests_in_flight():
                 return {"status": 200, "result": {"ok": True}}
 
     router = bare_router([], "round_robin")
-    router.graph = Driver()
+    router.frontend.graph = Driver()
     router.spec = replace(router.spec, graph_route="/graph", graph_max_ongoing=4, processes=2)
 
     async def main():

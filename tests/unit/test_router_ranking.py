@@ -7,7 +7,7 @@ def upstream(name, inflight=0, down_until=0.0, sent=0):
     record = replica_record(name, f"http://{name}")
     up = _Upstream(record, inflight=inflight, sent=sent)
     if down_until:
-        up.breaker.open_until = down_until  # circuit open until then
+        up.breaker.trip(now=down_until - up.breaker.cooldown_s)  # circuit open until then
     return up
 
 

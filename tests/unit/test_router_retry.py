@@ -5,54 +5,15 @@ before answering (the client has nothing yet, and running an inference request a
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 
 import aiohttp
-from aiohttp import web
 
 from flagscale.net import free_port
 from flagscale.router.replicas import Upstream as _Upstream
-from tests.conftest import bare_router, replica_record, router_listening, serve
-
-
-def upstream(name: str, port: int, sent: int) -> _Upstream:
-    record = replica_record(name, f"http://127.0.0.1:{port}")
-    return _Upstream(record, sent=sent)  # fewer sent: tried first
-
-
-async def started_upstreams(engines) -> list:
-    """Each test engine started, as the router's upstream records, in the order given (the first least loaded)."""
-    ups = []
-    for sent, engine in enumerate(engines):
-        up = upstream(engine.name, 0, sent=sent)
-        up.record.url = await engine.start()
-        ups.append(up)
-    return ups
-
-
-async def healthy_replica(seen: list) -> tuple[web.AppRunner, int]:
-    async def complete(request):
-        seen.append(await request.json())
-        return web.json_response({"choices": [{"text": "ok"}]})
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", complete)
-    return await serve(app)
-
-
-async def dropping_replica(seen: list) -> tuple[asyncio.Server, int]:
-    """Reads a whole request, then closes the connection without answering (a replica dying mid-request)."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
-        seen.append(json.loads(await reader.readexactly(length)))
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, server.sockets[0].getsockname()[1]
+from tests.conftest import bare_router, replica_record, router_listening
+from tests.unit.fakes import dropping_replica, healthy_replica, upstream
 
 
 async def through_router(upstreams: list[_Upstream]) -> tuple[int, dict]:

@@ -131,13 +131,13 @@ def test_router_takes_a_new_spec_in_place_keeping_unchanged_policies():
     router.spec = spec
     router.graph = None
     router._init_state()
-    kept = router.policies["a"]
+    kept = router.replicas.policies["a"]
     config = spec.user_config()
     assert "api_key" not in config and "port" not in config  # Serve shows user_configs; the listener is fixed
     config["models"] = {"a": "a", "c": "c"}
     config["routing"] = {"a": config["routing"]["a"], "c": {"policy": "round_robin"}}
     router.reconfigure(config)
-    assert router.policies["a"] is kept and set(router.policies) == {"a", "c"}
+    assert router.replicas.policies["a"] is kept and set(router.replicas.policies) == {"a", "c"}
     assert router.spec.routing["c"] == RoutingSpec(policy="round_robin") and router.spec.api_key == "k"
     assert asyncio.run(router.frontend.health(None)).status == 503  # model c has no replica yet
 
