@@ -77,8 +77,13 @@ def router_reach(root: pathlib.Path) -> dict[str, list[str]]:
             owner = node.value
             if isinstance(owner, ast.Name) and owner.id in ROUTER_NAMES:
                 attrs.add(node.attr)
-            elif isinstance(owner, ast.Attribute) and owner.attr in ROUTER_NAMES:
-                attrs.add(node.attr)
+            elif (
+                isinstance(owner, ast.Attribute)
+                and owner.attr in ROUTER_NAMES
+                and isinstance(owner.value, ast.Name)
+                and owner.value.id == "self"
+            ):
+                attrs.add(node.attr)  # self.router.x (aiohttp's app.router is another router)
         reach[part] = sorted(attrs)
     return reach
 
