@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from flagscale.adaptors import ray
 from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS, RoutingSpec
 from flagscale.replica import registry
 from flagscale.replica.cpu_layout import RouterPinning
@@ -91,10 +92,7 @@ class Router:
         self._engines = engines  # handles keep the engine deployments part of this application
         self.graph = graph  # DeploymentHandle of the graph driver, when the config has custom nodes
         self._init_state()
-        if spec.pin_cpus:
-            # (in a Serve replica, where Ray is loaded already; the benchmark's routers run without Ray)
-            import ray
-
+        if spec.pin_cpus:  # (in a Serve replica; the benchmark's routers run without Ray, and never import it)
             self._pinning = RouterPinning(ray.get_runtime_context().get_node_id())
         self._started = threading.Event()
         self._failure: BaseException | None = None
