@@ -1,4 +1,5 @@
-"""What every action is handed: the loaded config, where it came from, the exp_dir, the console, and the key."""
+"""What every action is handed: the loaded config, where it came from, the exp_dir, the console, how the user
+called us, and the key."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from functools import cached_property
 
 from rich.console import Console
 
+from flagscale.actions.invocation import RUN_PY, Invocation
 from flagscale.config.load import ConfigSources, resolve_api_key
 from flagscale.config.schema import ServeConfig
 from flagscale.plan import Plan, build_plan
@@ -24,6 +26,7 @@ class ActionContext:
     sources: ConfigSources
     exp_dir: str
     console: Console
+    invocation: Invocation = RUN_PY  # how the user called us: what to type next is said in that form
 
     @property
     def action(self) -> str:

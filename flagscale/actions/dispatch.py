@@ -1,4 +1,4 @@
-"""From Hydra's config to one action: load and validate the config, take the exp_dir's lock where the action
+"""From Hydra's config to one action: load and validate the config, take the exp_dir's lock where the action's spec
 asks for it (flagscale/actions/__init__.py: ACTIONS), run it; a FlagScaleError becomes one line and its exit code."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from rich.markup import escape
 
 from flagscale.actions import ACTIONS
 from flagscale.actions.context import ActionContext
+from flagscale.actions.invocation import RUN_PY, Invocation
+from flagscale.actions.runner_log import keep_library_lines_off_the_console
 from flagscale.cluster import bounded
 from flagscale.cluster.lock import ExpDirLock
 from flagscale.cluster.state import resolve_exp_dir
@@ -20,14 +22,15 @@ from flagscale.config.load import hydra_sources, load_config
 from flagscale.errors import FlagScaleError
 
 
-def dispatch(cfg: DictConfig) -> int:
+def dispatch(cfg: DictConfig, invocation: Invocation = RUN_PY) -> int:
+    keep_library_lines_off_the_console()
     console = Console(highlight=False)
     try:
         sources = hydra_sources()
         config = load_config(cfg, sources)
         bounded.check_env_bounds()
-        ctx = ActionContext(config, sources, resolve_exp_dir(config.experiment.exp_dir), console)
-        return act(ctx)
+        exp_dir = resolve_exp_dir(config.experiment.exp_dir)
+        return act(ActionContext(config, sources, exp_dir, console, invocation))
     except FlagScaleError as exc:
         return report_error(exc)
 
@@ -35,13 +38,12 @@ def dispatch(cfg: DictConfig) -> int:
 def act(ctx: ActionContext) -> int:
     spec = ACTIONS[ctx.action]
     module = importlib.import_module(spec.module)
-    # `stop` of an exp_dir that does not exist has nothing to stop, and must not create it.
-    if spec.locks_exp_dir and (ctx.action != "stop" or os.path.isdir(ctx.exp_dir)):
-        with ExpDirLock(ctx.exp_dir, ctx.action) as lock:
-            if ctx.action == "run" and ctx.config.foreground:
-                lock.describe(foreground=True)
-            return module.act(ctx)
-    return module.act(ctx)
+    if not spec.locks_exp_dir or (spec.needs_exp_dir and not os.path.isdir(ctx.exp_dir)):
+        return module.act(ctx)
+    with ExpDirLock(ctx.exp_dir, ctx.action) as lock:
+        if spec.attaches and ctx.config.foreground:
+            lock.describe(foreground=True)
+        return module.act(ctx)
 
 
 def report_error(exc: FlagScaleError) -> int:

@@ -6,9 +6,10 @@ Which replicas: a running deployment's come from the replica registry (as `statu
 in <exp_dir>/serve_logs/ written since the run started that the registry does not hold (a replica still starting,
 or one that is gone); a stopped deployment's from the engine-<serve_id>-<replica>.log files left there.
 
-Every log is read through its host's CommandRunner (cluster/runner.py) with one argv, READ: this machine's when the
-file is readable here, else the SSH runner of the hostfile host the replica ran on. READ reports the byte offset it
-read up to, so `follow` asks each log only for what came after.
+Every log is read through its host's CommandRunner (cluster/runner.py) with plain argvs (`wc -c` for its size, `dd`
+for a byte range): this machine's when the file is readable here, else the SSH runner of the hostfile host the replica
+ran on (or its launcher's runner on the Ray node). Each read knows the byte offset it read up to, so `follow` asks
+each log only for what came after.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rich.console import Console
 
 from flagscale import launchers
 from flagscale.actions.context import ActionContext
+from flagscale.actions.runner_log import LOG_DIR, RUNNER_LOG
 from flagscale.cluster import ssh
 from flagscale.cluster.node_logs import EngineLog, engine_logs_here
 from flagscale.cluster.ray_node import cluster_alive
@@ -32,25 +34,13 @@ from flagscale.cluster.state import HostRecord, RunState
 from flagscale.errors import ClusterError, ConfigError, FlagScaleError
 from flagscale.replica import registry
 
-LOG_DIR = "serve_logs"  # <exp_dir>/serve_logs: where `run` writes runner.log and the engines their logs
-RUNNER_LOG = "runner.log"
 POLL_S = 1.0  # follow: how often each log is asked for new lines
 ALIVE_EVERY_S = 3.0  # follow: how often the deployment is checked (stopped: follow ends) and new engine logs looked for
 READ_TIMEOUT_S = 30.0  # one read of one log, on its host
 MAX_READ_BYTES = 1 << 20  # follow: at most this much of one log per poll (a burst is caught up over the next polls)
 TAIL_WINDOW_BYTES = 4 << 20  # the last lines are looked for in the file's last 4 MiB
 
-# sh -c READ flagscale-logs PATH MODE N: first line the byte offset read up to, then the text.
-#   MODE "tail": the last N lines of the file as it is now (offset: its size);
-#   MODE <offset>: what follows the byte offset, at most N bytes (offset: where that ended). A file shorter than
-#   the offset (truncated) prints its size and nothing else.
-READ = (
-    'size=$(wc -c <"$1") || exit 3; size=$((size)); '
-    'if [ "$2" = tail ]; then start=$((size > $4 ? size - $4 : 0)); echo "$size"; '
-    'tail -c "+$((start + 1))" "$1" | head -c "$((size - start))" | tail -n "$3"; exit 0; fi; '
-    'end=$((size > $2 + $3 ? $2 + $3 : size)); echo "$end"; '
-    'if [ "$end" -gt "$2" ]; then tail -c "+$(($2 + 1))" "$1" | head -c "$((end - $2))"; fi; exit 0'
-)
+TAIL_FIRST_BYTES = 64 << 10  # the first look for the last lines; grown 4x at a time up to TAIL_WINDOW_BYTES
 
 
 @dataclass(frozen=True)
@@ -169,18 +159,31 @@ class Chunk:
     truncated: bool = False  # the file is shorter than the offset asked for: it was truncated or replaced
 
 
-def parse_read(output: str, asked: int | None) -> Chunk:
-    """READ's output: the offset line, then the text."""
-    first, _, text = output.partition("\n")
-    offset = int(first.strip())
-    return Chunk(offset, text, truncated=asked is not None and offset < asked)
+def size_argv(path: str) -> list[str]:
+    """The file's size in bytes, as `wc -c` prints it (the first word)."""
+    return ["wc", "-c", "--", path]
 
 
-def read_argv(path: str, offset: int | None, lines: int) -> list[str]:
-    """READ for one log: its last `lines` lines (offset None), else what follows `offset`."""
-    if offset is None:
-        return ["sh", "-c", READ, "flagscale-logs", path, "tail", str(lines), str(TAIL_WINDOW_BYTES)]
-    return ["sh", "-c", READ, "flagscale-logs", path, str(offset), str(MAX_READ_BYTES), "0"]
+def bytes_argv(path: str, start: int, count: int) -> list[str]:
+    """`count` bytes of the file from byte `start` (fewer where it ends)."""
+    return [
+        "dd",
+        f"if={path}",
+        "bs=1M",
+        "iflag=skip_bytes,count_bytes",
+        f"skip={start}",
+        f"count={count}",
+        "status=none",
+    ]
+
+
+def last_lines(text: str, count: int) -> str:
+    """The last `count` lines of text, as `tail -n` gives them."""
+    if count <= 0 or not text:
+        return ""
+    ends_whole = text.endswith("\n")
+    kept = (text[:-1] if ends_whole else text).split("\n")[-count:]
+    return "\n".join(kept) + ("\n" if ends_whole else "")
 
 
 @dataclass
@@ -215,12 +218,36 @@ class Readers:
         return self._runners[key]
 
     def read(self, source: LogSource, offset: int | None, lines: int) -> Chunk:
+        """The last `lines` lines of the log as it is now (offset None), else what follows `offset`, at most
+        MAX_READ_BYTES; Chunk.offset is where the text ends. A file shorter than `offset` is truncated."""
         runner = self.runner(source)
-        result = runner.run(read_argv(source.path, offset, lines), timeout_s=READ_TIMEOUT_S)
+        size = int(self._run(runner, source.path, size_argv(source.path)).split()[0])
+        if offset is None:
+            return Chunk(size, self._tail(runner, source.path, size, lines))
+        if size < offset:
+            return Chunk(size, "", truncated=True)
+        end = min(size, offset + MAX_READ_BYTES)
+        text = self._run(runner, source.path, bytes_argv(source.path, offset, end - offset)) if end > offset else ""
+        return Chunk(end, text)
+
+    def _tail(self, runner: CommandRunner, path: str, size: int, lines: int) -> str:
+        """The last `lines` lines before byte `size`, looked for in a window from the end that grows until it holds
+        them (or is TAIL_WINDOW_BYTES, or the whole file): a long log's last lines without reading all of it."""
+        window = TAIL_FIRST_BYTES
+        while True:
+            start = max(0, size - min(window, TAIL_WINDOW_BYTES))
+            text = self._run(runner, path, bytes_argv(path, start, size - start)) if size > start else ""
+            if text.count("\n") > lines or start == 0 or window >= TAIL_WINDOW_BYTES:
+                return last_lines(text, lines)
+            window *= 4
+
+    @staticmethod
+    def _run(runner: CommandRunner, path: str, argv: list[str]) -> str:
+        result = runner.run(argv, timeout_s=READ_TIMEOUT_S)
         if result.code != 0:
             why = (result.stderr or result.stdout).strip().splitlines()
-            raise ClusterError(f"cannot read {source.path}: {why[-1] if why else f'exit code {result.code}'}")
-        return parse_read(result.stdout, offset)
+            raise ClusterError(f"cannot read {path}: {why[-1] if why else f'exit code {result.code}'}")
+        return result.stdout
 
     def close(self) -> None:
         for runner in self._runners.values():

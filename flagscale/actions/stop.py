@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from flagscale.actions.context import ActionContext
+from flagscale.actions.runner_log import log_to_file, runner_log_path
 from flagscale.actions.teardown import EnvFor, no_envs, teardown
 from flagscale.cluster.ray_node import stop_nodes
 from flagscale.cluster.state import NewerStateFormat, RunState, StateFileError
@@ -23,6 +24,9 @@ def stop(exp_dir: str, console: Console, drain_timeout_s: float, env_for: EnvFor
     if state is None:
         console.print(f"nothing is running for exp_dir {exp_dir}")
         return 0
+    log_path = runner_log_path(exp_dir)
+    if log_path.parent.is_dir():  # the libraries' chatter while stopping goes beside the run's own lines
+        log_to_file(log_path)
     problems = teardown(state, console, drain_timeout_s, env_for)
     if port_open(host, port):
         problems.append(f"port {port} still accepts connections")

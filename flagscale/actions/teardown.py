@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from flagscale import launchers
+from flagscale.actions.runner_log import route_serve_logger
 from flagscale.cluster import bounded, ssh
 from flagscale.cluster.ray_compat import delete_app
 from flagscale.cluster.ray_node import cluster_alive
@@ -175,6 +176,7 @@ def _stop_application(state: RunState, console: Console, drain_timeout_s: float,
 def _delete_app(state: RunState, console: Console, drain_timeout_s: float, note: bounded.Note) -> None:
     from ray import serve
 
+    route_serve_logger()
     note("asking Serve's controller for its applications")
     apps = serve.status().applications
     if state.app_name in apps:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flagscale.actions import ACTIONS
+from flagscale.actions.invocation import RUN_PY, Invocation
 from flagscale.errors import ConfigError
 
 # `flagscale serve` flag -> action; no flag: run.
@@ -23,6 +26,7 @@ SERVE_ACTIONS = {
     "dryrun": "dryrun",
     "bench": "bench",
 }
+ACTION_NAMES = tuple(ACTIONS)
 FIRST_NODE_ARGS = "serve.0.engine_args"
 PORT_KEY = "experiment.runner.deploy.port"
 
@@ -34,6 +38,7 @@ class HydraCall:
     config_dir: Path
     config_name: str
     overrides: list[str] = field(default_factory=list)
+    invocation: Invocation = RUN_PY  # the same deployment's other actions, in the form the user typed
 
     def argv(self) -> list[str]:
         return ["--config-path", str(self.config_dir), "--config-name", self.config_name, *self.overrides]
@@ -146,7 +151,15 @@ def serve_call(
         )
     if engine_args is not None:
         overrides += engine_args_overrides(engine_args)
-    return HydraCall(config_dir, name, overrides + extra)
+    return HydraCall(config_dir, name, overrides + extra, serve_invocation(target, config, extra))
+
+
+def serve_invocation(target: str | None, config: str | None, extra: list[str]) -> Invocation:
+    """`flagscale serve MODEL [-c YAML] [overrides]` and an action flag: what names the deployment, without the
+    flags that only shape a start (--port, --model-path, --engine-args)."""
+    words = ["flagscale", "serve", *([target] if target else []), *(["-c", config] if config else []), *extra]
+    flags = {action: f"--{flag}" for flag, action in SERVE_ACTIONS.items()}
+    return Invocation(shlex.join(words), {**flags, "run": ""})
 
 
 def run_call(config_dir: str, name: str, action: str | None, extra: list[str]) -> HydraCall:
@@ -159,7 +172,9 @@ def run_call(config_dir: str, name: str, action: str | None, extra: list[str]) -
     if not (directory / f"{name}.yaml").is_file():
         raise ConfigError(f"no {name}.yaml in {directory}", f"-n {name}")
     overrides = [f"action={action}"] if action else []
-    return HydraCall(directory.resolve(), name, overrides + list(extra))
+    words = ["flagscale", "run", "-p", config_dir, *(["-n", name] if name != "serve" else []), *extra]
+    invocation = Invocation(shlex.join(words), {a: f"-a {a}" for a in ACTION_NAMES})
+    return HydraCall(directory.resolve(), name, overrides + list(extra), invocation)
 
 
 def _check_overrides(words: list[str]) -> None:

@@ -12,6 +12,7 @@ import hydra
 from omegaconf import DictConfig
 
 from flagscale.actions.dispatch import dispatch, main_exit, report_error
+from flagscale.actions.invocation import RUN_PY, Invocation
 from flagscale.cli.resources import conf_dir
 from flagscale.config.cli import check_yaml_files, config_dir_of, upsert_overrides, without_hydra_config_copy
 from flagscale.config.resolvers import register_resolvers
@@ -19,12 +20,14 @@ from flagscale.errors import FlagScaleError
 
 CONFIG_DIR = conf_dir()
 register_resolvers()
+# How the user called us (main's argument): Hydra's entry takes the config only.
+_invocation = RUN_PY
 
 
 # Hydra names the job after the file that declares the entry; `run` keeps the name run.py always gave it.
 @hydra.main(config_path=str(CONFIG_DIR), config_name="serve", version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
-    main_exit(dispatch(cfg))
+    main_exit(dispatch(cfg, _invocation))
 
 
 def absolute_config_path(argv: list[str], base_dir: Path) -> list[str]:
@@ -40,9 +43,12 @@ def absolute_config_path(argv: list[str], base_dir: Path) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None, base_dir: Path | None = None) -> None:
+def main(argv: list[str] | None = None, base_dir: Path | None = None, invocation: Invocation = RUN_PY) -> None:
     """Run Hydra on `argv` (default: sys.argv[1:]); exits with the action's code. A relative --config-path is read
-    against `base_dir` (default: the working directory)."""
+    against `base_dir` (default: the working directory). `invocation`: how the user called us (`python run.py`
+    unless said), for the lines that say what to type next."""
+    global _invocation
+    _invocation = invocation
     argv = absolute_config_path(list(sys.argv[1:] if argv is None else argv), base_dir or Path.cwd())
     try:
         check_yaml_files(argv, CONFIG_DIR, "serve")

@@ -117,4 +117,4 @@ def main(argv: list[str] | None = None) -> None:
     # reason: Hydra, Ray and the actions load only once the command line is known to be good (fast --help and errors)
     from flagscale.cli.hydra_entry import main as hydra_main
 
-    hydra_main(call.argv())
+    hydra_main(call.argv(), invocation=call.invocation)

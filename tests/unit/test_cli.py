@@ -11,6 +11,7 @@ import pytest
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from flagscale.actions.invocation import RUN_PY
 from flagscale.cli import argv as cli_argv
 from flagscale.cli.hydra_entry import absolute_config_path
 from flagscale.cli.main import ACTION_HELP, hydra_call
@@ -228,3 +229,18 @@ def test_every_gpu_example_turns_nvlink_multicast_off():
         for module in (example / "conf" / "serve").glob("*.yaml"):
             for node in yaml.safe_load(module.read_text()):
                 assert "model" in node["engine_args"] and node["engine_args"]["tensor_parallel_size"] >= 1, module
+
+
+def test_what_to_type_next_is_said_in_the_form_the_user_typed(tmp_path):
+    """The summary's and errors' next commands: `flagscale serve demo --status` after `flagscale serve demo`, the
+    start-only flags left out; `flagscale run -p ... -a status`; `python run.py ... action=status` otherwise."""
+    serve = hydra_call(["serve", "demo", "--port", "9001", "experiment.exp_name=x"]).invocation
+    assert serve.command("status") == "flagscale serve demo experiment.exp_name=x --status"
+    assert serve.command("stop") == "flagscale serve demo experiment.exp_name=x --stop"
+    assert serve.command("auto_tune") == "flagscale serve demo experiment.exp_name=x --tune"
+    assert serve.command("run") == "flagscale serve demo experiment.exp_name=x"
+    (tmp_path / "my conf").mkdir()
+    (tmp_path / "my conf" / "mine.yaml").write_text("{}\n")
+    run = hydra_call(["run", "-p", str(tmp_path / "my conf"), "-n", "mine"]).invocation
+    assert run.command("stop") == f"flagscale run -p '{tmp_path / 'my conf'}' -n mine -a stop"
+    assert RUN_PY.command("status") == "python run.py ... action=status"

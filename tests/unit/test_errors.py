@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flagscale.actions.run import _cause
+from flagscale.actions.deploy import cause
 from flagscale.errors import error_excerpt
 from flagscale.replica.process import cause_from_log
 from flagscale.serve.graph import GraphNodeError
@@ -58,8 +58,8 @@ def test_without_an_error_line_the_last_lines():
 
 
 def test_callers(tmp_path):
-    assert _cause(SERVE_MESSAGE).startswith("flagscale.replica.engine.EngineStartError:")
-    assert _cause("") == "no message from Ray Serve"
+    assert cause(SERVE_MESSAGE).startswith("flagscale.replica.engine.EngineStartError:")
+    assert cause("") == "no message from Ray Serve"
     log = tmp_path / "engine.log"
     log.write_text(VLLM_LOG)
     assert "max_model_len (4096) is greater than the derived max_model_len" in cause_from_log(log)

@@ -272,3 +272,17 @@ def test_an_unreadable_registry_falls_back_to_this_runs_log_files(tmp_path, monk
     found = lg.discover(str(exp_dir), state, notes.append)
     assert names(found) == ["runner", "alpha/n3wr3p1c"]  # not the earlier runs' logs
     assert not found[1].unlisted and "cannot read the replica registry" in notes[0]
+
+
+def test_the_last_lines_of_a_long_log_come_from_a_window_that_grows_until_it_holds_them(tmp_path, monkeypatch):
+    path = tmp_path / "engine-s-r.log"
+    long_line = "x" * 1000
+    path.write_text("".join(f"{i} {long_line}\n" for i in range(300)) + "tail without newline")
+    source, readers = lg.LogSource(str(path), "s", "r"), lg.Readers()
+    monkeypatch.setattr(lg, "TAIL_FIRST_BYTES", 2000)  # two lines' worth: the window grows 4x until 100 fit
+    chunk = readers.read(source, None, 100)
+    lines = chunk.text.split("\n")
+    assert len(lines) == 100 and lines[0] == f"201 {long_line}" and lines[-1] == "tail without newline"
+    assert chunk.offset == path.stat().st_size
+    assert lg.last_lines("a\nb\nc\n", 2) == "b\nc\n" and lg.last_lines("a\nb", 5) == "a\nb"
+    assert lg.last_lines("a\n", 0) == ""

@@ -132,11 +132,11 @@ def test_a_full_disk_while_state_json_is_written_is_one_clear_error_and_stops_wh
 
     monkeypatch.setattr(run_action.launchers, "get", lambda name: StandIn())
     monkeypatch.setattr(run_action, "teardown", lambda state, *a, **k: torn_down.append(state.phase) or [])
-    for step in ("connect", "check_fits", "_deploy", "_wait_until_serving"):
+    for step in ("connect", "check_fits", "deploy", "wait_until_serving"):
         monkeypatch.setattr(run_action, step, lambda *a, **k: None)
     # the first save (phase "starting") is written; the one that records "running" finds the disk full
     monkeypatch.setattr(
-        run_action, "_wait_until_serving", lambda *a: monkeypatch.setattr(state_module, "_write_file", full_disk)
+        run_action, "wait_until_serving", lambda *a: monkeypatch.setattr(state_module, "_write_file", full_disk)
     )
     with pytest.raises(WriteError) as error:
         run_action.run(plan, Console(file=open("/dev/null", "w")))
@@ -164,7 +164,7 @@ def test_a_full_disk_while_history_csv_is_written_is_one_clear_error(tmp_path, m
 
 
 def test_after_a_hang_up_a_console_that_cannot_write_does_not_stop_the_teardown():
-    from flagscale.actions.run import _WritesOrNot
+    from flagscale.actions.console import WritesOrNot
 
     class HungUp:
         def write(self, text):
@@ -173,5 +173,5 @@ def test_after_a_hang_up_a_console_that_cannot_write_does_not_stop_the_teardown(
         def flush(self):
             raise OSError(errno.EIO, "Input/output error")
 
-    console = Console(file=_WritesOrNot(HungUp()))
+    console = Console(file=WritesOrNot(HungUp()))
     console.print("stopping what was started")  # no OSError

@@ -6,11 +6,18 @@ import io
 
 from rich.console import Console
 
-from flagscale.actions.status import _render
+from flagscale.actions.status_report import (
+    DeploymentStatus,
+    ReplicaRow,
+    RouterProcess,
+    RouterTotals,
+    StatusReport,
+)
+from flagscale.actions.status_table import render as render_report
 
 
 def replica(serve_id, replica_id, engine_kind="vllm", role="colocated", **extra):
-    return {
+    fields = {
         "serve_id": serve_id,
         "replica_id": replica_id,
         "engine_kind": engine_kind,
@@ -29,23 +36,23 @@ def replica(serve_id, replica_id, engine_kind="vllm", role="colocated", **extra)
         "engine": {"running": 3.0, "waiting": 1.0, "kv_cache_usage": 0.25},
         "requests_served": 120,
         "router": {"inflight": 4, "circuit": "closed", "migrations": 0, "prefix_blocks": 17},
-        **extra,
     }
+    return ReplicaRow(**{**fields, **extra})
 
 
-REPORT = {
-    "app": "qwen-serve",
-    "endpoint": "http://127.0.0.1:8000",
-    "models": ["qwen2.5-7b-instruct", "tiny-gguf"],
-    "status": "RUNNING",
-    "http_health": "ok",
-    "healthy": True,
-    "deployments": {
-        "qwen2.5-7b-instruct": {"status": "HEALTHY", "replicas": {"RUNNING": 2}, "message": ""},
-        "tiny-gguf": {"status": "UPDATING", "replicas": {"RUNNING": 1, "STARTING": 1}, "message": "x" * 300},
-        "router": {"status": "HEALTHY", "replicas": {"RUNNING": 1}, "message": ""},
+REPORT = StatusReport(
+    app="qwen-serve",
+    endpoint="http://127.0.0.1:8000",
+    models=["qwen2.5-7b-instruct", "tiny-gguf"],
+    status="RUNNING",
+    http_health="ok",
+    healthy=True,
+    deployments={
+        "qwen2.5-7b-instruct": DeploymentStatus("HEALTHY", {"RUNNING": 2}, ""),
+        "tiny-gguf": DeploymentStatus("UPDATING", {"RUNNING": 1, "STARTING": 1}, "x" * 300),
+        "router": DeploymentStatus("HEALTHY", {"RUNNING": 1}, ""),
     },
-    "replicas": [
+    replicas=[
         replica(
             "qwen2.5-7b-instruct",
             "k3j4h5g6",
@@ -58,21 +65,21 @@ REPORT = {
         replica("qwen2.5-7b-instruct", "p0q9r8s7", role="decode", gpus=["0", "1"]),
         replica("tiny-gguf", "z1y2x3w4", engine_kind="llama_cpp", engine={"running": 0.0, "waiting": 0.0}),
     ],
-    "router": {
-        "inflight": 4,
-        "moved": 0,
-        "resumed": 0,
-        "processes": {
-            "router-a1b2c3d4": {"pid": 7001, "inflight": 3, "served": 90, "moved": 0, "draining": False},
-            "router-e5f6g7h8": {"pid": 7002, "inflight": 1, "served": 30, "moved": 0, "draining": False},
+    router=RouterTotals(
+        inflight=4,
+        moved=0,
+        resumed=0,
+        processes={
+            "router-a1b2c3d4": RouterProcess(pid=7001, inflight=3, served=90, moved=0, draining=False),
+            "router-e5f6g7h8": RouterProcess(pid=7002, inflight=1, served=30, moved=0, draining=False),
         },
-    },
-}
+    ),
+)
 
 
 def render(wide: bool, width: int) -> str:
     out = io.StringIO()
-    _render(Console(file=out, width=width, highlight=False, color_system=None), REPORT, wide=wide)
+    render_report(Console(file=out, width=width, highlight=False, color_system=None), REPORT, wide=wide)
     return out.getvalue()
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from flagscale.actions import run as run_action
+from flagscale.actions import update_in_place
 from flagscale.config.routing import RoutingSpec
 from flagscale.config.schema import ServeConfig
 from flagscale.errors import DeployError
@@ -179,27 +179,27 @@ def test_an_update_without_room_for_a_spare_is_refused_while_one_replica_runs(mo
     import pytest
     from rich.console import Console
 
-    monkeypatch.setattr(run_action, "_without_room_for_a_spare", lambda plan, nodes: frozenset(nodes))
+    monkeypatch.setattr(update_in_place, "without_room_for_a_spare", lambda plan, nodes: frozenset(nodes))
     engine = SimpleNamespace(serve_id="a", initial_replicas=2, ray_actor_options={"num_cpus": 1, "num_gpus": 1.0})
     plan = SimpleNamespace(engines=[engine])
     one_running = config()
     one_running.serve[0].resources.num_replicas = 1
     with pytest.raises(DeployError, match="no node has room for a spare replica of 'a'.*GPU:1"):
-        run_action._spares(plan, ["a"], Console(), snapshot(one_running, None))
+        update_in_place.spares(plan, ["a"], Console(), snapshot(one_running, None))
     two_running = config()
     two_running.serve[0].resources.num_replicas = 2
-    assert run_action._spares(plan, ["a"], Console(), snapshot(two_running, None)) == {"a"}
+    assert update_in_place.spares(plan, ["a"], Console(), snapshot(two_running, None)) == {"a"}
 
 
 def test_an_update_serve_would_wait_on_forever_is_refused_naming_the_node_and_the_step(monkeypatch):
     """Two one-GPU replicas on 4 GPUs asked to become two-GPU replicas (auto_tune's 2 x 1 -> 2 x 2): the second new
     replica would find 1 GPU free. Refused before anything is deployed; a pure scale-down of the same node is not."""
-    monkeypatch.setattr(run_action, "free_resources_per_node", lambda: {"n1": {"GPU": 2.0, "CPU": 8.0}})
+    monkeypatch.setattr(update_in_place, "free_resources_per_node", lambda: {"n1": {"GPU": 2.0, "CPU": 8.0}})
     held = {"GPU": 1.0, "CPU": 1.0}
-    monkeypatch.setattr(run_action, "running_replicas", lambda app, serve_id: [("n1", held), ("n1", held)])
+    monkeypatch.setattr(update_in_place, "running_replicas", lambda app, serve_id: [("n1", held), ("n1", held)])
     engine = SimpleNamespace(serve_id="a", initial_replicas=2, ray_actor_options={"num_cpus": 1, "num_gpus": 2.0})
     plan = SimpleNamespace(engines=[engine], app_name="app")
     with pytest.raises(DeployError, match=r"updating 'a' in place \(2 -> 2 replica\(s\)\).*new replica 2 of 2"):
-        run_action._refuse_if_stuck(plan, ["a"], ["a"], frozenset())
+        update_in_place.refuse_if_stuck(plan, ["a"], ["a"], frozenset())
     engine.initial_replicas, engine.ray_actor_options = 1, {"num_cpus": 1, "num_gpus": 1.0}
-    run_action._refuse_if_stuck(plan, ["a"], [], frozenset())  # only the count changes: nothing to wait on
+    update_in_place.refuse_if_stuck(plan, ["a"], [], frozenset())  # only the count changes: nothing to wait on

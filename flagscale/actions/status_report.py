@@ -1,0 +1,146 @@
+"""`status`'s result, typed: what collect (flagscale/actions/status.py) finds and the table (status_table.py) shows.
+`to_json()` is `output=json`'s document (its keys are part of the CLI's interface: tests and scripts read them).
+
+The engines' load (EngineKind.status_load) and the router's view of a replica come as their producers give them
+(the metric names and the routing policy's counters differ per engine and per policy), and stay dicts."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class Scaling:
+    """The replica settings Serve applies to a deployment: num_replicas or autoscaling_config, and its target."""
+
+    target_replicas: int | None
+    num_replicas: int | None
+    autoscaling: dict[str, Any] | None
+
+
+@dataclass
+class DeploymentStatus:
+    status: str  # Serve's: HEALTHY, UPDATING, UNHEALTHY, ...
+    replicas: dict[str, int]  # replica state -> count
+    message: str = ""
+    scaling: Scaling | None = None  # absent when Serve's controller did not tell
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"status": self.status, "replicas": self.replicas, "message": self.message}
+        if self.scaling is not None:
+            out["scaling"] = asdict(self.scaling)
+        return out
+
+
+@dataclass
+class ReplicaRow:
+    """One engine replica as its registry record has it, with what status learnt of it."""
+
+    serve_id: str
+    replica_id: str
+    engine_kind: str
+    role: str  # colocated, prefill, decode
+    host: str
+    node_id: str
+    pid: int | None
+    engine_pid: int | None
+    url: str
+    heartbeat_age_s: float
+    state: str  # READY, STALE
+    worker_cpus: list[int] = field(
+        default_factory=list
+    )  # cores the CPU layout gave the engine's workers; [] = not pinned
+    gpus: list[str] = field(default_factory=list)  # GPU ids Ray gave the replica; [] = none
+    ranks: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # an engine of several processes: each rank's pid, host, ...
+    log: str = ""
+    engine: dict[str, float] | None = None  # its engine's load (EngineKind.status_load); None: /metrics did not answer
+    requests_served: int | None = None  # since the router started
+    router: dict[str, Any] | None = None  # the router's view: in-flight, circuit, routing table (docs/routing.md)
+
+    @property
+    def node(self) -> str:
+        """The graph node it serves, and its role when not colocated."""
+        return self.serve_id if self.role == "colocated" else f"{self.serve_id} ({self.role})"
+
+
+@dataclass
+class RouterProcess:
+    pid: int | None = None
+    inflight: int = 0
+    served: int = 0
+    moved: int = 0
+    resumed: int = 0
+    draining: bool = False
+
+
+@dataclass
+class RouterTotals:
+    """The router's counters over all its processes: in flight, requests moved to another replica, streams resumed."""
+
+    inflight: int = 0
+    moved: int = 0
+    resumed: int = 0
+    processes: dict[str, RouterProcess] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, stats: dict[str, Any]) -> RouterTotals:
+        """From the router's stats (flagscale/router/peers.py: merge_stats), without its per-replica part."""
+        known = {f.name for f in fields(RouterProcess)}
+        processes = {
+            name: RouterProcess(**{k: v for k, v in p.items() if k in known})
+            for name, p in (stats.get("processes") or {}).items()
+        }
+        return cls(stats.get("inflight", 0), stats.get("moved", 0), stats.get("resumed", 0), processes)
+
+
+@dataclass
+class HostRow:
+    """A host or Ray node (Launcher.hosts), with the replicas on it."""
+
+    host: str
+    role: str
+    chip: str | None
+    slots: Any
+    ray_node: str  # alive, dead
+    node_id: str = ""
+    session: Any = None
+    replicas: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StatusReport:
+    app: str
+    endpoint: str
+    models: list[str]
+    status: str  # the application's: RUNNING, DEPLOYING, ..., NOT_DEPLOYED
+    http_health: str = "ok"  # "ok", or why /health did not answer
+    healthy: bool = False
+    phase: str = ""
+    ray_address: str = ""
+    message: str = ""
+    deployments: dict[str, DeploymentStatus] = field(default_factory=dict)
+    replicas: list[ReplicaRow] = field(default_factory=list)
+    router: RouterTotals | None = None
+    hosts: list[HostRow] | None = None  # None: the launcher has no host table
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "app": self.app,
+            "endpoint": self.endpoint,
+            "models": self.models,
+            "phase": self.phase,
+            "ray_address": self.ray_address,
+            "status": self.status,
+            "message": self.message,
+            "deployments": {name: d.to_json() for name, d in self.deployments.items()},
+            "replicas": [asdict(r) for r in self.replicas],
+            "router": asdict(self.router) if self.router else None,
+            "http_health": self.http_health,
+        }
+        if self.hosts is not None:
+            out["hosts"] = [asdict(h) for h in self.hosts]
+        out["healthy"] = self.healthy
+        return out
