@@ -8,6 +8,7 @@ import time
 from rich.console import Console
 
 from flagscale.actions.runner_log import route_serve_logger
+from flagscale.adaptors import ray, serve
 from flagscale.cluster.ray_compat import SERVE_WAITING_FOR_RESOURCES, deploy_app
 from flagscale.errors import DeployError, error_excerpt
 from flagscale.net import health_ok
@@ -26,8 +27,6 @@ def need(options: dict) -> dict:
 
 def check_fits(plan: Plan) -> None:
     """Every replica must fit on some node of the cluster; otherwise Serve would wait forever."""
-    import ray
-
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     groups = [*plan.engines, *(plan.graph.nodes if plan.graph else [])]
     for group in groups:
@@ -42,10 +41,7 @@ def check_fits(plan: Plan) -> None:
 
 
 def deploy(plan: Plan, no_spare: frozenset[str] = frozenset()) -> None:
-    # reason: ray.serve and the application's code take seconds to import; only a deploy needs them
-    from ray import serve
-
-    from flagscale.serve.app import build_app  # reason: as above
+    from flagscale.serve.app import build_app  # reason: the application's code imports Ray Serve (seconds)
 
     route_serve_logger()
     serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
@@ -56,8 +52,6 @@ def wait_until_serving(plan: Plan, console: Console, t0: float) -> None:
     """Until the application runs, every engine replica of the planned version is in the router's registry (and
     no other), and the endpoint answers. What each deployment is doing: on a terminal beside a spinner, elsewhere
     (a pipe, CI's log) as a plain line each time it changes."""
-    from ray import serve
-
     deadline = time.monotonic() + plan.startup_timeout_s
     pending_since: dict[str, float] = {}
     shown = ""

@@ -21,6 +21,7 @@ from flagscale.actions.invocation import RUN_PY, Invocation
 from flagscale.actions.runner_log import log_to_file, runner_log_path
 from flagscale.actions.teardown import EnvFor, no_envs, teardown
 from flagscale.actions.update_in_place import update
+from flagscale.adaptors import ray
 from flagscale.cluster.ray_node import cluster_alive
 from flagscale.cluster.state import RunState
 from flagscale.errors import DeployError, FlagScaleError
@@ -88,8 +89,6 @@ def run(
     finally:
         signals.restore_handlers(previous)
     _print_ready(plan, console, time.monotonic() - t0, invocation)
-    import ray
-
     ray.shutdown()
     if foreground:
         return _stay_attached(state, plan, console)

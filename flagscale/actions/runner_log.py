@@ -14,6 +14,8 @@ import logging
 import logging.handlers
 from pathlib import Path
 
+from flagscale.adaptors import serve
+
 PROJECT = "flagscale"
 LOG_DIR = "serve_logs"  # <exp_dir>/serve_logs: where `run` writes runner.log and the engines their logs
 RUNNER_LOG = "runner.log"
@@ -77,8 +79,9 @@ def keep_library_lines_off_the_console() -> None:
 
 
 def route_serve_logger() -> None:
-    """Ray Serve's lines to the root logger's handlers (and so off the console, to the log file); call after
-    `import ray.serve`, which gives its logger a console handler of its own."""
+    """Ray Serve's lines to the root logger's handlers (and so off the console, to the log file). Importing
+    `ray.serve` gives its logger a console handler of its own: it is imported here first, then routed."""
+    serve.load()
     logger = logging.getLogger(SERVE_LOGGER)
     for handler in _console_handlers(logger):
         logger.removeHandler(handler)

@@ -27,6 +27,7 @@ from flagscale.actions.status_report import (
     StatusReport,
 )
 from flagscale.actions.status_table import render
+from flagscale.adaptors import ray, serve
 from flagscale.cluster import bounded
 from flagscale.cluster.ray_compat import serve_details
 from flagscale.cluster.ray_node import cluster_alive
@@ -55,8 +56,6 @@ def _quiet(step: str) -> None:
 
 def collect(state: RunState, api_key: str | None = None, note: bounded.Note = _quiet) -> StatusReport:
     """The run's report. `note(step)` is told what it waits for next (status bounds the whole, bounded.within)."""
-    from ray import serve
-
     route_serve_logger()
     launcher = launchers.of_state(state)
     note(f"attaching to the run's Ray cluster at {state.ray_address}")
@@ -193,8 +192,6 @@ def _router_stats(state: RunState) -> dict[str, Any]:
 
 
 def _ask_router(state: RunState) -> dict[str, Any]:
-    from ray import serve
-
     # Serve's handle warns on stderr each time the router answers its queue-length probe late
     logging.getLogger("ray.serve").setLevel(logging.ERROR)
     router = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=state.app_name)
@@ -222,8 +219,6 @@ def status(
         if output == "json":  # (the error's line goes to stderr as every error's does)
             _emit(console, output, NotRunning("NO_ANSWER", exp_dir, str(exc), waiting_for=exc.step))
         raise
-    import ray
-
     if not bounded.left_behind():  # (a call left behind would hold the shutdown)
         ray.shutdown()
     if output == "json":

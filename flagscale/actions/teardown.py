@@ -17,6 +17,7 @@ from rich.markup import escape
 
 from flagscale import launchers
 from flagscale.actions.runner_log import route_serve_logger
+from flagscale.adaptors import ray, serve
 from flagscale.cluster import bounded, ssh
 from flagscale.cluster.ray_compat import delete_app
 from flagscale.cluster.ray_node import cluster_alive
@@ -61,8 +62,6 @@ def teardown(state: RunState, console: Console, drain_timeout_s: float = 30.0, e
         except Exception as exc:  # the cluster may be half-dead; the processes still get stopped below
             problems.append(f"stopping the Serve application failed: {exc}")
             log.warning("stopping the Serve application failed: %s", exc)
-    import ray
-
     if ray.is_initialized() and not bounded.left_behind():  # (a call left behind would hold the shutdown)
         ray.shutdown()
     problems += launcher.stop(state, console)
@@ -174,8 +173,6 @@ def _stop_application(state: RunState, console: Console, drain_timeout_s: float,
 
 
 def _delete_app(state: RunState, console: Console, drain_timeout_s: float, note: bounded.Note) -> None:
-    from ray import serve
-
     route_serve_logger()
     note("asking Serve's controller for its applications")
     apps = serve.status().applications

@@ -10,6 +10,7 @@ import time
 from rich.console import Console
 
 from flagscale.actions.deploy import check_fits, deploy, need, wait_until_serving
+from flagscale.adaptors import ray
 from flagscale.cluster.ray_compat import free_resources_per_node, running_replicas
 from flagscale.cluster.state import RunState
 from flagscale.errors import ConfigError, DeployError, FlagScaleError
@@ -49,8 +50,6 @@ def update(state: RunState, plan: Plan, snapshot: dict, console: Console, config
             "run again with a fixed config, or action=stop"
         ) from None
     finally:
-        import ray
-
         ray.shutdown()
     console.print(f"[green]updated[/] in {time.monotonic() - t0:.1f}s; serving at {plan.endpoint}/v1")
     return 0
