@@ -214,7 +214,7 @@ class Frontend:
         stream = None
         if request.method == "POST" and request.path in (COMPLETIONS, CHAT) and payload.get("stream") is True:
             stream = ClientStream(request.path, payload, engine_resumes=model not in spec.no_resume)
-        routing = spec.routing.get(model, RoutingSpec())
+        routing = spec.routing.get(model, RoutingSpec()).settings
         exchange = Exchange(request, model, self.router.policies[model], info, body, stream, routing.max_migrations)
         exchange.headers = self.upstream_headers(
             {k: v for k, v in request.headers.items() if k.lower() not in NOT_PASSED_ON}

@@ -78,5 +78,5 @@ class RouterSpec:
     def reconfigured(self, config: dict[str, Any]) -> RouterSpec:
         config = dict(config)
         for key in ("routing", "prefill_routing"):
-            config[key] = {model: RoutingSpec(**spec) for model, spec in config.get(key, {}).items()}
+            config[key] = {model: RoutingSpec.from_json(spec) for model, spec in config.get(key, {}).items()}
         return replace(self, **config)

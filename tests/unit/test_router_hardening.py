@@ -353,12 +353,12 @@ def test_a_body_over_the_cap_gets_413_naming_the_limit():
 
 
 def test_only_the_beginning_of_a_long_prompt_is_hashed_for_prefix_routing():
-    spec = RoutingSpec(max_prefix_chars=1024)
+    spec = RoutingSpec.of(max_prefix_chars=1024)
     policy = make_policy(spec)
     assert isinstance(policy, CacheAware)
     huge = {"model": "m", "prompt": "y" * 1_000_000}
     keys = policy._prompt_keys(RequestInfo("m", huge))
-    assert len(keys) == 1024 // spec.prefix_block_chars
+    assert len(keys) == 1024 // spec.settings.prefix_block_chars
     chat = {"messages": [{"role": "user", "content": "z" * 5000}] * 1000}
     assert len(prompt_text(chat, 1024)) == 1024
     assert len(prompt_text({"prompt": list(range(100_000))}, 1024)) == 1024
@@ -376,7 +376,7 @@ def test_a_request_an_engine_died_on_is_retried_only_once_more(caplog):
         servers = [await dropping_replica(seen) for _ in range(3)]
         ups = [upstream(f"dropping{i}", port, sent=i) for i, (_, port) in enumerate(servers)]
         router = bare_router(ups, "least_load")
-        router.spec.routing["m"] = RoutingSpec(policy="least_load", max_migrations=2)
+        router.spec.routing["m"] = RoutingSpec.of("least_load", max_migrations=2)
         try:
             async with router_listening(router) as url, aiohttp.ClientSession() as client:
                 async with client.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"}) as r:

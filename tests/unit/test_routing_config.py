@@ -31,7 +31,7 @@ def test_engine_nodes_default_to_cache_aware_and_take_their_options(demo_model_p
     cfg = config(demo_model_path, routing="session", routing_options={"max_sessions": 10})
     plan = build_plan(load_config(cfg, SOURCES), SOURCES, check_port=False)
     a, b = plan.engines
-    assert a.routing == RoutingSpec(policy="session", max_sessions=10)
+    assert a.routing == RoutingSpec.of("session", max_sessions=10)
     assert b.routing == RoutingSpec(policy="cache_aware")
 
 
@@ -56,3 +56,31 @@ def test_unknown_policy_and_routing_on_a_custom_node_are_refused(demo_model_path
     cfg["serve"].append({"serve_id": "c", "module": "x.py", "name": "C", "routing": "least_load"})
     with pytest.raises(ConfigError, match="engine nodes"):
         load_config(cfg, SOURCES)
+
+
+def test_bad_routing_options_are_refused_naming_the_key(demo_model_path):
+    cases = {
+        "routing_options.max_sessions is a setting of session, not of routing least_load": {
+            "routing": "least_load",
+            "routing_options": {"max_sessions": 10},
+        },
+        "routing_options.max_sessions is a setting of session, not of routing cache_aware": {
+            "routing_options": {"max_sessions": 10}
+        },
+        "unknown key 'max_session'": {"routing": "session", "routing_options": {"max_session": 10}},
+        "routing_options.cache_threshold: Input should be a valid number": {
+            "routing_options": {"cache_threshold": "x"}
+        },
+    }
+    for message, node in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(config(demo_model_path, **node), SOURCES)
+    load_config(config(demo_model_path, routing="round_robin", routing_options={"max_migrations": 0}), SOURCES)
+
+
+def test_a_prefill_pool_of_another_policy_takes_the_nodes_options_it_has(demo_model_path):
+    cfg = config(demo_model_path, routing="session", routing_options={"max_sessions": 10, "max_migrations": 1})
+    node = load_config(cfg, SOURCES).serve[0]
+    assert RoutingSpec.of_node(node) == RoutingSpec.of("session", max_sessions=10, max_migrations=1)
+    prefill = node.model_copy(update={"routing": "round_robin"})
+    assert RoutingSpec.of_node(prefill) == RoutingSpec.of("round_robin", max_migrations=1)
