@@ -4,7 +4,7 @@ plan hands them (docs/routing.md)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from flagscale.config.schema import DeployConfig, NodeConfig
@@ -63,4 +63,4 @@ class Admission:
 
     @classmethod
     def of(cls, deploy: DeployConfig) -> Admission:
-        return cls(deploy.max_body_bytes, deploy.max_queued_requests, deploy.queue_timeout_s)
+        return cls(**{bound.name: getattr(deploy, bound.name) for bound in fields(cls)})

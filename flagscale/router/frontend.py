@@ -65,7 +65,7 @@ class Frontend:
     def app(self) -> web.Application:
         """The HTTP surface: /health, /metrics, /v1/models, the graph's route, the engines' public paths proxied
         (the rest is 404: proxy, surface.py); the API key checked in front of all of it."""
-        # (bodies are read by read_body, bounded by spec.max_body_bytes, which an update may change)
+        # (bodies are read by read_body, bounded by spec.admission.max_body_bytes, which an update may change)
         app = web.Application(middlewares=[self._require_key])
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
@@ -176,7 +176,7 @@ class Frontend:
         if router.draining:
             return error_response(503, "server is shutting down", "ServiceUnavailableError")
         try:
-            body = await read_body(request, spec.max_body_bytes)
+            body = await read_body(request, spec.admission.max_body_bytes)
             payload = parse_body(body) if body else {}
             check_payload(payload)
         except BadRequest as exc:
@@ -239,7 +239,7 @@ class Frontend:
         if router.draining:
             return error_response(503, "server is shutting down", "ServiceUnavailableError")
         try:
-            payload = parse_body(await read_body(request, router.spec.max_body_bytes) or b"{}")
+            payload = parse_body(await read_body(request, router.spec.admission.max_body_bytes) or b"{}")
         except BadRequest as exc:
             return exc.response()
         with_trace = request.query.get("trace", "").lower() in ("1", "true", "yes")

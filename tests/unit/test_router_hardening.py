@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import replace
 
 import aiohttp
 import pytest
@@ -270,7 +271,7 @@ def test_replicas_get_at_most_max_ongoing_requests_and_the_rest_wait_in_a_bounde
             ups[-1].record.url = await engine.start()
         router = bare_router(ups, "least_load")
         router.spec.max_ongoing = {"s": 2}  # replica_record's serve_id
-        router.spec.max_queued_requests = 3
+        router.spec.admission = replace(router.spec.admission, max_queued_requests=3)
         for up in ups:
             up.max_ongoing = router._max_ongoing(up)
         try:
@@ -304,7 +305,7 @@ def test_a_request_waits_in_the_queue_at_most_queue_timeout_s():
         up = upstream("a", 0, sent=0)
         up.record.url = await engine.start()
         router = bare_router([up], "least_load")
-        router.spec.queue_timeout_s = 0.3
+        router.spec.admission = replace(router.spec.admission, queue_timeout_s=0.3)
         up.max_ongoing = 1
         try:
             async with router_listening(router) as url, aiohttp.ClientSession() as client:
@@ -328,7 +329,7 @@ def test_a_body_over_the_cap_gets_413_naming_the_limit():
         seen: list = []
         runner, port = await healthy_replica(seen)
         router = bare_router([upstream("a", port, sent=0)], "least_load")
-        router.spec.max_body_bytes = 2048
+        router.spec.admission = replace(router.spec.admission, max_body_bytes=2048)
         big = json.dumps({"model": "m", "prompt": "x" * 4096}).encode()
 
         async def chunked():

@@ -84,3 +84,28 @@ def test_a_prefill_pool_of_another_policy_takes_the_nodes_options_it_has(demo_mo
     assert RoutingSpec.of_node(node) == RoutingSpec.of("session", max_sessions=10, max_migrations=1)
     prefill = node.model_copy(update={"routing": "round_robin"})
     assert RoutingSpec.of_node(prefill) == RoutingSpec.of("round_robin", max_migrations=1)
+
+
+def test_the_router_spec_goes_through_serve_user_config_as_json_and_back():
+    import json
+    from dataclasses import fields
+
+    from flagscale.config.routing import Admission
+    from flagscale.router.spec import RouterSpec
+
+    spec = RouterSpec(
+        app="a",
+        host="127.0.0.1",
+        port=1,
+        models={"m": "s", "p": "s"},
+        routing={"m": RoutingSpec.of("session", max_sessions=3), "p": RoutingSpec.of("cache_aware", cache_threshold=0)},
+        prefill_routing={"p": RoutingSpec(policy="random")},
+        admission=Admission(max_body_bytes=10, max_queued_requests=2, queue_timeout_s=0.5),
+        api_key="k",
+        peer_secret="s",
+    )
+    config = json.loads(json.dumps(spec.user_config()))
+    fixed = {"app", "host", "port", "pin_cpus", "api_key", "peer_secret", "share_with_peers"}
+    assert fixed.isdisjoint(config) and set(config) | fixed == {f.name for f in fields(RouterSpec)}
+    bare = RouterSpec(app="a", host="127.0.0.1", port=1, models={}, api_key="k", peer_secret="s")
+    assert bare.reconfigured(config) == spec
