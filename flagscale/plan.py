@@ -27,7 +27,7 @@ from flagscale.cluster.state import resolve_exp_dir
 from flagscale.config.graph import CustomNodePlan, GraphPlan, build_graph_plan
 from flagscale.config.load import ConfigSources, resolve_api_key
 from flagscale.config.replicas import ReplicaSettings, replica_settings
-from flagscale.config.routing import DEFAULT_POLICY, Admission, RoutingSpec
+from flagscale.config.routing import Admission, RoutingSpec
 from flagscale.config.schema import Disaggregation, NodeConfig, PoolConfig, Resources, ServeConfig
 from flagscale.engines.base import EngineKind
 from flagscale.errors import ConfigError
@@ -314,7 +314,7 @@ def _engine_plan(
         placement_bundles=reservation.placement_bundles,
         placement_strategy=reservation.placement_strategy,
         ranks_per_host=reservation.ranks_per_host,
-        routing=RoutingSpec(policy=node.routing or DEFAULT_POLICY, **node.routing_options.model_dump()),
+        routing=RoutingSpec.of_node(node),
         role=role,
         group=group or node.serve_id,
         gpu_memory_utilization=utilization if reservation.device == "gpu" else None,

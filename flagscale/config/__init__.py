@@ -3,8 +3,10 @@
 schema.py: the schema (its field docs are docs/config.md's); load.py, cli.py: from files and overrides to the
 schema; compat.py: FlagScale's older layouts mapped onto it, with a notice for each rewrite or ignored key;
 graph.py: graphs of custom nodes; request.py: a graph's request fields; replicas.py: a node's replica settings;
-routing.py: routing options; resolvers.py: `${demo_model:}` in configs; reference.py: docs/config.md's tables.
+routing.py: a node's routing as planned (its policy and that policy's settings) and the router's admission bounds;
+resolvers.py: `${demo_model:}` in configs; reference.py: docs/config.md's tables.
 
-It may import flagscale.engines (the engine names and each kind's facts), flagscale.demo_model and the basics
-(errors, net, devices, paths); never the cluster, the replica, the router or anything above them.
+It may import flagscale.engines (the engine names and each kind's facts), flagscale.router.policies (the policies'
+names and settings types, which sit below config), flagscale.demo_model and the basics (errors, net, devices,
+paths); never the cluster, the replica, the rest of the router or anything above them.
 """

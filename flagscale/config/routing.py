@@ -1,16 +1,15 @@
-"""A node's routing as planned: which policy picks its replicas and the policy's settings. The policies
-themselves are in flagscale/router/policies/; this is what the plan hands them (docs/routing.md)."""
+"""A node's routing as planned: which policy picks its replicas and the policy's settings, and the router's bounds
+on what it takes in. The policies and their settings types are in flagscale/router/policies/; this is what the
+plan hands them (docs/routing.md)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import get_args
+from dataclasses import dataclass, fields
+from typing import Any
 
-from flagscale.config.schema import DeployConfig, RoutingOptions, RoutingPolicy
+from flagscale.config.schema import DeployConfig, NodeConfig
+from flagscale.router.policies import DEFAULT_POLICY, Settings, policy_type
 
-POLICIES: tuple[str, ...] = get_args(RoutingPolicy)  # the policies' registry's names, in its order
-DEFAULT_POLICY = POLICIES[0]  # cache_aware
-_DEFAULT = {name: field.default for name, field in RoutingOptions.model_fields.items()}
 _DEPLOY = {name: field.default for name, field in DeployConfig.model_fields.items()}
 # Requests one engine replica is sent at once when its node sets no resources.max_ongoing_requests: far above
 # vLLM's max_num_seqs (256 by default), so the engine's own scheduler does the queueing and throughput is never
@@ -21,16 +20,37 @@ DEFAULT_MAX_ONGOING_REQUESTS = 1000
 @dataclass(frozen=True)
 class RoutingSpec:
     """One engine node's routing, as planned (flagscale/plan.py) and given to the router per model: the policy and
-    the node's `routing_options` (a plain dataclass, so the router's Serve user_config stays JSON)."""
+    its settings, of the policy's own settings type (plain dataclasses, so the router's Serve user_config stays
+    JSON: from_json reads asdict's form back)."""
 
     policy: str = DEFAULT_POLICY
-    balance_abs_threshold: int = _DEFAULT["balance_abs_threshold"]
-    cache_threshold: float = _DEFAULT["cache_threshold"]
-    prefix_block_chars: int = _DEFAULT["prefix_block_chars"]
-    max_prefix_blocks: int = _DEFAULT["max_prefix_blocks"]
-    max_prefix_chars: int = _DEFAULT["max_prefix_chars"]
-    max_sessions: int = _DEFAULT["max_sessions"]
-    max_migrations: int = _DEFAULT["max_migrations"]
+    settings: Settings = None  # type: ignore[assignment]  # None: the policy's defaults
+
+    def __post_init__(self) -> None:
+        kind = policy_type(self.policy)
+        if self.settings is None:
+            object.__setattr__(self, "settings", kind.settings_type())
+        elif type(self.settings) is not kind.settings_type:
+            raise TypeError(f"routing {self.policy} takes {kind.settings_type.__name__}, not {self.settings!r}")
+
+    @classmethod
+    def of(cls, policy: str | None = None, **settings: Any) -> RoutingSpec:
+        """`policy` (None: the default) with these of its settings (a setting it does not have: TypeError)."""
+        kind = policy_type(policy or DEFAULT_POLICY)
+        return cls(kind.name, kind.settings_type(**settings))
+
+    @classmethod
+    def of_node(cls, node: NodeConfig) -> RoutingSpec:
+        """An engine node's `routing` with its `routing_options` (the schema checked they are its policy's). A
+        disaggregated node's prefill pool with a policy of its own (disaggregation.prefill_routing) takes those of
+        the node's options its policy has too."""
+        kind = policy_type(node.routing or DEFAULT_POLICY)
+        own = kind.settings_type.names()
+        return cls.of(kind.name, **{k: v for k, v in node.routing_options.model_dump().items() if k in own})
+
+    @classmethod
+    def from_json(cls, spec: dict[str, Any]) -> RoutingSpec:
+        return cls.of(spec["policy"], **spec.get("settings", {}))
 
 
 @dataclass(frozen=True)
@@ -43,4 +63,4 @@ class Admission:
 
     @classmethod
     def of(cls, deploy: DeployConfig) -> Admission:
-        return cls(deploy.max_body_bytes, deploy.max_queued_requests, deploy.queue_timeout_s)
+        return cls(**{bound.name: getattr(deploy, bound.name) for bound in fields(cls)})

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    PrivateAttr,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from flagscale import engines
 from flagscale.actions import ACTIONS
@@ -461,46 +471,45 @@ class Resources(Strict):
         )
 
 
-class RoutingOptions(Strict):
-    """Settings of the routing policies (docs/routing.md)."""
+def _routing_options() -> type[Strict]:
+    """`routing_options`: the settings of every policy's settings type (Policy.settings_type, each declared with
+    base.py's `setting`), each key once: those of one or some policies first, in POLICIES' order, then those every
+    policy has. A setting two policies declare apart must be declared alike. NodeConfig checks that the keys a node
+    sets are settings of its own policy (check_routing_options)."""
+    declared: dict[str, tuple[dataclasses.Field, Any]] = {}
+    owners: dict[str, list[str]] = {}
+    for name, policy in policies.POLICIES.items():
+        hints = get_type_hints(policy.settings_type)
+        for setting in dataclasses.fields(policy.settings_type):
+            first, hint = declared.setdefault(setting.name, (setting, hints[setting.name]))
+            if (first.default, first.metadata, hint) != (setting.default, setting.metadata, hints[setting.name]):
+                raise TypeError(f"routing setting {setting.name!r} is declared twice, differently (by {name})")
+            owners.setdefault(setting.name, []).append(name)
+    fields = {}
+    for key in sorted(declared, key=lambda key: len(owners[key]) == len(policies.POLICIES)):  # a stable sort
+        setting, hint = declared[key]
+        who = "Every policy" if len(owners[key]) == len(policies.POLICIES) else ", ".join(owners[key])
+        meta = setting.metadata
+        fields[key] = (hint, Field(setting.default, ge=meta["ge"], le=meta["le"], description=f"{who}: {meta['doc']}"))
+    return create_model(
+        "RoutingOptions", __base__=Strict, __doc__="Settings of the routing policies (docs/routing.md).", **fields
+    )
 
-    balance_abs_threshold: int = Field(
-        4,
-        ge=0,
-        description="cache_aware: the replica with the longest cached prefix is skipped (least load "
-        "instead) when its in-flight requests exceed the least busy replica's by more than this.",
-    )
-    cache_threshold: float = Field(
-        0.3,
-        ge=0,
-        le=1,
-        description="cache_aware: a cached prefix shorter than this fraction of the prompt "
-        "(e.g. only a shared system prompt) does not count: the request goes by least load.",
-    )
-    prefix_block_chars: int = Field(
-        64, ge=1, description="cache_aware: characters per block of the prompt prefix table."
-    )
-    max_prefix_blocks: int = Field(
-        100_000,
-        ge=1,
-        description="cache_aware: blocks the prefix table of a model holds, least recently used evicted first.",
-    )
-    max_prefix_chars: int = Field(
-        32_768,
-        ge=1,
-        description="cache_aware: only the first this many characters of a prompt are hashed into the prefix "
-        "table (a longer prompt is keyed by its beginning).",
-    )
-    max_sessions: int = Field(
-        100_000, ge=1, description="session: sessions remembered, least recently used forgotten first."
-    )
-    max_migrations: int = Field(
-        2,
-        ge=0,
-        description="Every policy: how many times a request whose replica fails it (dropped connection, 5xx, "
-        "a stream broken off) moves to another replica, each replica at most once; a stream goes on where it "
-        "broke off (docs/routing.md). 0: never.",
-    )
+
+RoutingOptions = _routing_options()
+
+
+def check_routing_options(policy: str | None, options: BaseModel) -> None:
+    """The `routing_options` an engine node sets are settings of its policy (`routing`; unset: the default)."""
+    name = policy or policies.DEFAULT_POLICY
+    own = policies.POLICIES[name].settings_type.names()
+    foreign = sorted(options.model_fields_set - set(own))
+    if foreign:
+        owners = [other for other, kind in policies.POLICIES.items() if foreign[0] in kind.settings_type.names()]
+        raise ValueError(
+            f"routing_options.{foreign[0]} is a setting of {' and '.join(owners)}, not of routing {name} (whose "
+            f"settings are: {', '.join(own)})"
+        )
 
 
 class PoolConfig(Strict):
@@ -573,7 +582,8 @@ class NodeConfig(Strict):
         "header, else least_load; round_robin: in turn.",
     )
     routing_options: RoutingOptions = Field(
-        default_factory=RoutingOptions, description="Engine node: settings of the routing policies: see below."
+        default_factory=RoutingOptions,
+        description="Engine node: settings of its `routing` policy, each key one the policy has: see below.",
     )
     disaggregation: Disaggregation | None = Field(
         None,
@@ -605,6 +615,8 @@ class NodeConfig(Strict):
             raise ValueError("`routing` is for engine nodes; a custom node is called by the graph, not routed")
         if self.module is not None and not self.name:
             raise ValueError("a custom node with `module` also needs `name` (the class)")
+        if self.module is None:
+            check_routing_options(self.routing, self.routing_options)
         unknown = sorted(set(self.engine_args_specific) - set(ENGINES))
         if unknown:
             raise ValueError(f"engine_args_specific has unknown engine(s) {unknown}; known: {', '.join(ENGINES)}")

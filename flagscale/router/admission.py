@@ -70,17 +70,17 @@ class AdmissionQueue:
     async def admitted(self, key: tuple[str, str], pick: Callable[[], Upstream | str | None], spec: RouterSpec):
         """pick()'s replica (or None: no replica left to try). While every replica it could take has
         max_ongoing_requests in flight (pick() gives FULL), the request waits its turn behind earlier ones,
-        bounded by spec.max_queued_requests and spec.queue_timeout_s (then Overloaded)."""
+        bounded by spec.admission's max_queued_requests and queue_timeout_s (then Overloaded)."""
         waiters = self.waiting.get(key)
         upstream = FULL if waiters else pick()  # requests already waiting go first
         if upstream is not FULL:
             return upstream
         if waiters is None:
             waiters = self.waiting[key] = []
-        if len(waiters) >= spec.share(spec.max_queued_requests):
+        if len(waiters) >= spec.share(spec.admission.max_queued_requests):
             raise Overloaded(f"{len(waiters)} requests are already waiting here (deploy.max_queued_requests)")
         loop = asyncio.get_running_loop()
-        ticket, deadline = next(self._tickets), loop.time() + spec.queue_timeout_s
+        ticket, deadline = next(self._tickets), loop.time() + spec.admission.queue_timeout_s
         while True:
             entry = (ticket, loop.create_future())
             bisect.insort(waiters, entry, key=lambda e: e[0])  # a request woken in vain keeps its place
@@ -89,7 +89,7 @@ class AdmissionQueue:
                     await entry[1]
             except TimeoutError:
                 raise Overloaded(
-                    f"no replica had a free slot within {spec.queue_timeout_s:g}s (deploy.queue_timeout_s)"
+                    f"no replica had a free slot within {spec.admission.queue_timeout_s:g}s (deploy.queue_timeout_s)"
                 ) from None
             finally:
                 if entry in waiters:

@@ -85,7 +85,7 @@ class Frontend:
     def app(self) -> web.Application:
         """The HTTP surface: /health, /metrics, /v1/models, the graph's route, the engines' public paths proxied
         (the rest is 404: proxy, surface.py); the API key checked in front of all of it."""
-        # (bodies are read by read_body, bounded by spec.max_body_bytes, which an update may change)
+        # (bodies are read by read_body, bounded by spec.admission.max_body_bytes, which an update may change)
         app = web.Application(middlewares=[self._require_key])
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
@@ -192,7 +192,7 @@ class Frontend:
         if self._counters.draining:
             return error_response(503, "server is shutting down", "ServiceUnavailableError")
         try:
-            body = await read_body(request, spec.max_body_bytes)
+            body = await read_body(request, spec.admission.max_body_bytes)
             payload = parse_body(body) if body else {}
             check_payload(payload)
         except BadRequest as exc:
@@ -230,7 +230,7 @@ class Frontend:
         stream = None
         if request.method == "POST" and request.path in (COMPLETIONS, CHAT) and payload.get("stream") is True:
             stream = ClientStream(request.path, payload, engine_resumes=model not in spec.no_resume)
-        routing = spec.routing.get(model, RoutingSpec())
+        routing = spec.routing.get(model, RoutingSpec()).settings
         policy = self._replicas.policy(model)
         exchange = Exchange(request, model, policy, info, body, stream, routing.max_migrations)
         exchange.headers = self.upstream_headers(
@@ -256,7 +256,7 @@ class Frontend:
         if self._counters.draining:
             return error_response(503, "server is shutting down", "ServiceUnavailableError")
         try:
-            payload = parse_body(await read_body(request, spec.max_body_bytes) or b"{}")
+            payload = parse_body(await read_body(request, spec.admission.max_body_bytes) or b"{}")
         except BadRequest as exc:
             return exc.response()
         with_trace = request.query.get("trace", "").lower() in ("1", "true", "yes")

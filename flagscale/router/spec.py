@@ -4,34 +4,38 @@ router takes in place (Serve's user_config -> Router.reconfigure)."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from flagscale.config.routing import Admission, RoutingSpec
 from flagscale.replica import registry
 
-_DEFAULT_ADMISSION = Admission()
 GRAPH_MAX_ONGOING = 1000  # the graph driver deployment's max_ongoing_requests (flagscale/serve/app.py)
+
+
+def fixed(**kwargs: Any) -> Any:
+    """A RouterSpec field fixed for the router replica's life: not in its user_config, which a running router takes in
+    place (Router.reconfigure). Where it listens, and secrets (Serve shows user_configs in its status), are fixed."""
+    return field(metadata={"fixed": True}, **kwargs)
 
 
 @dataclass
 class RouterSpec:
-    app: str
-    host: str
-    port: int
+    app: str = fixed()
+    host: str = fixed()
+    port: int = fixed()
     models: dict[str, str]  # served model name -> serve_id
     refresh_s: float = registry.ROUTER_REFRESH_S
     graph_route: str | None = None  # deployment graph entry (POST, JSON in/out), served by the graph driver
-    pin_cpus: bool = True  # stay off the cores of engine workers on this host (flagscale/replica/cpu_layout.py)
+    # stay off the cores of engine workers on this host (flagscale/replica/cpu_layout.py)
+    pin_cpus: bool = fixed(default=True)
     routing: dict[str, RoutingSpec] = field(default_factory=dict)  # served model name -> its node's routing
     # Disaggregated models: served model name -> how its prefill replica is picked (docs/disaggregation.md).
     prefill_routing: dict[str, RoutingSpec] = field(default_factory=dict)
-    api_key: str | None = field(default=None, repr=False)  # deploy.api_key: required on every route but /health
+    api_key: str | None = fixed(default=None, repr=False)  # deploy.api_key: required on every route but /health
     protect_metrics: bool = True  # deploy.protect_metrics: /metrics needs the key too
     max_ongoing: dict[str, int] = field(default_factory=dict)  # serve_id -> requests one replica is sent at once
-    max_body_bytes: int = _DEFAULT_ADMISSION.max_body_bytes
-    max_queued_requests: int = _DEFAULT_ADMISSION.max_queued_requests  # per model
-    queue_timeout_s: float = _DEFAULT_ADMISSION.queue_timeout_s
+    admission: Admission = field(default_factory=Admission)  # body cap; queue bounds, per model
     # served model names whose engine gives no token ids (capabilities.resume_from_tokens): a stream of theirs moves
     # to another replica only before its first byte
     no_resume: list[str] = field(default_factory=list)
@@ -40,10 +44,10 @@ class RouterSpec:
     engines: dict[str, str] = field(default_factory=dict)
     # The deployment's secret that authenticates the router processes' routing hints to each other (peers.py):
     # in the init args only (Serve's status shows user_configs), never in repr, logs or the state file.
-    peer_secret: str | None = field(default=None, repr=False)
+    peer_secret: str | None = fixed(default=None, repr=False)
     # deploy.router_processes > 1 (each process a Router): share load, metrics, drains and routing hints with the
     # others (flagscale/router/peers.py; needs Ray's GCS). Off only where no Ray runs (benchmarks, tests).
-    share_with_peers: bool = True
+    share_with_peers: bool = fixed(default=True)
     # deploy.router_processes: the kernel spreads clients over them, so each admits its share of every limit (a
     # replica's max_ongoing, the queue, the graph route's): N processes together admit what one would
     processes: int = 1
@@ -53,30 +57,17 @@ class RouterSpec:
         """This process's share of a deployment-wide limit (at least 1)."""
         return max(1, math.ceil(limit / max(1, self.processes)))
 
-    # What a running router takes in place (Serve's user_config -> Router.reconfigure). Where it listens, and the
-    # API key (Serve shows user_configs in its status), are fixed for the router replica's life.
-    RECONFIGURABLE = (
-        "models",
-        "refresh_s",
-        "graph_route",
-        "routing",
-        "prefill_routing",
-        "protect_metrics",
-        "max_ongoing",
-        "max_body_bytes",
-        "max_queued_requests",
-        "queue_timeout_s",
-        "no_resume",
-        "engines",
-        "processes",
-        "graph_max_ongoing",
-    )
-
     def user_config(self) -> dict[str, Any]:
-        return {key: value for key, value in asdict(self).items() if key in self.RECONFIGURABLE}
+        """What a running router takes in place (Serve's user_config -> Router.reconfigure): every field not fixed."""
+        return {key: value for key, value in asdict(self).items() if key in RECONFIGURABLE}
 
     def reconfigured(self, config: dict[str, Any]) -> RouterSpec:
         config = dict(config)
         for key in ("routing", "prefill_routing"):
-            config[key] = {model: RoutingSpec(**spec) for model, spec in config.get(key, {}).items()}
+            config[key] = {model: RoutingSpec.from_json(spec) for model, spec in config.get(key, {}).items()}
+        if "admission" in config:
+            config["admission"] = Admission(**config["admission"])
         return replace(self, **config)
+
+
+RECONFIGURABLE = tuple(spec.name for spec in fields(RouterSpec) if not spec.metadata.get("fixed"))

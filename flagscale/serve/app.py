@@ -149,9 +149,7 @@ def router_spec(plan: Plan) -> RouterSpec:
         protect_metrics=plan.protect_metrics,
         # requests each replica is sent at once (the router queues the rest): per engine deployment
         max_ongoing={e.serve_id: e.max_ongoing_requests or DEFAULT_MAX_ONGOING_REQUESTS for e in plan.engines},
-        max_body_bytes=plan.admission.max_body_bytes,
-        max_queued_requests=plan.admission.max_queued_requests,
-        queue_timeout_s=plan.admission.queue_timeout_s,
+        admission=plan.admission,
         no_resume=sorted(
             {name for e in plan.engines if not e.kind.capabilities.resume_from_tokens for name in e.model_names}
         ),

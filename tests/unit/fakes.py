@@ -163,7 +163,7 @@ class FakeEngine:
 async def through_router(engines: list[FakeEngine], path: str, body: dict, max_migrations: int = 2):
     """Send one request through a router over `engines` (tried in this order); returns status and raw bytes."""
     router = bare_router(await started_upstreams(engines), "least_load")
-    router.spec.routing["m"] = RoutingSpec(policy="least_load", max_migrations=max_migrations)
+    router.spec.routing["m"] = RoutingSpec.of("least_load", max_migrations=max_migrations)
     router.replicas.policies["m"] = make_policy(router.spec.routing["m"])
     try:
         async with router_listening(router) as url, aiohttp.ClientSession() as client:

@@ -217,9 +217,7 @@ def test_stats_show_circuit_and_routing_table_per_replica():
         up = with_url("r", await healthy.start())
         try:
             async with RouterUnderTest([up]) as router:
-                router.router.replicas.policies["m"] = make_policy(
-                    RoutingSpec(policy="cache_aware", prefix_block_chars=1)
-                )
+                router.router.replicas.policies["m"] = make_policy(RoutingSpec.of("cache_aware", prefix_block_chars=1))
                 assert (await router.complete())[0] == 200
                 return router.router.stats()
         finally:

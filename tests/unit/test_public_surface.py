@@ -62,7 +62,7 @@ async def with_router(engines, calls, api_key=None, protect_metrics=True, max_mi
     Returns the (status, body text) of each, and the router."""
     router = bare_router(await started_upstreams(engines), "least_load")
     router.spec.api_key, router.spec.protect_metrics = api_key, protect_metrics
-    router.spec.routing["m"] = RoutingSpec(policy="least_load", max_migrations=max_migrations)
+    router.spec.routing["m"] = RoutingSpec.of("least_load", max_migrations=max_migrations)
     router.replicas.policies["m"] = make_policy(router.spec.routing["m"])
     results = []
     try:

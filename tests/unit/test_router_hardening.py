@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import replace
 
 import aiohttp
 import pytest
@@ -254,7 +255,7 @@ def test_replicas_get_at_most_max_ongoing_requests_and_the_rest_wait_in_a_bounde
             ups[-1].record.url = await engine.start()
         router = bare_router(ups, "least_load")
         router.spec.max_ongoing = {"s": 2}  # replica_record's serve_id
-        router.spec.max_queued_requests = 3
+        router.spec.admission = replace(router.spec.admission, max_queued_requests=3)
         for up in ups:
             up.max_ongoing = router._max_ongoing(up)
         try:
@@ -288,7 +289,7 @@ def test_a_request_waits_in_the_queue_at_most_queue_timeout_s():
         up = upstream("a", 0, sent=0)
         up.record.url = await engine.start()
         router = bare_router([up], "least_load")
-        router.spec.queue_timeout_s = 0.3
+        router.spec.admission = replace(router.spec.admission, queue_timeout_s=0.3)
         up.max_ongoing = 1
         try:
             async with router_listening(router) as url, aiohttp.ClientSession() as client:
@@ -312,7 +313,7 @@ def test_a_body_over_the_cap_gets_413_naming_the_limit():
         seen: list = []
         runner, port = await healthy_replica(seen)
         router = bare_router([upstream("a", port, sent=0)], "least_load")
-        router.spec.max_body_bytes = 2048
+        router.spec.admission = replace(router.spec.admission, max_body_bytes=2048)
         big = json.dumps({"model": "m", "prompt": "x" * 4096}).encode()
 
         async def chunked():
@@ -337,12 +338,12 @@ def test_a_body_over_the_cap_gets_413_naming_the_limit():
 
 
 def test_only_the_beginning_of_a_long_prompt_is_hashed_for_prefix_routing():
-    spec = RoutingSpec(max_prefix_chars=1024)
+    spec = RoutingSpec.of(max_prefix_chars=1024)
     policy = make_policy(spec)
     assert isinstance(policy, CacheAware)
     huge = {"model": "m", "prompt": "y" * 1_000_000}
     keys = policy._prompt_keys(RequestInfo("m", huge))
-    assert len(keys) == 1024 // spec.prefix_block_chars
+    assert len(keys) == 1024 // spec.settings.prefix_block_chars
     chat = {"messages": [{"role": "user", "content": "z" * 5000}] * 1000}
     assert len(prompt_text(chat, 1024)) == 1024
     assert len(prompt_text({"prompt": list(range(100_000))}, 1024)) == 1024
@@ -360,7 +361,7 @@ def test_a_request_an_engine_died_on_is_retried_only_once_more(caplog):
         servers = [await dropping_replica(seen) for _ in range(3)]
         ups = [upstream(f"dropping{i}", port, sent=i) for i, (_, port) in enumerate(servers)]
         router = bare_router(ups, "least_load")
-        router.spec.routing["m"] = RoutingSpec(policy="least_load", max_migrations=2)
+        router.spec.routing["m"] = RoutingSpec.of("least_load", max_migrations=2)
         try:
             async with router_listening(router) as url, aiohttp.ClientSession() as client:
                 async with client.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"}) as r:

@@ -236,16 +236,19 @@ def test_each_process_admits_its_share_of_every_limit():
     max_ongoing_requests, of the queue and of the graph route, so that together they admit what one would."""
     from dataclasses import replace
 
+    from flagscale.config.routing import Admission
     from flagscale.replica.registry import ReplicaRecord
     from flagscale.router.replicas import Upstream
 
     router = bare_router([], "round_robin")
     record = ReplicaRecord("a", "s", "r", ["m"], "http://127.0.0.1:1", "n", "127.0.0.1", 1, 2, "", 0.0)
-    router.spec = replace(router.spec, max_ongoing={"s": 9}, max_queued_requests=5, graph_max_ongoing=3)
+    router.spec = replace(
+        router.spec, max_ongoing={"s": 9}, admission=Admission(max_queued_requests=5), graph_max_ongoing=3
+    )
     assert router._max_ongoing(Upstream(record)) == 9
     router.spec = replace(router.spec, processes=2)
     assert router._max_ongoing(Upstream(record)) == 5  # rounded up: never 0
-    assert router.spec.share(router.spec.max_queued_requests) == 3
+    assert router.spec.share(router.spec.admission.max_queued_requests) == 3
     assert router.spec.share(1) == 1
     assert "processes" in router.spec.user_config()  # a scale of the router deployment reaches running routers
 

@@ -31,7 +31,7 @@ def test_engine_nodes_default_to_cache_aware_and_take_their_options(demo_model_p
     cfg = config(demo_model_path, routing="session", routing_options={"max_sessions": 10})
     plan = build_plan(load_config(cfg, SOURCES), SOURCES, check_port=False)
     a, b = plan.engines
-    assert a.routing == RoutingSpec(policy="session", max_sessions=10)
+    assert a.routing == RoutingSpec.of("session", max_sessions=10)
     assert b.routing == RoutingSpec(policy="cache_aware")
 
 
@@ -56,3 +56,56 @@ def test_unknown_policy_and_routing_on_a_custom_node_are_refused(demo_model_path
     cfg["serve"].append({"serve_id": "c", "module": "x.py", "name": "C", "routing": "least_load"})
     with pytest.raises(ConfigError, match="engine nodes"):
         load_config(cfg, SOURCES)
+
+
+def test_bad_routing_options_are_refused_naming_the_key(demo_model_path):
+    cases = {
+        "routing_options.max_sessions is a setting of session, not of routing least_load": {
+            "routing": "least_load",
+            "routing_options": {"max_sessions": 10},
+        },
+        "routing_options.max_sessions is a setting of session, not of routing cache_aware": {
+            "routing_options": {"max_sessions": 10}
+        },
+        "unknown key 'max_session'": {"routing": "session", "routing_options": {"max_session": 10}},
+        "routing_options.cache_threshold: Input should be a valid number": {
+            "routing_options": {"cache_threshold": "x"}
+        },
+    }
+    for message, node in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(config(demo_model_path, **node), SOURCES)
+    load_config(config(demo_model_path, routing="round_robin", routing_options={"max_migrations": 0}), SOURCES)
+
+
+def test_a_prefill_pool_of_another_policy_takes_the_nodes_options_it_has(demo_model_path):
+    cfg = config(demo_model_path, routing="session", routing_options={"max_sessions": 10, "max_migrations": 1})
+    node = load_config(cfg, SOURCES).serve[0]
+    assert RoutingSpec.of_node(node) == RoutingSpec.of("session", max_sessions=10, max_migrations=1)
+    prefill = node.model_copy(update={"routing": "round_robin"})
+    assert RoutingSpec.of_node(prefill) == RoutingSpec.of("round_robin", max_migrations=1)
+
+
+def test_the_router_spec_goes_through_serve_user_config_as_json_and_back():
+    import json
+    from dataclasses import fields
+
+    from flagscale.config.routing import Admission
+    from flagscale.router.spec import RouterSpec
+
+    spec = RouterSpec(
+        app="a",
+        host="127.0.0.1",
+        port=1,
+        models={"m": "s", "p": "s"},
+        routing={"m": RoutingSpec.of("session", max_sessions=3), "p": RoutingSpec.of("cache_aware", cache_threshold=0)},
+        prefill_routing={"p": RoutingSpec(policy="random")},
+        admission=Admission(max_body_bytes=10, max_queued_requests=2, queue_timeout_s=0.5),
+        api_key="k",
+        peer_secret="s",
+    )
+    config = json.loads(json.dumps(spec.user_config()))
+    fixed = {"app", "host", "port", "pin_cpus", "api_key", "peer_secret", "share_with_peers"}
+    assert fixed.isdisjoint(config) and set(config) | fixed == {f.name for f in fields(RouterSpec)}
+    bare = RouterSpec(app="a", host="127.0.0.1", port=1, models={}, api_key="k", peer_secret="s")
+    assert bare.reconfigured(config) == spec

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flagscale.config.routing import POLICIES, RoutingSpec
-from flagscale.router.policies import RequestInfo, make_policy
+from flagscale.config.routing import RoutingSpec
+from flagscale.router.policies import POLICIES, RequestInfo, make_policy
 from flagscale.router.policies.cache_aware import CacheAware, PrefixTable, prompt_text
 from flagscale.router.replicas import Upstream
 from tests.conftest import replica_record
@@ -92,7 +92,7 @@ def test_cache_aware_sends_a_prefix_back_where_it_went():
 
 
 def test_cache_aware_falls_back_to_least_load_beyond_the_imbalance_bound():
-    policy = make_policy(RoutingSpec(policy="cache_aware", balance_abs_threshold=2))
+    policy = make_policy(RoutingSpec.of("cache_aware", balance_abs_threshold=2))
     ups = [upstream("r1"), upstream("r2")]
     body = {"prompt": PREFIX_A + "?"}
     holder = send(policy, ups, body)
@@ -116,7 +116,7 @@ def test_cache_aware_without_a_match_is_least_load():
 
 
 def test_cache_aware_multi_turn_chat_sticks_to_the_replica_holding_its_history():
-    policy = make_policy(RoutingSpec(policy="cache_aware", prefix_block_chars=16))
+    policy = make_policy(RoutingSpec.of("cache_aware", prefix_block_chars=16))
     ups = [upstream("r1"), upstream("r2"), upstream("r3")]
     system = {"role": "system", "content": "You are a helpful assistant. "}  # shared, under cache_threshold
     homes = {}
@@ -137,7 +137,7 @@ def test_cache_aware_multi_turn_chat_sticks_to_the_replica_holding_its_history()
 
 
 def test_cache_aware_short_shared_prefix_does_not_pin_new_prompts():
-    policy = make_policy(RoutingSpec(policy="cache_aware", cache_threshold=0.5))
+    policy = make_policy(RoutingSpec.of("cache_aware", cache_threshold=0.5))
     ups = [upstream("r1"), upstream("r2")]
     shared = "x" * 64  # one block, shared by every prompt
     homes = []
@@ -217,7 +217,7 @@ def test_session_affinity_by_user_field_and_header():
 
 
 def test_session_moves_when_its_replica_leaves_or_fails():
-    policy = make_policy(RoutingSpec(policy="session", max_sessions=2))
+    policy = make_policy(RoutingSpec.of("session", max_sessions=2))
     r1, r2 = upstream("r1"), upstream("r2", sent=1)
     assert send(policy, [r1, r2], {"user": "ann"}) is r1
     r1.breaker.trip(now=1.0)
@@ -230,11 +230,15 @@ def test_session_moves_when_its_replica_leaves_or_fails():
     assert list(policy.sessions) == ["user:b", "user:c"]  # bounded, least recently used forgotten
 
 
-def test_routing_spec_carries_every_routing_option_with_the_schema_default():
-    from dataclasses import fields
+def test_routing_options_are_every_policys_settings_with_the_same_defaults():
+    from dataclasses import asdict, fields
 
     from flagscale.config.schema import RoutingOptions
 
-    spec = RoutingSpec()
-    assert {f.name for f in fields(RoutingSpec)} == {"policy", *RoutingOptions.model_fields}
-    assert RoutingOptions().model_dump() == {k: getattr(spec, k) for k in RoutingOptions.model_fields}
+    declared = set()
+    for name in POLICIES:
+        settings = RoutingSpec(policy=name).settings
+        assert type(settings) is POLICIES[name].settings_type
+        declared |= {f.name for f in fields(settings)}
+        assert {k: v for k, v in RoutingOptions().model_dump().items() if k in asdict(settings)} == asdict(settings)
+    assert declared == set(RoutingOptions.model_fields)

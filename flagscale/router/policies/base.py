@@ -14,8 +14,8 @@ Replicas whose circuit is open are never offered (`CircuitBreaker.allows`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     from flagscale.router.circuit_breaker import CircuitBreaker
@@ -34,17 +34,27 @@ class Replica(Protocol):
     def replica_id(self) -> str: ...
 
 
-class Settings(Protocol):
-    """What a policy reads of its node's routing (flagscale/config/routing.py's RoutingSpec; the policies sit
-    below config, whose schema reads their names from the registry)."""
+def setting(default: Any, doc: str, *, ge: float | None = None, le: float | None = None) -> Any:
+    """One setting of a policy: a field of its Settings dataclass, and with it a `routing_options` key of the config
+    schema (flagscale/config/schema.py reads `doc` and the bounds `ge`/`le` from the field's metadata)."""
+    return field(default=default, metadata={"doc": doc, "ge": ge, "le": le})
 
-    policy: str
-    balance_abs_threshold: int
-    cache_threshold: float
-    prefix_block_chars: int
-    max_prefix_blocks: int
-    max_prefix_chars: int
-    max_sessions: int
+
+@dataclass(frozen=True)
+class Settings:
+    """A policy's settings: what its node's `routing_options` set. Every policy has these; a policy with settings
+    of its own subclasses this beside its Policy (Policy.settings_type) and declares each with `setting`."""
+
+    max_migrations: int = setting(
+        2,
+        "how many times a request whose replica fails it (dropped connection, 5xx, a stream broken off) moves to "
+        "another replica, each replica at most once; a stream goes on where it broke off (docs/routing.md). 0: never.",
+        ge=0,
+    )
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [setting.name for setting in fields(cls)]
 
 
 @dataclass
@@ -74,9 +84,13 @@ def rank_replicas(upstreams: list[Replica], turn: int, now: float) -> list[Repli
 
 class Policy:
     name = ""  # what `routing:` names it: its key in POLICIES (flagscale/router/policies/__init__.py)
+    settings_type: ClassVar[type[Settings]] = Settings  # what its node's `routing_options` may set
 
-    def __init__(self, spec: Settings):
-        self.spec = spec
+    def __init__(self, settings: Settings | None = None):
+        settings = settings if settings is not None else self.settings_type()
+        if type(settings) is not self.settings_type:
+            raise TypeError(f"{self.name} takes {self.settings_type.__name__}, not {type(settings).__name__}")
+        self.settings = settings
         self._turn = 0
 
     def next_turn(self) -> int:

@@ -8,13 +8,42 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
-from flagscale.router.policies.base import Policy, RequestInfo, Settings, rank_replicas
+from flagscale.router.policies.base import Policy, RequestInfo, Settings, rank_replicas, setting
 
 PREFIX_KEY_BYTES = 12  # a prefix block's key: blake2b of the blocks up to it, this many bytes
-# routing_options.max_prefix_chars's default (flagscale/config/schema.py); the policy passes its node's
-MAX_PREFIX_CHARS = 32_768
+MAX_PREFIX_CHARS = 32_768  # CacheAwareSettings.max_prefix_chars's default; the policy passes its node's
+
+
+@dataclass(frozen=True)
+class CacheAwareSettings(Settings):
+    """cache_aware's own `routing_options`: its load bound, its prefix table's size and what of a prompt it keys."""
+
+    balance_abs_threshold: int = setting(
+        4,
+        "the replica with the longest cached prefix is skipped (least load instead) when its in-flight requests "
+        "exceed the least busy replica's by more than this.",
+        ge=0,
+    )
+    cache_threshold: float = setting(
+        0.3,
+        "a cached prefix shorter than this fraction of the prompt (e.g. only a shared system prompt) does not "
+        "count: the request goes by least load.",
+        ge=0,
+        le=1,
+    )
+    prefix_block_chars: int = setting(64, "characters per block of the prompt prefix table.", ge=1)
+    max_prefix_blocks: int = setting(
+        100_000, "blocks the prefix table of a model holds, least recently used evicted first.", ge=1
+    )
+    max_prefix_chars: int = setting(
+        MAX_PREFIX_CHARS,
+        "only the first this many characters of a prompt are hashed into the prefix table (a longer prompt is "
+        "keyed by its beginning).",
+        ge=1,
+    )
 
 
 def prompt_text(body: dict[str, Any], max_chars: int = MAX_PREFIX_CHARS) -> str:
@@ -113,14 +142,16 @@ class CacheAware(Policy):
     """
 
     name = "cache_aware"
+    settings_type = CacheAwareSettings
+    settings: CacheAwareSettings
 
-    def __init__(self, spec: Settings):
-        super().__init__(spec)
-        self.table = PrefixTable(self.spec.prefix_block_chars, self.spec.max_prefix_blocks)
+    def __init__(self, settings: CacheAwareSettings | None = None):
+        super().__init__(settings)
+        self.table = PrefixTable(self.settings.prefix_block_chars, self.settings.max_prefix_blocks)
 
     def _prompt_keys(self, request: RequestInfo) -> list[bytes]:
         if "prefix_keys" not in request.memo:
-            text = prompt_text(request.body, self.spec.max_prefix_chars)
+            text = prompt_text(request.body, self.settings.max_prefix_chars)
             request.memo["prefix_keys"] = self.table.keys(text)
             request.memo["prompt_chars"] = len(text)
         return request.memo["prefix_keys"]
@@ -139,10 +170,10 @@ class CacheAware(Policy):
             depth = matched.get(upstream.replica_id, 0)
             if depth and (best is None or depth > matched[best.replica_id]):
                 best = upstream
-        if best is None or best.inflight > least + self.spec.balance_abs_threshold:
+        if best is None or best.inflight > least + self.settings.balance_abs_threshold:
             return ranked
         matched_chars = matched[best.replica_id] * self.table.block_chars
-        if matched_chars < self.spec.cache_threshold * request.memo["prompt_chars"]:
+        if matched_chars < self.settings.cache_threshold * request.memo["prompt_chars"]:
             return ranked  # only a small part is cached (say a shared system prompt): spread by load
         return [best] + [u for u in ranked if u is not best]
 

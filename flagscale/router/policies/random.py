@@ -12,8 +12,8 @@ class Random(Policy):
 
     name = "random"
 
-    def __init__(self, spec: Settings):
-        super().__init__(spec)
+    def __init__(self, settings: Settings | None = None):
+        super().__init__(settings)
         self._rng = random.Random()
 
     def select(self, upstreams, request, now):

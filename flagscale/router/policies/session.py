@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
-from flagscale.router.policies.base import Policy, RequestInfo, Settings, rank_replicas
+from flagscale.router.policies.base import Policy, RequestInfo, Settings, rank_replicas, setting
 
 SESSION_HEADER = "x-session-id"
+
+
+@dataclass(frozen=True)
+class SessionSettings(Settings):
+    """session's own `routing_options`: the bound of its session table."""
+
+    max_sessions: int = setting(100_000, "sessions remembered, least recently used forgotten first.", ge=1)
 
 
 class Session(Policy):
@@ -15,9 +23,11 @@ class Session(Policy):
     and a session's first request, go by least_load. The session table is an LRU of `max_sessions`."""
 
     name = "session"
+    settings_type = SessionSettings
+    settings: SessionSettings
 
-    def __init__(self, spec: Settings):
-        super().__init__(spec)
+    def __init__(self, settings: SessionSettings | None = None):
+        super().__init__(settings)
         self.sessions: OrderedDict[str, str] = OrderedDict()  # session key -> replica id
 
     @staticmethod
@@ -43,7 +53,7 @@ class Session(Policy):
             return
         self.sessions[key] = upstream.replica_id
         self.sessions.move_to_end(key)
-        while len(self.sessions) > self.spec.max_sessions:
+        while len(self.sessions) > self.settings.max_sessions:
             self.sessions.popitem(last=False)
 
     def on_replica_left(self, replica_id):
