@@ -163,7 +163,7 @@ def _convert_to_gguf(converter: Path, hf_dir: Path, out: Path, outtype: str = "f
     sys.path[:0] = [str(converter / "gguf-py"), str(converter)]
     # both from the converter's directories, which the line above put on sys.path
     import convert_hf_to_gguf
-    from conversion.base import TextModel
+    from conversion.base import TextModel  # (likewise)
 
     TextModel.get_vocab_base_pre = lambda self, tokenizer: DEMO_GGUF_PRE_TOKENIZER
     sys.argv = ["convert_hf_to_gguf.py", str(hf_dir), "--outfile", str(out), "--outtype", outtype]

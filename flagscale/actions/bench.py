@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flagscale.actions.context import ActionContext
+from flagscale.adaptors import matplotlib_figure
 from flagscale.cluster.state import RunState
 from flagscale.config.schema import BenchConfig, NodeConfig, ServeConfig
 from flagscale.engines.vllm_args import BENCH_MODULES, flexible_argument_parser, vllm_attr
@@ -337,10 +338,8 @@ def render(console: Console, rows: list[dict[str, Any]], show_goodput: bool) -> 
 
 
 def write_plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas
-
     concurrency = [r["concurrency"] for r in rows]
-    fig = Figure(figsize=(11, 4.2))
+    fig = matplotlib_figure.Figure(figsize=(11, 4.2))
     ax_tput, ax_lat = fig.subplots(1, 2)
     ax_tput.plot(concurrency, [r["output_tok_s"] for r in rows], marker="o")
     ax_tput.set_ylabel("output tokens / s")

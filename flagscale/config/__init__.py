@@ -1,6 +1,7 @@
 """The config: one typed schema and everything that reads a YAML into it.
 
-schema.py: the schema (its field docs are docs/config.md's); load.py, cli.py: from files and overrides to the
+schema.py: the schema, `ServeConfig`, assembled from experiment.py (`experiment:`), tuner.py (its `auto_tuner:`),
+node.py (one node of `serve:`) and fields.py (what they share); their field docs are docs/config.md's; load.py, cli.py: from files and overrides to the
 schema; compat.py: FlagScale's older layouts mapped onto it, with a notice for each rewrite or ignored key;
 graph.py: graphs of custom nodes; request.py: a graph's request fields; replicas.py: a node's replica settings;
 routing.py: a node's routing as planned (its policy and that policy's settings) and the router's admission bounds;

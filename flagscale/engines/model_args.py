@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from flagscale.adaptors import huggingface_hub
 from flagscale.errors import ConfigError
 
 
@@ -22,9 +23,7 @@ def check_hf_model(model: Any, where: str) -> str:
             raise ConfigError(f"model path {model!r} has no config.json (not a Hugging Face model dir)", where)
         return str(path.resolve())
     if os.environ.get("HF_HUB_OFFLINE") == "1":
-        from huggingface_hub import try_to_load_from_cache
-
-        if not isinstance(try_to_load_from_cache(model, "config.json"), str):
+        if not isinstance(huggingface_hub.try_to_load_from_cache(model, "config.json"), str):
             raise ConfigError(f"model {model!r} is not a local directory and not in the offline HF cache", where)
     return model
 

@@ -7,6 +7,7 @@ moves KV caches between prefill and decode replicas with a KV connector (docs/di
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from typing import Any
@@ -39,8 +40,6 @@ def kv_transfer_config(pd: Any, role: str) -> dict[str, Any]:
 
 def check_kv_connector(name: str, where: str) -> None:
     """Before start: the installed vLLM has the connector, and what it needs is importable."""
-    import importlib.util
-
     if name == "NixlConnector" and importlib.util.find_spec("nixl") is None:
         raise ConfigError(
             "kv_connector NixlConnector needs NIXL, which is not installed here "
@@ -48,6 +47,7 @@ def check_kv_connector(name: str, where: str) -> None:
             where,
         )
     try:
+        # vLLM's import takes ~10 s: only a config that names a KV connector pays it, here
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except ImportError as exc:
         raise ConfigError(f"vLLM {vllm_args.vllm_version()} has no KV connectors ({exc})", where) from None

@@ -91,7 +91,7 @@ def apply_progress_pause(env: Mapping[str, str], where: str) -> int | None:
     if pause_us is None:
         return None
     try:
-        from nixl import _api
+        from nixl import _api  # only where vLLM will start NIXL: it may be absent
     except ImportError:  # no NIXL: the connector fails at start with vLLM's own message
         return None
     pause_progress(_api, pause_us)
