@@ -12,21 +12,23 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from flagscale.actions import log_reading as reading
+from flagscale.actions import log_sources
 from flagscale.actions import logs as lg
 from flagscale.cluster.runner import LocalRunner, SshRunner
 from flagscale.cluster.state import HostRecord, RunState
 from flagscale.config.load import load_config
-from flagscale.errors import ConfigError
+from flagscale.errors import ClusterError, ConfigError
 from flagscale.net import free_port
 from tests.conftest import replica_record, wait_for
 
 
-def engine(serve_id: str, replica: str) -> lg.LogSource:
-    return lg.LogSource(f"/x/engine-{serve_id}-{replica}.log", serve_id, replica)
+def engine(serve_id: str, replica: str) -> log_sources.LogSource:
+    return log_sources.LogSource(f"/x/engine-{serve_id}-{replica}.log", serve_id, replica)
 
 
 SOURCES = [
-    lg.LogSource("/x/runner.log"),
+    log_sources.LogSource("/x/runner.log"),
     engine("alpha", "ab12cd34"),
     engine("alpha", "ab99zz00"),
     engine("beta", "q1w2e3r4"),
@@ -51,47 +53,47 @@ def names(sources) -> list[str]:
     ],
 )
 def test_engine_log_names(name, parsed):
-    assert lg.parse_engine_log_name(name) == parsed
+    assert log_sources.parse_engine_log_name(name) == parsed
 
 
 def test_no_filter_is_every_engine_and_serve_id_is_one_nodes():
-    assert names(lg.select(SOURCES)) == names(SOURCES[1:])
-    assert names(lg.select(SOURCES, serve_id="alpha")) == ["alpha/ab12cd34", "alpha/ab99zz00"]
+    assert names(log_sources.select(SOURCES)) == names(SOURCES[1:])
+    assert names(log_sources.select(SOURCES, serve_id="alpha")) == ["alpha/ab12cd34", "alpha/ab99zz00"]
     # a disaggregated node's serve_id names both its pools; a pool's own serve_id just that pool
-    assert names(lg.select(SOURCES, serve_id="pd")) == ["pd-prefill/pp000001", "pd-decode/dd000001"]
-    assert names(lg.select(SOURCES, serve_id="pd-decode")) == ["pd-decode/dd000001"]
+    assert names(log_sources.select(SOURCES, serve_id="pd")) == ["pd-prefill/pp000001", "pd-decode/dd000001"]
+    assert names(log_sources.select(SOURCES, serve_id="pd-decode")) == ["pd-decode/dd000001"]
 
 
 def test_replica_by_id_or_unique_prefix():
-    assert names(lg.select(SOURCES, replica="q1w2e3r4")) == ["beta/q1w2e3r4"]
-    assert names(lg.select(SOURCES, replica="ab1")) == ["alpha/ab12cd34"]
-    assert names(lg.select(SOURCES, serve_id="alpha", replica="ab9")) == ["alpha/ab99zz00"]
+    assert names(log_sources.select(SOURCES, replica="q1w2e3r4")) == ["beta/q1w2e3r4"]
+    assert names(log_sources.select(SOURCES, replica="ab1")) == ["alpha/ab12cd34"]
+    assert names(log_sources.select(SOURCES, serve_id="alpha", replica="ab9")) == ["alpha/ab99zz00"]
 
 
 def test_unknown_serve_id_lists_the_valid_ones():
     with pytest.raises(ConfigError) as err:
-        lg.select(SOURCES, serve_id="gamma")
+        log_sources.select(SOURCES, serve_id="gamma")
     assert "no engine replica of serve_id 'gamma'" in str(err.value)
     assert "alpha, beta, pd-decode, pd-prefill" in str(err.value)
     assert err.value.exit_code != 0
     with pytest.raises(ConfigError, match="there are no engine logs"):
-        lg.select(SOURCES[:1], serve_id="alpha")
+        log_sources.select(SOURCES[:1], serve_id="alpha")
 
 
 def test_unknown_or_ambiguous_replica_lists_the_replicas():
     with pytest.raises(ConfigError) as err:
-        lg.select(SOURCES, replica="zz")
+        log_sources.select(SOURCES, replica="zz")
     assert "matches 'zz'" in str(err.value) and "alpha/ab12cd34" in str(err.value) and "beta/q1w2e3r4" in str(err.value)
     with pytest.raises(ConfigError) as err:  # a prefix of two ids
-        lg.select(SOURCES, replica="ab")
+        log_sources.select(SOURCES, replica="ab")
     assert "matches 2 replicas (alpha/ab12cd34, alpha/ab99zz00)" in str(err.value)
     with pytest.raises(ConfigError, match="of serve_id 'beta' matches 'ab1'"):  # the replica is of another node
-        lg.select(SOURCES, serve_id="beta", replica="ab1")
+        log_sources.select(SOURCES, serve_id="beta", replica="ab1")
 
 
 def test_an_exact_id_wins_over_a_longer_one_it_prefixes():
     sources = [engine("a", "abc"), engine("a", "abcd")]
-    assert names(lg.select(sources, replica="abc")) == ["a/abc"]
+    assert names(log_sources.select(sources, replica="abc")) == ["a/abc"]
 
 
 def test_registry_replicas_on_a_remote_host_are_read_over_its_ssh_runner(tmp_path):
@@ -110,16 +112,16 @@ def test_registry_replicas_on_a_remote_host_are_read_over_its_ssh_runner(tmp_pat
     here.node_id, here.node_ip, here.log_path = "n-local", "10.0.0.1", str(tmp_path / "engine-s-r-here.log")
     there = replica_record("r-there", "http://10.0.0.2:1")
     there.node_id, there.node_ip, there.log_path, there.role = "n-remote", "10.0.0.2", "/far/engine.log", "decode"
-    local, remote = lg.registry_sources(state, [there, here])
+    local, remote = log_sources.registry_sources(state, [there, here])
     assert (local.replica_id, local.ssh_host, local.host) == ("r-here", None, "10.0.0.1")
     assert (remote.replica_id, remote.ssh_host, remote.host) == ("r-there", "gpu-2", "10.0.0.2 (gpu-2)")
     assert "serve_id s (decode), replica r-there, host 10.0.0.2 (gpu-2): /far/engine.log" in remote.header()
-    readers = lg.Readers()
+    readers = reading.Readers()
     assert isinstance(readers.runner(local), LocalRunner)
     runner = readers.runner(remote)  # not readable here: that host's runner (SSH, connected on first use)
     assert isinstance(runner, SshRunner) and runner.host == "gpu-2"
     (tmp_path / "far").mkdir()
-    readable = lg.LogSource(str(tmp_path / "engine-s-r-here.log"), "s", "x", ssh_host="gpu-2")
+    readable = log_sources.LogSource(str(tmp_path / "engine-s-r-here.log"), "s", "x", ssh_host="gpu-2")
     Path(readable.path).write_text("x\n")
     assert isinstance(readers.runner(readable), LocalRunner)  # a shared file system: read it here
 
@@ -127,7 +129,7 @@ def test_registry_replicas_on_a_remote_host_are_read_over_its_ssh_runner(tmp_pat
 def test_read_gives_the_last_lines_then_only_what_follows(tmp_path, monkeypatch):
     path = tmp_path / "engine-s-r.log"
     path.write_text("".join(f"line {i}\n" for i in range(1, 101)))
-    source, readers = lg.LogSource(str(path), "s", "r"), lg.Readers()
+    source, readers = log_sources.LogSource(str(path), "s", "r"), reading.Readers()
     first = readers.read(source, None, 3)
     assert first.text == "line 98\nline 99\nline 100\n" and first.offset == path.stat().st_size
     with path.open("a") as f:
@@ -135,13 +137,13 @@ def test_read_gives_the_last_lines_then_only_what_follows(tmp_path, monkeypatch)
     later = readers.read(source, first.offset, 0)
     assert later.text == "line 101\nhalf" and later.offset == path.stat().st_size
     assert readers.read(source, later.offset, 0).text == ""
-    monkeypatch.setattr(lg, "MAX_READ_BYTES", 4)  # a burst comes in bounded pieces
+    monkeypatch.setattr(reading, "MAX_READ_BYTES", 4)  # a burst comes in bounded pieces
     piece = readers.read(source, first.offset, 0)
     assert piece.text == "line" and piece.offset == first.offset + 4
     path.write_text("new\n")  # truncated (rotated, rewritten)
     assert readers.read(source, later.offset, 0).truncated
-    with pytest.raises(lg.ClusterError, match="cannot read"):
-        readers.read(lg.LogSource(str(tmp_path / "missing.log"), "s", "m"), None, 3)
+    with pytest.raises(ClusterError, match="cannot read"):
+        readers.read(log_sources.LogSource(str(tmp_path / "missing.log"), "s", "m"), None, 3)
 
 
 def test_ids_typed_as_numbers_on_the_command_line():
@@ -219,12 +221,14 @@ def test_follow_prints_new_whole_lines_and_new_replicas_and_ends_when_stopped(tm
     )
     state.save()
     out, notes = io.StringIO(), io.StringIO()
-    printer = lg.Printer(out, Console(file=notes))
+    printer = reading.Printer(out, Console(file=notes))
     beta = log_dir / "engine-beta-q1w2e3r4.log"
-    sources = [lg.LogSource(str(beta), "beta", "q1w2e3r4")]
+    sources = [log_sources.LogSource(str(beta), "beta", "q1w2e3r4")]
     result: list[int] = []
     thread = threading.Thread(
-        target=lambda: result.append(lg._show(str(exp_dir), state, sources, lg.Readers(), printer, 1, True, True, None))
+        target=lambda: result.append(
+            lg._show(str(exp_dir), state, sources, reading.Readers(), printer, 1, True, True, None)
+        )
     )
     thread.start()
     try:
@@ -264,12 +268,12 @@ def test_an_unreadable_registry_falls_back_to_this_runs_log_files(tmp_path, monk
     (exp_dir / "serve_logs" / "engine-alpha-n3wr3p1c.log").write_text("this run's\n")
 
     def refuse(state):
-        raise lg.ClusterError("cannot reach Ray's GCS at x")
+        raise ClusterError("cannot reach Ray's GCS at x")
 
     # a run's own cluster: the registry is read without a driver
     monkeypatch.setattr("flagscale.launchers.base.connect_kv", refuse)
     notes: list[str] = []
-    found = lg.discover(str(exp_dir), state, notes.append)
+    found = log_sources.discover(str(exp_dir), state, notes.append)
     assert names(found) == ["runner", "alpha/n3wr3p1c"]  # not the earlier runs' logs
     assert not found[1].unlisted and "cannot read the replica registry" in notes[0]
 
@@ -278,11 +282,11 @@ def test_the_last_lines_of_a_long_log_come_from_a_window_that_grows_until_it_hol
     path = tmp_path / "engine-s-r.log"
     long_line = "x" * 1000
     path.write_text("".join(f"{i} {long_line}\n" for i in range(300)) + "tail without newline")
-    source, readers = lg.LogSource(str(path), "s", "r"), lg.Readers()
-    monkeypatch.setattr(lg, "TAIL_FIRST_BYTES", 2000)  # two lines' worth: the window grows 4x until 100 fit
+    source, readers = log_sources.LogSource(str(path), "s", "r"), reading.Readers()
+    monkeypatch.setattr(reading, "TAIL_FIRST_BYTES", 2000)  # two lines' worth: the window grows 4x until 100 fit
     chunk = readers.read(source, None, 100)
     lines = chunk.text.split("\n")
     assert len(lines) == 100 and lines[0] == f"201 {long_line}" and lines[-1] == "tail without newline"
     assert chunk.offset == path.stat().st_size
-    assert lg.last_lines("a\nb\nc\n", 2) == "b\nc\n" and lg.last_lines("a\nb", 5) == "a\nb"
-    assert lg.last_lines("a\n", 0) == ""
+    assert reading.last_lines("a\nb\nc\n", 2) == "b\nc\n" and reading.last_lines("a\nb", 5) == "a\nb"
+    assert reading.last_lines("a\n", 0) == ""
