@@ -9,8 +9,8 @@ EnginePlan (argv by the engine's parser, one placement decision, per-host argv, 
 engine_args.py: what a node hands its engine; resources.py: GPUs, the head's CPUs, router processes; types.py:
 Plan and EnginePlan, and who can reach the plan without a key.
 
-It may import the launchers (through their interface), the replica, the router's config, the cluster helpers,
-config/, engines/ and the basics; never serve/, update.py or the actions above it.
+It may import flagscale/facts.py, the launchers (through their interface), cluster/, config/, engines/ and the
+basics; never serve/, update.py or the actions above it.
 """
 
 from flagscale.plan.build import build_plan, plan_of
