@@ -1,22 +1,41 @@
-"""What planning needs to know about the target, gathered once before it: this machine's GPUs and cores, and what
-the run's launcher reads (flagscale/launchers/: the hostfile and the IPs of the hosts the config names, an existing
-Ray cluster's nodes), whether the endpoint's port is taken. `build_plan` is then a pure function of the config and
-these facts (dryrun and tests can hand it any)."""
+"""What planning needs to know from outside the config, gathered once before it: the target (this machine's GPUs and
+cores, and what the run's launcher reads, flagscale/launchers/: the hostfile and the IPs of the hosts the config
+names, an existing Ray cluster's nodes), whether the endpoint's port is taken, and what this machine's files and
+environment say (the API key an env var holds, the exp_dir's resolved spelling, the checkpoints' sizes).
+Planning (flagscale/plan/) then reads these instead of the world (dryrun and tests can hand it any)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from pathlib import Path
 
 from flagscale import launchers
-from flagscale.config.load import ConfigSources
+from flagscale.cluster.state import resolve_exp_dir
+from flagscale.config.load import ConfigSources, resolve_api_key
 from flagscale.config.schema import ServeConfig
 from flagscale.devices import local_gpus
 from flagscale.launchers.base import TargetFacts
 
 DEFAULT_PORT = 8000
 
-__all__ = ["DEFAULT_PORT", "TargetFacts", "endpoint_port", "gather"]
+__all__ = ["DEFAULT_PORT", "Facts", "TargetFacts", "endpoint_port", "gather", "model_weight_bytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """Everything planning reads besides the config."""
+
+    target: TargetFacts
+    api_key: str | None  # deploy.api_key, or the value of the variable deploy.api_key_env names
+    exp_dir: str  # experiment.exp_dir, absolute, `~` expanded, links resolved (cluster.state.resolve_exp_dir)
+    # each `model` engine arg the config names, as written -> its local checkpoint's weight bytes (None: a hub id)
+    weight_bytes: dict[str, int | None] = dataclasses.field(default_factory=dict)
+
+    def weights_of(self, model: object) -> int | None:
+        """The weight bytes of the checkpoint a `model` engine arg names, as the config wrote it; None: unknown."""
+        return self.weight_bytes.get(model) if isinstance(model, str) else None
 
 
 def endpoint_port(config: ServeConfig) -> int:
@@ -29,8 +48,20 @@ def endpoint_port(config: ServeConfig) -> int:
     return next((p for p in engine_ports if isinstance(p, int)), DEFAULT_PORT)
 
 
-def gather(config: ServeConfig, sources: ConfigSources, check_port: bool = True) -> TargetFacts:
-    """Every probe planning depends on (nvidia-smi, DNS, the Ray cluster's GCS, the endpoint's port), once."""
+def gather(
+    config: ServeConfig, sources: ConfigSources, check_port: bool = True, target: TargetFacts | None = None
+) -> Facts:
+    """Every probe and read planning depends on, once; `target`: the target's facts when already known."""
+    return Facts(
+        target=target if target is not None else gather_target(config, sources, check_port),
+        api_key=resolve_api_key(config, sources),
+        exp_dir=resolve_exp_dir(config.experiment.exp_dir),
+        weight_bytes={model: model_weight_bytes(os.path.expanduser(model)) for model in models_named(config)},
+    )
+
+
+def gather_target(config: ServeConfig, sources: ConfigSources, check_port: bool = True) -> TargetFacts:
+    """The target's probes (nvidia-smi, DNS, the Ray cluster's GCS, the endpoint's port), through the launcher."""
     launcher = launchers.select(config.experiment.runner, sources.main)
     facts = launcher.gather(config, sources)
     port_taken = None
@@ -42,3 +73,39 @@ def gather(config: ServeConfig, sources: ConfigSources, check_port: bool = True)
         cpus=os.cpu_count() or 1,
         port_taken=port_taken,
     )
+
+
+def models_named(config: ServeConfig) -> set[str]:
+    """Every `model` engine arg the config sets, wherever an engine node's args may take it from: runner.cli_args,
+    engine_args, engine_args_specific, a disaggregated node's pools."""
+    sources = [config.experiment.runner.cli_args]
+    for node in config.serve:
+        if not node.is_engine:
+            continue
+        sources += [node.engine_args, *node.engine_args_specific.values()]
+        if node.disaggregation is not None:
+            sources += [node.disaggregation.prefill.engine_args, node.disaggregation.decode.engine_args]
+    return {args["model"] for args in sources if isinstance(args.get("model"), str)}
+
+
+def model_weight_bytes(model: str) -> int | None:
+    """Size of a local checkpoint's weights: the safetensors index's total, else the weight files'; a single-file
+    checkpoint's (GGUF) size; None for a hub id."""
+    path = Path(model)
+    if path.is_file():
+        return path.stat().st_size
+    if not path.is_dir():
+        return None
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        except (OSError, ValueError):
+            total = None
+        if isinstance(total, int):
+            return total
+    for pattern in ("*.safetensors", "*.bin", "*.pt"):
+        files = list(path.glob(pattern))
+        if files:
+            return sum(f.stat().st_size for f in files)
+    return None

@@ -18,7 +18,7 @@ from flagscale.actions.graph_view import describe, draw
 from flagscale.actions.run import running_state
 from flagscale.config.schema import ServeConfig
 from flagscale.plan import Plan, open_without_key
-from flagscale.replica.ranks import preview
+from flagscale.replica.rank_layout import preview
 from flagscale.update import MASK, SECRET_NAME, diff, masked_config
 
 

@@ -132,7 +132,7 @@ def _managed_engine_args(config: ServeConfig) -> list[str]:
             f"serve '{node.serve_id}': engine_args {'/'.join(managed)} not passed to the engine: the orchestrator "
             "gives each replica its own; the endpoint is experiment.runner.deploy.host/port"
         )
-        # FlagScale's meaning of the first engine's port: the port clients use (plan.py does the same).
+        # FlagScale's meaning of the first engine's port: the port clients use (facts.endpoint_port does the same).
         if not endpoint_port_taken and isinstance(args.get("port"), int):
             notice += f" (deploy.port is unset, so the endpoint's port is this {args['port']})"
             endpoint_port_taken = True

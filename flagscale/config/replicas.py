@@ -1,5 +1,5 @@
 """What every Serve deployment of a node gets from its `resources`: replica count or autoscaling, and the
-Ray resources each replica reserves. Shared by engine nodes (plan.py) and custom nodes (config/graph.py)."""
+Ray resources each replica reserves. Shared by engine nodes (plan/engine_plan.py) and custom nodes (config/graph.py)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,13 @@
 """The engine replica: a Ray Serve replica that owns one engine server and everything that server runs.
 
 engine.py: EngineReplica (start, health, autoscaling stats, drain) and its EngineSpec; process.py: the server's
-env, process group and log; engine_proc.py: the wrapper that keeps the server from outliving the replica;
-ranks.py: a replica's ranks over devices and hosts (TP x PP x DP > 1); cpu_layout.py: the cores of a CPU engine's
-processes; startup_lock.py: engines sharing a GPU start in turn; autoscaling.py: the load Serve scales on;
-registry.py: the records the router reads to find replicas.
+env, process group and log, and starting a process under engine_proc (the server's, other hosts' ranks');
+engine_proc.py: the wrapper that keeps the server from outliving the replica. A replica's ranks (TP x PP x DP > 1):
+ranks.py, across the hosts it spans (ReplicaRanks); rank_layout.py: which host runs which ranks, and dryrun's
+preview; bundles.py: the replica's placement group as Ray placed it; host_ranks.py: one other host's ranks (the
+RemoteRanks actor, worker pids); cores.py: the cores a host's CPU ranks claim. cpu_layout.py: the cores of a CPU
+engine's processes; startup_lock.py: engines sharing a GPU start in turn; autoscaling.py: the load Serve scales
+on; registry.py: the records the router reads to find replicas.
 
 It talks to its engine only through the engine kind (flagscale.engines: EngineKind) and names none. It may import
 flagscale.engines, flagscale.config, flagscale.cluster (Ray helpers, private directories) and the basics (errors,

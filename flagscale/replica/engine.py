@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from flagscale.engines.metrics import engine_metrics
 from flagscale.net import free_port, health_ok
 from flagscale.replica import registry
 from flagscale.replica.autoscaling import ENGINE_REQUESTS
+from flagscale.replica.cores import RankStartError
 from flagscale.replica.cpu_layout import pin_engine
 from flagscale.replica.process import (
     NODE_LOG_DIR,
@@ -29,10 +29,10 @@ from flagscale.replica.process import (
     cause_from_log,
     engine_env,
     listens_on,
-    spawn_engine,
+    start_watched,
     terminate_engine,
 )
-from flagscale.replica.ranks import RankStartError, ReplicaRanks
+from flagscale.replica.ranks import ReplicaRanks
 from flagscale.replica.startup_lock import gpu_start_lock
 
 
@@ -126,13 +126,7 @@ class EngineReplica:
                 self._note(f"ranks {list(share.ranks)} here (node rank 0 of {share.nnodes}), cores {share.rank_cpus}")
                 launch = spec.kind.bind_ranks(launch, share)
             env = {**engine_env({**launch.env_defaults, **spec.env}), **launch.env, **launch.secret_env}
-            # engine_proc keeps the server from outliving this replica if the replica is killed outright.
-            argv = [sys.executable, "-m", "flagscale.replica.engine_proc", *launch.argv]
-            with open(self.log_path, "ab") as log:
-                shown = " ".join(f"{k}={v}" for k, v in launch.env.items())
-                log.write(f"$ {shown} {' '.join(argv)}\n".encode())
-                log.flush()
-                self.proc = spawn_engine(argv, log, env)
+            self.proc = start_watched(launch.argv, env, launch.env, self.log_path)
             self._wait_healthy(spec.startup_timeout_s)
 
     def _after_start(self, spec: EngineSpec) -> None:

@@ -1,6 +1,6 @@
 """An engine server's processes as the replica runs them: their env, their process group (started under
 engine_proc, stopped as one), and their log (where it is written, and why the server died, read from it).
-The replica's own server (replica/engine.py) and the ranks it runs on other hosts (replica/ranks.py) share these.
+The replica's own server (replica/engine.py) and the ranks it runs on other hosts (replica/host_ranks.py) share these.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -62,6 +63,18 @@ def spawn_engine(argv: list[str], log, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(
         argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, process_group=0
     )
+
+
+def start_watched(argv: list[str], env: dict[str, str], shown_env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    """`argv` under engine_proc, which keeps it from outliving the replica if the replica is killed outright, as the
+    leader of a process group of its own (spawn_engine), its output appended to `log_path`. The command line is
+    written to the log first with `shown_env` only: `env` (the full env, secrets included) is not shown."""
+    wrapped = [sys.executable, "-m", "flagscale.replica.engine_proc", *argv]
+    with open(log_path, "ab") as log:
+        shown = " ".join(f"{k}={v}" for k, v in shown_env.items())
+        log.write(f"$ {shown} {' '.join(wrapped)}\n".encode())
+        log.flush()
+        return spawn_engine(wrapped, log, env)
 
 
 def terminate_engine(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 
 from flagscale.devices import local_gpus
-from flagscale.plan import model_weight_bytes
+from flagscale.facts import model_weight_bytes
 
 GIB = 1024**3
 # vLLM's own defaults when the engine args leave these unset.

@@ -1,7 +1,11 @@
-"""Parallel engines, pure logic: where one replica's ranks go (hosts, cores, GPUs), the command each host runs,
-and the splits refused before start (flagscale/replica/ranks.py, engines/vllm.py, cluster/placement.py)."""
+"""Parallel engines: where one replica's ranks go (hosts, cores, GPUs), the command each host runs, and the splits
+refused before start (flagscale/replica/ranks.py and its neighbours, engines/vllm.py, cluster/placement.py). Pure
+logic, but for one short process standing in for another host's ranks."""
 
 from __future__ import annotations
+
+import dataclasses
+import sys
 
 import pytest
 
@@ -12,8 +16,12 @@ from flagscale.engines import vllm
 from flagscale.engines.base import HostShare, ServerLaunch
 from flagscale.engines.vllm import rank_of_title
 from flagscale.errors import ConfigError
-from flagscale.replica import ranks
-from flagscale.replica.ranks import CoreClaim, RankStartError, preview, split_ranks
+from flagscale.replica import cores, ranks
+from flagscale.replica.bundles import HostPart
+from flagscale.replica.cores import CoreClaim, RankStartError
+from flagscale.replica.host_ranks import RemoteRanks
+from flagscale.replica.rank_layout import preview, split_ranks
+from flagscale.replica.ranks import RemoteHost, ReplicaRanks
 
 KIND = vllm.KIND
 SERVER = ServerLaunch(["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--port", "9"])
@@ -146,8 +154,8 @@ def test_pipeline_parallel_on_cpu_is_refused_while_vllm_cpu_crashes_on_it(monkey
 
 
 def test_cores_are_claimed_once_per_host(tmp_path, monkeypatch):
-    monkeypatch.setattr(ranks, "lock_dir", lambda: tmp_path)
-    monkeypatch.setattr(ranks.os, "sched_getaffinity", lambda _pid: {0, 1, 2})
+    monkeypatch.setattr(cores, "lock_dir", lambda: tmp_path)
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda _pid: {0, 1, 2})
     first = CoreClaim.take(2)
     assert first.cores == [0, 1] and first.per_rank(2) == ((0,), (1,))
     second = CoreClaim.take(1)
@@ -158,3 +166,74 @@ def test_cores_are_claimed_once_per_host(tmp_path, monkeypatch):
     assert CoreClaim.take(2, timeout_s=0).cores == [0, 1]
     with pytest.raises(RankStartError, match="this host allows 3"):
         CoreClaim.take(4)
+
+
+class FakeRay:
+    """What ranks.py and host_ranks.py ask of Ray, answered here: a call's value is the call's result."""
+
+    class util:
+        @staticmethod
+        def get_node_ip_address():
+            return "127.0.0.1"
+
+    @staticmethod
+    def get(value, timeout=None):
+        return value
+
+    @staticmethod
+    def get_gpu_ids():
+        return [0, 1]
+
+
+def test_another_hosts_ranks_start_on_the_share_the_replica_gave_them(tmp_path, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "util", FakeRay.util)
+    monkeypatch.setattr(ray, "get_gpu_ids", FakeRay.get_gpu_ids)
+    given = HostShare("10.0.0.2", node_rank=1, nnodes=2, ranks=(2, 3), master=("10.0.0.1", 29500))
+    log = tmp_path / "engine-node1.log"
+    actor = RemoteRanks("vllm", ["m"], given, 1, str(log), {"SECRET_ENV": "hidden"})
+    seen = []
+
+    class Kind:  # the engine kind's part: the command that runs a host's ranks
+        def headless_launch(self, argv, share):
+            seen.append(share)
+            return ServerLaunch([sys.executable, "-c", "pass"], env={"SHOWN": "1"})
+
+    actor.kind = Kind()
+    started = actor.start()
+    try:
+        assert started == seen[0] == dataclasses.replace(given, host="127.0.0.1", gpus=("0", "1"), interface="lo")
+        actor.proc.wait(30)
+        shown = log.read_text().splitlines()[0]
+        assert shown.startswith("$ SHOWN=1 ") and "flagscale.replica.engine_proc" in shown and "hidden" not in shown
+    finally:
+        actor.stop()
+
+
+def test_rank_records_show_each_host_as_its_ranks_started(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "get", FakeRay.get)
+    monkeypatch.setattr(ranks, "worker_pids", lambda *args: {0: 100, 1: 101})
+
+    class Handle:  # a RemoteRanks actor's handle: .workers.remote(tp, pp) -> its ranks' pids
+        class workers:
+            @staticmethod
+            def remote(tp, pp):
+                return {2: 200}
+
+    replica = ReplicaRanks("vllm", (4, 1, 1), "10.0.0.1", 2)
+    replica.local = HostShare("10.0.0.1", 0, 2, (0, 1), gpus=("0", "1"), master=("10.0.0.1", 29500))
+    given = HostShare("10.0.0.2", 1, 2, (2, 3), master=("10.0.0.1", 29500))
+    started = dataclasses.replace(given, host="10.0.0.9", gpus=("4", "5"))
+    replica.remote = [RemoteHost(HostPart(1, "10.0.0.2", {}), given, Handle(), "log", started)]
+    records = replica.records(server_pid=1)
+    assert [(r["rank"], r["pid"], r["host"], r["gpus"]) for r in records] == [
+        (0, 100, "10.0.0.1", ["0"]),
+        (1, 101, "10.0.0.1", ["1"]),
+        (2, 200, "10.0.0.9", ["4"]),
+        (3, None, "10.0.0.9", ["5"]),
+    ]
+    replica.remote[0].started = None  # an actor that never answered: the share as the replica gave it
+    assert {r["host"] for r in replica.records(server_pid=1)[2:]} == {"10.0.0.2"}

@@ -1,5 +1,6 @@
-"""Planning is a pure function of the config and the target's facts: given the facts, it probes nothing (no DNS,
-no nvidia-smi, no port), so dryrun and these tests can plan for hosts and GPUs this machine does not have."""
+"""Planning is a pure function of the config and the facts gathered before it: given the facts, it probes nothing
+(no DNS, no nvidia-smi, no port) and reads neither checkpoint sizes nor the key's variable, so dryrun and these tests
+can plan for hosts and GPUs this machine does not have."""
 
 from __future__ import annotations
 
@@ -11,19 +12,20 @@ from flagscale.cluster.hostfile import parse_hostfile
 from flagscale.config.load import ConfigSources, load_config
 from flagscale.devices import Gpu
 from flagscale.errors import ConfigError
-from flagscale.facts import TargetFacts
+from flagscale.facts import Facts, TargetFacts
+from flagscale.facts import gather as gather_facts
 from flagscale.launchers.ssh import named_hosts
-from flagscale.plan import build_plan
+from flagscale.plan import build_plan, plan_of
 
 SOURCES = ConfigSources(main="conf/serve.yaml", serve="conf/serve/nodes.yaml")
 
 
-def config(demo_model_path, hostfile=None, **experiment):
+def config(demo_model_path, hostfile=None, deploy=None, **experiment):
     cfg = {
         "experiment": {
             "exp_name": "t",
             "exp_dir": "/tmp/t",
-            "runner": {"hostfile": str(hostfile) if hostfile else None, "deploy": {"port": 8123}},
+            "runner": {"hostfile": str(hostfile) if hostfile else None, "deploy": {"port": 8123, **(deploy or {})}},
             **experiment,
         },
         "serve": [{"serve_id": "m", "engine_args": {"model": str(demo_model_path), "max_model_len": 256}}],
@@ -60,3 +62,18 @@ def test_this_machines_gpus_and_port_come_from_the_facts(demo_model_path, no_pro
     assert plan.engines[0].device == "gpu" and plan.head_num_cpus == 64
     with pytest.raises(ConfigError, match="port 8123 on 127.0.0.1 is already in use"):
         build_plan(cfg, SOURCES, target_facts=TargetFacts(port_taken="port 8123 on 127.0.0.1 is already in use"))
+
+
+def test_checkpoint_sizes_the_key_and_exp_dir_come_from_the_facts(demo_model_path, monkeypatch, no_probes):
+    model = str(demo_model_path)
+    keyed = config(demo_model_path, deploy={"api_key_env": "FS_TEST_FACTS_KEY"})
+    monkeypatch.setenv("FS_TEST_FACTS_KEY", "sesame")
+    facts = gather_facts(keyed, SOURCES, target=TargetFacts())
+    assert facts.api_key == "sesame" and list(facts.weight_bytes) == [model]
+    monkeypatch.delenv("FS_TEST_FACTS_KEY")  # planning reads the key from the facts, not the environment
+    h100 = TargetFacts(gpus=[Gpu(0, "NVIDIA H100 80GB HBM3", 81559)], cpus=8)
+    plan = plan_of(keyed, SOURCES, Facts(h100, api_key="given", exp_dir="/given"))
+    assert plan.api_key == "given" and plan.exp_dir == "/given"
+    huge = Facts(h100, api_key=None, exp_dir="/given", weight_bytes={model: 1024**4})
+    with pytest.raises(ConfigError, match="the weights do not fit: 1024.0 GiB"):
+        plan_of(config(demo_model_path), SOURCES, huge)

@@ -1,0 +1,72 @@
+"""Every engine node of `serve`, planned: each node's deployments (one, or a prefill and a decode pool), with the
+serve_ids and the served model names checked unique, and what dryrun notes about them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flagscale.config.schema import NodeConfig
+from flagscale.errors import ConfigError
+from flagscale.plan.engine_plan import node_args_ips, plan_engine
+from flagscale.plan.inputs import PlanInputs
+from flagscale.plan.pools import pools_of
+from flagscale.plan.types import EnginePlan
+
+
+@dataclass(frozen=True)
+class EngineNodes:
+    deployments: list[tuple[EnginePlan, NodeConfig]]  # every engine deployment, with the node it comes from
+    notes: list[str]  # for dryrun
+    serve_index: dict[str, int]  # serve_id -> its index in `serve` (custom nodes too)
+
+    @property
+    def plans(self) -> list[EnginePlan]:
+        return [engine for engine, _node in self.deployments]
+
+
+def plan_engine_nodes(inputs: PlanInputs) -> EngineNodes:
+    ips = node_args_ips(inputs)
+    serve_index: dict[str, int] = {}
+    served_by: dict[str, str] = {}  # served model name -> the serve_id of the node that serves it
+    deployments: list[tuple[EnginePlan, NodeConfig]] = []
+    notes: list[str] = []
+    for index, node in enumerate(inputs.config.serve):
+        if node.serve_id in serve_index:
+            raise ConfigError(
+                f"duplicate serve_id '{node.serve_id}' (also serve[{serve_index[node.serve_id]}])",
+                f"{inputs.serve_file}: serve[{index}]",
+            )
+        serve_index[node.serve_id] = index
+        if not node.is_engine:
+            continue  # custom nodes: config.graph.build_graph_plan
+        where = inputs.node_where(index)
+        pools = pools_of(node, inputs.config, where, inputs.sources.main, inputs.on_cpu)
+        engine_plans = [plan_engine(pool, node.serve_id, inputs, ips) for pool in pools]
+        for engine in engine_plans:
+            deployments.append((engine, node))
+            notes += _notes(engine, node)
+        for name in engine_plans[0].model_names:
+            if name in served_by:
+                raise ConfigError(
+                    f"served model name '{name}' is used by both '{served_by[name]}' and '{node.serve_id}'", where
+                )
+            served_by[name] = node.serve_id
+    return EngineNodes(deployments, notes, serve_index)
+
+
+def _notes(engine: EnginePlan, node: NodeConfig) -> list[str]:
+    """What dryrun says about a deployment: what `num_replicas: auto` came to, where a pool's replicas go."""
+    notes = []
+    if engine.num_replicas is not None and node.resources.num_replicas == "auto":
+        notes.append(
+            f"serve '{engine.serve_id}': num_replicas auto -> {engine.num_replicas} "
+            f"({engine.devices_per_replica} {engine.device} device(s) per replica)"
+        )
+    if engine.role:
+        where = f"on host {engine.pinned_host}" if engine.pinned_host else "placed by Ray"
+        where += engine.kind.pool_note(engine.device, engine.argv)
+        notes.append(
+            f"serve '{node.serve_id}': {engine.role} pool '{engine.serve_id}', "
+            f"{engine.describe_replicas()} replica(s), {where}, routing {engine.routing.policy}"
+        )
+    return notes

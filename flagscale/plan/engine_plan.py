@@ -1,0 +1,128 @@
+"""One engine deployment (a node, or a pool of a disaggregated one) -> its EnginePlan: the engine args checked by
+the engine kind (vLLM's own parser turns them into argv), one placement decision on the target (cluster.placement.
+reserve), the GPU checks that decision needs, the argv of the hosts experiment.node_args names, a pinned pool's host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from flagscale import engines
+from flagscale.cluster.placement import Reservation, check_gpu_share, check_weights_fit, reserve
+from flagscale.config.replicas import replica_settings
+from flagscale.config.routing import RoutingSpec
+from flagscale.config.schema import NodeConfig
+from flagscale.errors import ConfigError
+from flagscale.plan.engine_args import checked_engine_args, engine_args_of, served_names
+from flagscale.plan.inputs import PlanInputs
+from flagscale.plan.pools import Pool
+from flagscale.plan.types import EnginePlan
+
+
+def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[str, str]) -> EnginePlan:
+    """The pool's EnginePlan (`group`: its node's serve_id; `node_args_ips`: node_args_ips(inputs))."""
+    node, where = pool.node, f"{pool.where}.engine_args"
+    kind = engines.get(node.engine)
+    kind.check_available(f"{pool.where}.engine" if node.engine else pool.where)
+    args = checked_engine_args(node, inputs.config, where)
+    model = args.get("model")
+    args["model"] = kind.check_model(model, where)
+    names = args["served_model_name"] = served_names(node, args)
+    argv = kind.argv(kind.map_common_args(args), where)
+    secrets = kind.secret_env(args, where)
+    parallel = kind.parallel(args, where)
+    strategy = inputs.config.experiment.runner.placement_strategy
+    reservation = reserve(node.resources, parallel, inputs.target, strategy, f"{pool.where}.resources", where)
+    kind.check_parallel(parallel, reservation.device != "gpu", where)
+    host_argv = _host_argv(node, names, reservation, inputs, node_args_ips)
+    scaling = replica_settings(node.resources, reservation.ray_actor_options, reservation.auto_replicas)
+    utilization = args.get("gpu_memory_utilization", kind.default_gpu_memory_utilization)
+    if reservation.device == "gpu":
+        share = (node.serve_id, reservation.ray_actor_options.get("num_gpus", 0), math.prod(parallel))
+        check_gpu_share(*share, scaling.most_replicas, utilization, f"{pool.where}.resources")
+        weights = inputs.facts.weights_of(model)
+        check_weights_fit(weights, parallel[0], parallel[1], utilization, inputs.target, where)
+    engine = EnginePlan(
+        serve_id=node.serve_id,
+        model=args["model"],
+        model_names=names,
+        argv=[*argv, *reservation.extra_argv],
+        device=reservation.device,
+        devices_per_replica=math.prod(parallel),
+        parallel=parallel,
+        host_argv=host_argv,
+        chip=reservation.chip,
+        placement_bundles=reservation.placement_bundles,
+        placement_strategy=reservation.placement_strategy,
+        ranks_per_host=reservation.ranks_per_host,
+        routing=RoutingSpec.of_node(node),
+        role=pool.role,
+        group=group,
+        gpu_memory_utilization=utilization if reservation.device == "gpu" else None,
+        secret_env=secrets,
+        engine=kind.name,
+        **vars(scaling),
+    )
+    return _pinned(engine, pool, inputs) if pool.host is not None else engine
+
+
+def _pinned(engine: EnginePlan, pool: Pool, inputs: PlanInputs) -> EnginePlan:
+    """A pool pinned to a hostfile host: its replicas reserve a sliver of Ray's `node:<ip>` resource there."""
+    if inputs.target.hostfile is None:
+        raise ConfigError(f"pinning a pool to host {pool.host!r} needs runner.hostfile", pool.host_where)
+    ip = _ip_of(pool.host, inputs, pool.host_where)
+    options = dict(engine.ray_actor_options)
+    options["resources"] = {**options.get("resources", {}), f"node:{ip}": 0.001}
+    return dataclasses.replace(engine, ray_actor_options=options, pinned_host=pool.host)
+
+
+def _ip_of(host: str, inputs: PlanInputs, where: str) -> str:
+    """The node IP of a hostfile host the config names (facts.host_ips: resolved as `ray start` does)."""
+    hostfile = inputs.target.hostfile
+    known = {entry.host for entry in hostfile.hosts}
+    if host not in known:
+        raise ConfigError(f"host {host!r} is not in {hostfile.path} (hosts: {', '.join(sorted(known))})", where)
+    return inputs.target.host_ips[host]
+
+
+def node_args_ips(inputs: PlanInputs) -> dict[str, str]:
+    """experiment.node_args' hosts -> their node IPs, each checked to be a hostfile host (once for every node)."""
+    node_args = inputs.config.experiment.node_args
+    if not node_args:
+        return {}
+    where = f"{inputs.sources.main}: experiment.node_args"
+    if inputs.target.hostfile is None:
+        raise ConfigError("per-host engine args need runner.hostfile (without one, use the node's engine_args)", where)
+    return {host: _ip_of(host, inputs, f"{where}.{host}") for host in node_args}
+
+
+def _host_argv(
+    node: NodeConfig, names: list[str], reservation: Reservation, inputs: PlanInputs, ips: dict[str, str]
+) -> dict[str, list[str]]:
+    """experiment.node_args.<host>.engine_args: the argv of this node's replicas placed on that host, by node IP."""
+    kind = engines.get(node.engine)
+    out = {}
+    for host, extra in inputs.config.experiment.node_args.items():
+        host_where = f"{inputs.sources.main}: experiment.node_args.{host}.engine_args"
+        secret = sorted(set(extra.engine_args) & set(kind.secret_args))
+        if secret:
+            raise ConfigError(
+                f"{', '.join(secret)} cannot differ per host; set it in the node's engine_args", host_where
+            )
+        sizing = sorted(set(extra.engine_args) & set(kind.sizing_args))
+        if sizing:
+            raise ConfigError(
+                f"{', '.join(sizing)} sizes every replica's reservation and cannot differ per host; "
+                "set it in the node's engine_args",
+                host_where,
+            )
+        if not extra.engine_args:
+            continue
+        args = {**engine_args_of(node, inputs.config), **extra.engine_args}
+        kind.check_unsafe_args(args, node.allow_engine_args, host_where)
+        args["model"] = kind.check_model(args.get("model"), host_where)
+        args["served_model_name"] = names
+        # The replica finds its argv by its node IP (facts.host_ips: resolved as `ray start` does).
+        out[ips[host]] = [*kind.argv(kind.map_common_args(args), host_where), *reservation.extra_argv]
+    return out
