@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flagscale.adaptors import ray
+
 
 @dataclass(frozen=True)
 class HostPart:
@@ -17,8 +19,6 @@ class HostPart:
 
 def placement_hosts() -> list[HostPart] | None:
     """The replica's placement group's bundles in order, with their hosts; None when it has none (one host)."""
-    import ray  # here, not at the top: ray's import takes seconds, and the modules that import this run without it
-
     group = ray.util.get_current_placement_group()
     if group is None:
         return None

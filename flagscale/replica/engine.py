@@ -8,6 +8,7 @@ so the router streams bytes to it directly (see docs/design.md for why this is t
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import time
@@ -15,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from flagscale import engines
+from flagscale.adaptors import ray, serve
 from flagscale.cluster.node_logs import engine_log_dir
 from flagscale.cluster.tempdirs import UnsafeDirectory
 from flagscale.engines.metrics import engine_metrics
@@ -82,9 +84,6 @@ class EngineReplica:
     """One replica = one engine server process (and the processes it starts)."""
 
     def __init__(self, spec: EngineSpec):
-        import ray
-        from ray import serve
-
         self.spec = spec
         self._server = f"{spec.kind.display} server"
         context = serve.get_replica_context()
@@ -110,8 +109,6 @@ class EngineReplica:
         self._after_start(spec)
 
     def _start(self, spec: EngineSpec, host: str, gpu_ids: list[str]) -> None:
-        import ray
-
         with gpu_start_lock(gpu_ids, spec.startup_timeout_s, self._note):  # engines sharing a GPU start in turn
             port = free_port(host)
             self.url = f"http://{host}:{port}"
@@ -130,8 +127,6 @@ class EngineReplica:
             self._wait_healthy(spec.startup_timeout_s)
 
     def _after_start(self, spec: EngineSpec) -> None:
-        import ray
-
         layout = pin_engine(self.proc.pid) if spec.pin_cpus and spec.kind.capabilities.cpu_worker_binding else None
         rank_cores = self.ranks.cores() if self.ranks else []
         if layout:
@@ -239,8 +234,6 @@ class EngineReplica:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Called by Serve when the node autoscales: this replica's load as its engine counts it
         (flagscale/replica/autoscaling.py)."""
-        import asyncio
-
         metrics = await asyncio.get_running_loop().run_in_executor(
             None, engine_metrics, self.url, 2.0, self.spec.api_key
         )

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 
 from flagscale import engines
+from flagscale.adaptors import ray
 from flagscale.engines.base import HostShare
 from flagscale.replica.cores import CoreClaim
 from flagscale.replica.cpu_layout import affinity, process_tree
@@ -68,8 +69,6 @@ class RemoteRanks:
 
     def start(self) -> HostShare:
         """Starts the ranks on what this host gave them; returns the host's share as started."""
-        import ray  # here, not at the top: ray's import takes seconds, and the modules that import this run without it
-
         host = ray.util.get_node_ip_address()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         ranks = len(self.share.ranks)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flagscale import engines
+from flagscale.adaptors import ray, ray_scheduling
 from flagscale.engines.base import HostShare
 from flagscale.replica.bundles import HostPart, actor_options, placement_hosts
 from flagscale.replica.cores import CoreClaim, RankStartError
@@ -85,9 +86,6 @@ class ReplicaRanks:
         return self.local
 
     def _start_remote(self, parts, per_host, master, argv, cores_per_rank, log_path: Path, env, note) -> None:
-        import ray  # here, not at the top: ray's import takes seconds, and the modules that import this run without it
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         group = ray.util.get_current_placement_group()
         actor_class = ray.remote(RemoteRanks)
         for node_rank, (part, ranks) in enumerate(zip(parts, per_host, strict=True), start=1):
@@ -95,7 +93,9 @@ class ReplicaRanks:
             host_log = str(log_path.with_name(f"{log_path.stem}-node{node_rank}{log_path.suffix}"))
             actor = actor_class.options(
                 **actor_options(part.resources),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=part.bundle),
+                scheduling_strategy=ray_scheduling.PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=part.bundle
+                ),
             ).remote(self.engine, argv, share, cores_per_rank, host_log, env)
             self.remote.append(RemoteHost(part, share, actor, host_log))
             note(f"node rank {node_rank} (ranks {list(ranks)}) on {part.host}: log {host_log}")
@@ -112,8 +112,6 @@ class ReplicaRanks:
 
     def check(self) -> None:
         """RankStartError when the ranks of another host exited or their actor is gone."""
-        import ray  # here, not at the top: ray's import takes seconds, and the modules that import this run without it
-
         for remote in self.remote:
             try:
                 code = ray.get(remote.actor.exit_code.remote(), timeout=REMOTE_CALL_TIMEOUT_S)
@@ -134,8 +132,6 @@ class ReplicaRanks:
 
     def records(self, server_pid: int) -> list[dict]:
         """The registry record's `ranks`: rank, worker pid, host, cores, GPUs."""
-        import ray  # here, not at the top: ray's import takes seconds, and the modules that import this run without it
-
         shares = []
         if self.local is not None:
             shares.append((self.local, worker_pids(engines.get(self.engine), server_pid, self.tp, self.pp, self.local)))
@@ -152,8 +148,6 @@ class ReplicaRanks:
 
     def stop(self) -> None:
         """Stops the other hosts' ranks (bounded), then lets go of this host's cores."""
-        import ray  # here, not at the top: ray's import takes seconds, and the modules that import this run without it
-
         for remote in self.remote:
             try:
                 ray.get(remote.actor.stop.remote(), timeout=REMOTE_CALL_TIMEOUT_S)
