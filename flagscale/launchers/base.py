@@ -14,13 +14,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from flagscale.cluster.hostfile import Hostfile
 from flagscale.cluster.node_logs import EngineLog, engine_logs_here
 from flagscale.cluster.placement import ClusterPlan, Target
+from flagscale.cluster.ray_existing import Placement
+from flagscale.cluster.ray_facts import ClusterFacts
 from flagscale.cluster.ray_node import connect as connect_started
 from flagscale.cluster.ray_node import connect_kv, stop_nodes, write_token
 from flagscale.cluster.runner import CommandRunner
@@ -30,9 +32,8 @@ from flagscale.config.schema import RunnerConfig, ServeConfig
 from flagscale.devices import Gpu
 from flagscale.errors import ConfigError
 
-# Planning's types sit a floor above the launchers: annotations name them, their module is not imported.
-Plan = Any  # flagscale.plan.Plan
-EnginePlan = Any  # flagscale.plan.EnginePlan
+if TYPE_CHECKING:  # planning sits a floor above the launchers: its types are named, its modules not imported
+    from flagscale.plan import EnginePlan, Plan
 
 # The router on a host other than this one: the engines listen on their node's IP (EngineSpec.bind_host).
 NODE_IP = "node-ip"
@@ -46,7 +47,7 @@ class TargetFacts:
     cpus: int = 1  # this machine's cores
     hostfile: Hostfile | None = None  # runner.hostfile, read and checked
     host_ips: dict[str, str] = field(default_factory=dict)  # hostfile host named by the config -> its node IP
-    ray_cluster: Any = None  # an existing Ray cluster's ClusterFacts (runner.type: ray)
+    ray_cluster: ClusterFacts | None = None  # an existing Ray cluster's (runner.type: ray)
     port_taken: str | None = None  # the error naming who holds the endpoint's port; None: free or not checked
 
 
@@ -116,7 +117,7 @@ class Launcher(ABC):
         """The hosts part of the plan (Plan.cluster), when the launcher starts Ray on several hosts."""
         return None
 
-    def place(self, facts: TargetFacts, app_name: str, groups: list, where: str) -> Any:
+    def place(self, facts: TargetFacts, app_name: str, groups: list, where: str) -> Placement | None:
         """Where each replica would go (Plan.placement), when the launcher can tell before the run."""
         return None
 

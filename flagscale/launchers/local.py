@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -16,6 +17,9 @@ from flagscale.devices import local_gpu_count
 from flagscale.errors import ConfigError
 from flagscale.launchers.base import CpuDemand, OwnCluster, TargetFacts
 from flagscale.net import port_is_free
+
+if TYPE_CHECKING:  # planning sits a floor above the launchers
+    from flagscale.plan import EnginePlan, Plan
 
 
 class LocalLauncher(OwnCluster):
@@ -61,13 +65,13 @@ class LocalLauncher(OwnCluster):
             )
         return runner.num_cpus, notes
 
-    def describe(self, plan) -> list:
+    def describe(self, plan: Plan) -> list:
         return [f"Ray head: local, {plan.head_num_cpus} logical CPUs   exp_dir: {plan.exp_dir}"]
 
-    def rank_hosts(self, plan, engine) -> list[tuple[str, int]]:
+    def rank_hosts(self, plan: Plan, engine: EnginePlan) -> list[tuple[str, int]]:
         return [("this machine", engine.devices_per_replica * engine.initial_replicas)]
 
-    def start(self, state: RunState, plan, console: Console) -> str:
+    def start(self, state: RunState, plan: Plan, console: Console) -> str:
         with console.status("starting a local Ray head ..."):
             start_local_head(
                 state,

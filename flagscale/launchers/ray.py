@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -42,6 +43,9 @@ from flagscale.net import endpoint_in_use
 from flagscale.replica.process import NODE_LOG_DIR
 from flagscale.replica.registry import list_replicas, withdraw_all
 
+if TYPE_CHECKING:  # planning sits a floor above the launchers
+    from flagscale.plan import EnginePlan, Plan
+
 
 class RayClusterLauncher(Launcher):
     """runner.type: ray: deploys onto an existing Ray cluster, starting and stopping no node of it."""
@@ -52,7 +56,7 @@ class RayClusterLauncher(Launcher):
         "on a Ray cluster the router runs on the cluster's head node, and loopback there is not reachable from here"
     )
 
-    def engine_hosts(self, plan) -> list[str]:
+    def engine_hosts(self, plan: Plan) -> list[str]:
         return [node.ip for node in plan.ray_cluster.nodes] if plan.ray_cluster else []
 
     def claims(self, runner) -> bool:
@@ -127,10 +131,10 @@ class RayClusterLauncher(Launcher):
         ]
         return place(wanted, cluster, free=app_name not in cluster.applications, where=where)
 
-    def endpoint_host(self, plan) -> str:
+    def endpoint_host(self, plan: Plan) -> str:
         return plan.ray_cluster.head.ip  # the router runs on the cluster's head node
 
-    def describe(self, plan) -> list:
+    def describe(self, plan: Plan) -> list:
         facts = plan.ray_cluster
         return [
             f"Ray cluster at {facts.address} (runner.type: ray; nothing is started or stopped but the deployment):",
@@ -141,13 +145,13 @@ class RayClusterLauncher(Launcher):
             f"exp_dir: {plan.exp_dir}",
         ]
 
-    def rank_hosts(self, plan, engine) -> list[tuple[str, int]]:
+    def rank_hosts(self, plan: Plan, engine: EnginePlan) -> list[tuple[str, int]]:
         return [("a node of the Ray cluster", engine.devices_per_replica * engine.initial_replicas)]
 
-    def auth_token(self, plan) -> str | None:
+    def auth_token(self, plan: Plan) -> str | None:
         return None  # the cluster has its own token, from the environment
 
-    def check_free(self, plan) -> None:
+    def check_free(self, plan: Plan) -> None:
         facts = plan.ray_cluster
         if plan.app_name in facts.applications:
             raise FlagScaleError(
@@ -156,7 +160,7 @@ class RayClusterLauncher(Launcher):
                 "experiment.exp_name",
             )
 
-    def start(self, state: RunState, plan, console: Console) -> str:
+    def start(self, state: RunState, plan: Plan, console: Console) -> str:
         facts = plan.ray_cluster
         state.ray_address = facts.address
         state.save()
@@ -168,7 +172,7 @@ class RayClusterLauncher(Launcher):
     def connect(self, state: RunState) -> None:
         connect(state.ray_address)  # its address; the token from the environment
 
-    def engine_log_dir(self, plan) -> str:
+    def engine_log_dir(self, plan: Plan) -> str:
         return NODE_LOG_DIR  # the exp_dir is not on the cluster's nodes: under each node's Ray session log dir
 
     def router_resources(self) -> dict[str, float]:

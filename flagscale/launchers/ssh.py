@@ -19,6 +19,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -35,6 +36,9 @@ from flagscale.cluster.state import RunState
 from flagscale.errors import ClusterError
 from flagscale.launchers.base import OwnCluster, TargetFacts
 from flagscale.net import endpoint_in_use
+
+if TYPE_CHECKING:  # planning sits a floor above the launchers
+    from flagscale.plan import EnginePlan, Plan
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +99,7 @@ def _raise_failures(entries: list[HostEntry], results: list, what: str) -> None:
 class SshClusterStart:
     """Starting one run's Ray cluster on the hostfile's hosts, in the order the module doc gives."""
 
-    def __init__(self, state: RunState, plan, remote_env: dict[str, str]):
+    def __init__(self, state: RunState, plan: Plan, remote_env: dict[str, str]):
         self.state = state
         self.plan = plan
         self.cluster = plan.cluster
@@ -232,7 +236,7 @@ class SshLauncher(OwnCluster):
 
     name = "ssh"
 
-    def engine_hosts(self, plan) -> list[str]:
+    def engine_hosts(self, plan: Plan) -> list[str]:
         return [entry.host for entry in plan.cluster.hostfile.hosts] if plan.cluster else []
 
     def claims(self, runner) -> bool:
@@ -255,7 +259,7 @@ class SshLauncher(OwnCluster):
     def plan_hosts(self, config, sources, facts: TargetFacts, engines_nodes: list) -> ClusterPlan:
         return plan_cluster(config, sources, facts.hostfile, engines_nodes)
 
-    def describe(self, plan) -> list:
+    def describe(self, plan: Plan) -> list:
         cluster = plan.cluster
         table = Table(title=f"hosts ({cluster.hostfile.path}, over SSH)", title_justify="left")
         for column in ("host", "role", "chip", "slots"):
@@ -266,20 +270,20 @@ class SshLauncher(OwnCluster):
         fits = [f"fits {chip}: {line}" for chip, line in cluster.demand.items()]
         return [table, *fits, f"exp_dir: {plan.exp_dir}"]
 
-    def rank_hosts(self, plan, engine) -> list[tuple[str, int]]:
+    def rank_hosts(self, plan: Plan, engine: EnginePlan) -> list[tuple[str, int]]:
         return [(h.host, h.slots) for h in plan.cluster.hostfile.by_chip()[engine.chip]]
 
-    def start(self, state: RunState, plan, console: Console) -> str:
+    def start(self, state: RunState, plan: Plan, console: Console) -> str:
         hosts = len(plan.cluster.hostfile.hosts)
         with console.status(f"starting Ray on {hosts} host(s) over SSH ..."):
             common_env = {k: v for k, v in worker_env(plan.envs).items() if k not in plan.envs}  # envs go per host
             SshClusterStart(state, plan, common_env).start(console)
         return f"Ray cluster up: head {state.ray_address}, {hosts} host(s) joined"
 
-    def host_envs(self, plan) -> dict[str, dict[str, str]]:
+    def host_envs(self, plan: Plan) -> dict[str, dict[str, str]]:
         return plan.cluster.host_envs
 
-    def engine_env(self, plan) -> dict[str, str]:
+    def engine_env(self, plan: Plan) -> dict[str, str]:
         return {}  # each host's Ray node already has its own envs
 
     def router_resources(self) -> dict[str, float]:
