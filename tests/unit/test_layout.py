@@ -10,6 +10,7 @@ import ast
 import collections
 import io
 import pathlib
+import subprocess
 import sys
 import tokenize
 
@@ -230,3 +231,12 @@ def test_type_only_imports_are_not_edges(tmp_path):
     mods = {"flagscale.low": source, "flagscale.high": source}
     found, _ = imports("flagscale.low", source, mods)
     assert [(lineno, internal) for lineno, _, internal, _ in found] == [(1, None), (6, "flagscale.high")]
+
+
+def test_code_shape_stays_within_its_limits():
+    """tools/code_shape.py --check: no module over 400 lines, at most 20 imports inside functions, each with its
+    reason (issue 50)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "code_shape.py"), "--check"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout[done.stdout.find("over the limits") :]
