@@ -3,7 +3,7 @@
 `run` records a snapshot of the validated config in the state file; a later `run` on the same exp_dir diffs the
 new config against it. Changes to the graph's nodes (engine args, resources, routing, nodes added or removed,
 replica counts) and to the deployment settings of the endpoint are applied in place by redeploying the Serve
-application (flagscale/actions/run.py:update); changes to what the running cluster was started with (hosts,
+application (flagscale/actions/update_in_place.py); changes to what the running cluster was started with (hosts,
 ports, env vars, shell hooks, the experiment's name and directory) are refused, and nothing is changed.
 """
 

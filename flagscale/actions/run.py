@@ -173,7 +173,7 @@ def act(ctx: ActionContext) -> int:
     running = running_state(ctx.exp_dir)
     if running is not None:
         plan = ctx.plan(check_port=False)  # the port is the running router's
-        return update(running, plan, ctx.snapshot(plan), ctx.console, ctx.sources.main)
+        return update(running, plan, ctx.snapshot(plan), ctx.console, ctx.sources.main, ctx.invocation)
     refuse_if_running(ctx.exp_dir, ctx.console, ctx.config.experiment.env_for, ctx.invocation)
     plan = ctx.plan()
     return run(plan, ctx.console, ctx.config.foreground, ctx.snapshot(plan), ctx.invocation)

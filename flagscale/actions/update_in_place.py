@@ -10,6 +10,7 @@ import time
 from rich.console import Console
 
 from flagscale.actions.deploy import check_fits, deploy, need, wait_until_serving
+from flagscale.actions.invocation import RUN_PY, Invocation
 from flagscale.adaptors import ray
 from flagscale.cluster.ray_compat import free_resources_per_node, running_replicas
 from flagscale.cluster.state import RunState
@@ -20,10 +21,22 @@ from flagscale.rollout import Rollout, fmt, stuck_at
 from flagscale.update import Change, changed_nodes, diff, replaced_nodes, replicas_running
 
 
-def update(state: RunState, plan: Plan, snapshot: dict, console: Console, config_file: str) -> int:
+def stop_then_run(invocation: Invocation) -> str:
+    """What to type when an update cannot be made in place, in the form the user called us."""
+    return f"`{invocation.command('stop')}`, then `{invocation.command('run')}`"
+
+
+def update(
+    state: RunState,
+    plan: Plan,
+    snapshot: dict,
+    console: Console,
+    config_file: str,
+    invocation: Invocation = RUN_PY,
+) -> int:
     """Apply what changed between the running config (recorded in the state file) and `snapshot`; 0 once the
-    deployment serves the new config."""
-    changes = _changes(state, snapshot, config_file)
+    deployment serves the new config. `invocation`: how the user called us, for what to type next."""
+    changes = _changes(state, snapshot, config_file, invocation)
     if not changes:
         console.print(f"already running this config at {state.endpoint}: nothing to change")
         return 0
@@ -35,8 +48,8 @@ def update(state: RunState, plan: Plan, snapshot: dict, console: Console, config
     check_fits(plan)
     running = state.extra["config"]
     replaced = replaced_nodes(changes)
-    no_spare = spares(plan, replaced, console, running)
-    refuse_if_stuck(plan, changed_nodes(changes), replaced, no_spare)
+    no_spare = spares(plan, replaced, console, running, invocation)
+    refuse_if_stuck(plan, changed_nodes(changes), replaced, no_spare, invocation)
     deploy(plan, no_spare)
     # Recorded at once: Serve now works toward this config, and a later `run` must diff against it.
     state.extra["config"] = snapshot
@@ -46,8 +59,8 @@ def update(state: RunState, plan: Plan, snapshot: dict, console: Console, config
         wait_until_serving(plan, console, t0)
     except FlagScaleError as exc:
         raise DeployError(
-            f"the update did not complete: {exc}. Replicas that were not replaced keep serving (action=status); "
-            "run again with a fixed config, or action=stop"
+            f"the update did not complete: {exc}. Replicas that were not replaced keep serving "
+            f"(`{invocation.command('status')}`); run again with a fixed config, or `{invocation.command('stop')}`"
         ) from None
     finally:
         ray.shutdown()
@@ -55,13 +68,13 @@ def update(state: RunState, plan: Plan, snapshot: dict, console: Console, config
     return 0
 
 
-def _changes(state: RunState, snapshot: dict, config_file: str) -> list[Change]:
+def _changes(state: RunState, snapshot: dict, config_file: str, invocation: Invocation = RUN_PY) -> list[Change]:
     """What changed; a ConfigError when any of it cannot be changed while the deployment runs."""
     running = state.extra.get("config")
     if running is None:
         raise FlagScaleError(
             "this deployment was started without a record of its config (an earlier version of the runner), so "
-            "it cannot be updated in place; action=stop, then run",
+            f"it cannot be updated in place; {stop_then_run(invocation)}",
             f"{state.exp_dir}/state.json",
         )
     changes = diff(running, snapshot)
@@ -70,13 +83,15 @@ def _changes(state: RunState, snapshot: dict, config_file: str) -> list[Change]:
         raise ConfigError(
             "cannot be changed while the deployment runs (its cluster was started with it): "
             + "; ".join(c.describe() for c in fixed)
-            + ". Nothing was changed; action=stop, then run",
+            + f". Nothing was changed; {stop_then_run(invocation)}",
             f"{config_file}: {fixed[0].path}",
         )
     return changes
 
 
-def spares(plan: Plan, nodes: list[str], console: Console, running: dict) -> frozenset[str]:
+def spares(
+    plan: Plan, nodes: list[str], console: Console, running: dict, invocation: Invocation = RUN_PY
+) -> frozenset[str]:
     """The changed nodes whose replicas are replaced in place (no node has room for a spare): refused for a node
     that runs or will run one replica, which would stop serving (while its one running replica holds what a new
     one needs, a new one cannot even start); said for the others."""
@@ -88,7 +103,7 @@ def spares(plan: Plan, nodes: list[str], console: Console, running: dict) -> fro
                 raise DeployError(
                     f"no node has room for a spare replica of '{engine.serve_id}' "
                     f"({fmt(need(engine.ray_actor_options))}): replacing its only replica in place would stop "
-                    "serving it; nothing was changed. Free that much, or action=stop, then run",
+                    f"serving it; nothing was changed. Free that much, or {stop_then_run(invocation)}",
                     f"serve_id {engine.serve_id}",
                 )
             console.print(
@@ -98,7 +113,13 @@ def spares(plan: Plan, nodes: list[str], console: Console, running: dict) -> fro
     return no_spare
 
 
-def refuse_if_stuck(plan: Plan, nodes: list[str], replaced: list[str], no_spare: frozenset[str]) -> None:
+def refuse_if_stuck(
+    plan: Plan,
+    nodes: list[str],
+    replaced: list[str],
+    no_spare: frozenset[str],
+    invocation: Invocation = RUN_PY,
+) -> None:
     """Refused before anything changes: an update of a node that Serve would start and then wait on forever, a new
     replica finding no room at some step (flagscale/rollout.py)."""
     free = free_resources_per_node()
@@ -118,7 +139,7 @@ def refuse_if_stuck(plan: Plan, nodes: list[str], replaced: list[str], no_spare:
         if step:
             raise DeployError(
                 f"updating '{engine.serve_id}' in place ({len(old)} -> {engine.initial_replicas} replica(s)) would "
-                f"wait forever for room: {step}; nothing was changed. Free that much, or action=stop, then run",
+                f"wait forever for room: {step}; nothing was changed. Free that much, or {stop_then_run(invocation)}",
                 f"serve_id {engine.serve_id}",
             )
 

@@ -19,7 +19,7 @@ DEFAULT_MAX_ONGOING_REQUESTS = 1000
 
 @dataclass(frozen=True)
 class RoutingSpec:
-    """One engine node's routing, as planned (flagscale/plan.py) and given to the router per model: the policy and
+    """One engine node's routing, as planned (flagscale/plan/) and given to the router per model: the policy and
     its settings, of the policy's own settings type (plain dataclasses, so the router's Serve user_config stays
     JSON: from_json reads asdict's form back)."""
 

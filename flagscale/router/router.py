@@ -78,7 +78,7 @@ def upstream_session() -> aiohttp.ClientSession:
 
 class RouterListenError(RuntimeError):
     """The router cannot have its port (taken, shared with another deployment, a bad host): Serve's retries
-    would not do better, so the run reports it at once (flagscale/actions/run.py)."""
+    would not do better, so the run reports it at once (flagscale/actions/deploy.py)."""
 
 
 class Router:

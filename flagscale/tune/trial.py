@@ -2,7 +2,7 @@
 vLLM's serving benchmark (flagscale/actions/bench.py), until the SLO is missed or the levels run out.
 
 The first candidate starts the deployment (actions.run.run); each next one is applied to it in place
-(actions.run.update: same Ray cluster, only the changed replicas restart). A change that cannot be applied in
+(actions.update_in_place.update: same Ray cluster, only the changed replicas restart). A change that cannot be applied in
 place, or a deployment left by a failed trial, is stopped and started afresh.
 """
 
@@ -242,7 +242,7 @@ def _stop(exp_dir: str, drain_timeout_s: float, log_console: Console) -> None:
         stop(exp_dir, log_console, drain_timeout_s)
 
 
-# flagscale/actions/run.py's words for replicas that Serve could not place within schedule_timeout_s.
+# flagscale/actions/deploy.py's words for replicas that Serve could not place within schedule_timeout_s.
 UNSCHEDULABLE = "replicas cannot be scheduled"
 
 

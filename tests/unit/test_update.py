@@ -11,6 +11,7 @@ import pytest
 from rich.console import Console
 
 from flagscale.actions import update_in_place
+from flagscale.cli.argv import serve_invocation
 from flagscale.config.routing import RoutingSpec
 from flagscale.config.schema import ServeConfig
 from flagscale.errors import DeployError
@@ -176,9 +177,6 @@ def test_an_update_without_room_for_a_spare_is_refused_while_one_replica_runs(mo
     """One TP=2 replica holding both GPUs, asked to become two TP=1 replicas: no new replica can be placed beside
     it, and replacing it would stop serving: refused before anything changes, naming the node. With two running,
     they are replaced one at a time."""
-    import pytest
-    from rich.console import Console
-
     monkeypatch.setattr(update_in_place, "without_room_for_a_spare", lambda plan, nodes: frozenset(nodes))
     engine = SimpleNamespace(serve_id="a", initial_replicas=2, ray_actor_options={"num_cpus": 1, "num_gpus": 1.0})
     plan = SimpleNamespace(engines=[engine])
@@ -186,6 +184,9 @@ def test_an_update_without_room_for_a_spare_is_refused_while_one_replica_runs(mo
     one_running.serve[0].resources.num_replicas = 1
     with pytest.raises(DeployError, match="no node has room for a spare replica of 'a'.*GPU:1"):
         update_in_place.spares(plan, ["a"], Console(), snapshot(one_running, None))
+    served = serve_invocation("demo", None, [])  # what to do is said in the form the user typed
+    with pytest.raises(DeployError, match="or `flagscale serve demo --stop`, then `flagscale serve demo`$"):
+        update_in_place.spares(plan, ["a"], Console(), snapshot(one_running, None), served)
     two_running = config()
     two_running.serve[0].resources.num_replicas = 2
     assert update_in_place.spares(plan, ["a"], Console(), snapshot(two_running, None)) == {"a"}
