@@ -189,6 +189,14 @@ def parse_args() -> argparse.Namespace:
         "2026-11-28)",
     )
     parser.add_argument(
+        "--replica-engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="changes an engine arg of --replicas' only, over --engine-arg (repeatable): e.g. "
+        "data_parallel_size=1 enable_expert_parallel=false, so that N one-GPU replicas face a DP=N + EP engine",
+    )
+    parser.add_argument(
         "--keep-plain",
         action="store_true",
         help="start plain vLLM once and keep it (saves a restart); default: it is stopped after its "
@@ -850,7 +858,7 @@ def main() -> int:
         util = CPU_ENGINE_ARGS["gpu_memory_utilization"]
     engine_args["gpu_memory_utilization"] = util
     engine_args.update(parse_engine_args(args.engine_arg))
-    replica_args = dict(engine_args)
+    replica_args = {**engine_args, **parse_engine_args(args.replica_engine_arg)}
     if args.replicas:
         replica_util = args.replica_gpu_memory_utilization or round(util * args.gpus_per_replica, 4)
         replica_args["gpu_memory_utilization"] = replica_util
