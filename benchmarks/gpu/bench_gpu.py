@@ -211,6 +211,14 @@ def parse_args() -> argparse.Namespace:
         "vllm-router",
     )
     parser.add_argument(
+        "--plain-entry",
+        choices=("api_server", "serve"),
+        default="api_server",
+        help="how plain vLLM starts (--plain one): `python -m vllm.entrypoints.openai.api_server` (default: one API "
+        "server, as the orchestrator's replica runs it) or `vllm serve` itself (its CLI defaults too: one API server "
+        "per DP rank with data parallel)",
+    )
+    parser.add_argument(
         "--engine",
         choices=("vllm", "sglang"),
         default="vllm",
@@ -883,7 +891,7 @@ def main() -> int:
     elif args.engine == "sglang":
         plain = overhead.PlainSGLang(model_dir, ports[0], work_dir, engine_args)
     else:
-        plain = overhead.PlainVLLM(model_dir, ports[0], work_dir, engine_args)
+        plain = overhead.PlainVLLM(model_dir, ports[0], work_dir, engine_args, args.plain_entry)
     systems: dict[str, Any] = {"plain": plain}
     if not args.no_orchestrator:
         systems["orchestrator"] = Orch("orchestrator", ports[1], work_dir, model_dir, engine_args, engine=args.engine)
@@ -1067,6 +1075,7 @@ def main() -> int:
                 "replica_engine_args": replica_args if args.replicas else None,
                 "keep_plain": args.keep_plain,
                 "plain": args.plain,
+                "plain_entry": args.plain_entry,
                 "dummy_weights": args.dummy_weights,
                 "waves": args.waves,
                 "model": str(model_dir),

@@ -33,7 +33,9 @@
 #          weights), data_parallel_size 2 + enable_expert_parallel on 2 GPUs through the orchestrator vs plain
 #          `vllm serve --data-parallel-size 2 --enable-expert-parallel` (the same flags) vs 2 independent TP=1
 #          replicas (one GPU each, no EP), alternating, c=1/64/256, 4 clients; placement check (each DP rank on its
-#          own GPU as status says), the env check, nothing left after stop. Target: orchestrator >= 0.98x plain
+#          own GPU as status says), the env check, nothing left after stop. Target: orchestrator >= 0.98x plain.
+#          Plain is `vllm serve` itself (one API server per DP rank, its CLI default); EP_PLAIN_ENTRY=api_server
+#          compares with one API server, as the orchestrator's replica runs
 #   ep4    the same with DP=4 on 4 GPUs against 4 TP=1 replicas
 #   eptest tests/gpu/test_expert_parallel.py: placement and env of every rank, DP/EP index in status, a rank killed ->
 #          the replica replaced, stop (DP=4 too where there are 4 GPUs)
@@ -141,7 +143,7 @@ for step in $steps; do
            --engine-arg data_parallel_size=$n --engine-arg enable_expert_parallel=true \
            --replicas $n --gpus-per-replica 1 --replica-engine-arg data_parallel_size=1 \
            --replica-engine-arg enable_expert_parallel=false --rounds 3 --concurrency 1 64 256 \
-           --output "$out/$step.json" ;;
+           --plain-entry "${EP_PLAIN_ENTRY:-serve}" --output "$out/$step.json" ;;
     eptest) python3 -m pytest tests/gpu/test_expert_parallel.py -v -p no:cacheprovider \
               --junitxml="$out/tests-ep.xml" ;;
     pd2) python3 benchmarks/pd.py --size 1b --num-gpus 1 --gpu-memory-utilization 0.4 --max-num-seqs 256 \
