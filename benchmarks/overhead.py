@@ -226,17 +226,27 @@ class PlainVLLM(PlainServer):
 
     name = "plain vLLM"
 
-    def __init__(self, model_dir: Path, port: int, work_dir: Path, engine_args: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        model_dir: Path,
+        port: int,
+        work_dir: Path,
+        engine_args: dict[str, Any] | None = None,
+        entry: str = "api_server",
+    ):
+        """`entry` "serve": `vllm serve` itself (vllm.entrypoints.cli.main), which also sets what its CLI defaults,
+        e.g. one API server per DP rank for data parallel (vLLM 0.26-0.32); the module runs one API server."""
         from flagscale.engines.vllm_args import to_argv
 
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = work_dir / "plain-vllm.log"
         args = {"model": str(model_dir), "served_model_name": [MODEL_NAME], **(engine_args or ENGINE_ARGS)}
         engine_argv = to_argv(args, "plain")
+        module = ["vllm.entrypoints.cli.main", "serve"] if entry == "serve" else ["vllm.entrypoints.openai.api_server"]
         self.argv = [
             sys.executable,
             "-m",
-            "vllm.entrypoints.openai.api_server",
+            *module,
             *engine_argv,
             "--host",
             "127.0.0.1",

@@ -16,11 +16,12 @@ from flagscale.cluster.state import resolve_exp_dir
 from flagscale.config.load import ConfigSources, resolve_api_key
 from flagscale.config.schema import ServeConfig
 from flagscale.devices import local_gpus
+from flagscale.engines.model_args import model_experts
 from flagscale.launchers.base import TargetFacts
 
 DEFAULT_PORT = 8000
 
-__all__ = ["DEFAULT_PORT", "Facts", "TargetFacts", "endpoint_port", "gather", "model_weight_bytes"]
+__all__ = ["DEFAULT_PORT", "Facts", "TargetFacts", "endpoint_port", "gather", "model_experts", "model_weight_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,14 @@ class Facts:
     exp_dir: str  # experiment.exp_dir, absolute, `~` expanded, links resolved (cluster.state.resolve_exp_dir)
     # each `model` engine arg the config names, as written -> its local checkpoint's weight bytes (None: a hub id)
     weight_bytes: dict[str, int | None] = dataclasses.field(default_factory=dict)
+
+    # each `model` engine arg the config names -> its routed experts from config.json (0: a dense model; None: unknown,
+    # a hub id not cached here)
+    experts: dict[str, int | None] = dataclasses.field(default_factory=dict)
+
+    def experts_of(self, model: object) -> int | None:
+        """The routed experts of the model a `model` engine arg names, as the config wrote it; None: unknown."""
+        return self.experts.get(model) if isinstance(model, str) else None
 
     def weights_of(self, model: object) -> int | None:
         """The weight bytes of the checkpoint a `model` engine arg names, as the config wrote it; None: unknown."""
@@ -57,6 +66,7 @@ def gather(
         api_key=resolve_api_key(config, sources),
         exp_dir=resolve_exp_dir(config.experiment.exp_dir),
         weight_bytes={model: model_weight_bytes(os.path.expanduser(model)) for model in models_named(config)},
+        experts={model: model_experts(os.path.expanduser(model)) for model in models_named(config)},
     )
 
 

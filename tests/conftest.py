@@ -289,6 +289,29 @@ def demo_model_path() -> Path:
     return ensure_demo_model()
 
 
+def write_moe_model(path: Path, demo_model: Path, experts: int = 4) -> Path:
+    """A tiny random-shape Mixtral as vLLM plans it: the demo model's config.json made MoE (num_local_experts) and
+    its tokenizer; no weights (vLLM's load_format dummy). Enough for planning, dryrun and a GPU start."""
+    import json
+    import shutil
+
+    path.mkdir(parents=True, exist_ok=True)
+    for file in demo_model.iterdir():
+        if file.name.startswith("tokenizer") or file.name in ("special_tokens_map.json", "generation_config.json"):
+            shutil.copy(file, path / file.name)
+    config = json.loads((demo_model / "config.json").read_text())
+    config.update(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=experts, num_experts_per_tok=2
+    )
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+@pytest.fixture
+def moe_model_path(tmp_path, demo_model_path) -> Path:
+    return write_moe_model(tmp_path / "tiny-mixtral", demo_model_path)
+
+
 def replica_record(name: str, url: str):
     """A registry record of a replica serving model "m" of deployment "s" (router and policy unit tests)."""
     from flagscale.replica.registry import ReplicaRecord

@@ -189,6 +189,14 @@ def parse_args() -> argparse.Namespace:
         "2026-11-28)",
     )
     parser.add_argument(
+        "--replica-engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="changes an engine arg of --replicas' only, over --engine-arg (repeatable): e.g. "
+        "data_parallel_size=1 enable_expert_parallel=false, so that N one-GPU replicas face a DP=N + EP engine",
+    )
+    parser.add_argument(
         "--keep-plain",
         action="store_true",
         help="start plain vLLM once and keep it (saves a restart); default: it is stopped after its "
@@ -201,6 +209,14 @@ def parse_args() -> argparse.Namespace:
         help="the plain system every other is compared with: one vLLM server (default; on GPU 0), one vLLM server "
         "with --data-parallel-size REPLICAS (vLLM's own balancing), or REPLICAS plain servers (one GPU each) behind "
         "vllm-router",
+    )
+    parser.add_argument(
+        "--plain-entry",
+        choices=("api_server", "serve"),
+        default="api_server",
+        help="how plain vLLM starts (--plain one): `python -m vllm.entrypoints.openai.api_server` (default: one API "
+        "server, as the orchestrator's replica runs it) or `vllm serve` itself (its CLI defaults too: one API server "
+        "per DP rank with data parallel)",
     )
     parser.add_argument(
         "--engine",
@@ -850,7 +866,7 @@ def main() -> int:
         util = CPU_ENGINE_ARGS["gpu_memory_utilization"]
     engine_args["gpu_memory_utilization"] = util
     engine_args.update(parse_engine_args(args.engine_arg))
-    replica_args = dict(engine_args)
+    replica_args = {**engine_args, **parse_engine_args(args.replica_engine_arg)}
     if args.replicas:
         replica_util = args.replica_gpu_memory_utilization or round(util * args.gpus_per_replica, 4)
         replica_args["gpu_memory_utilization"] = replica_util
@@ -875,7 +891,7 @@ def main() -> int:
     elif args.engine == "sglang":
         plain = overhead.PlainSGLang(model_dir, ports[0], work_dir, engine_args)
     else:
-        plain = overhead.PlainVLLM(model_dir, ports[0], work_dir, engine_args)
+        plain = overhead.PlainVLLM(model_dir, ports[0], work_dir, engine_args, args.plain_entry)
     systems: dict[str, Any] = {"plain": plain}
     if not args.no_orchestrator:
         systems["orchestrator"] = Orch("orchestrator", ports[1], work_dir, model_dir, engine_args, engine=args.engine)
@@ -1059,6 +1075,7 @@ def main() -> int:
                 "replica_engine_args": replica_args if args.replicas else None,
                 "keep_plain": args.keep_plain,
                 "plain": args.plain,
+                "plain_entry": args.plain_entry,
                 "dummy_weights": args.dummy_weights,
                 "waves": args.waves,
                 "model": str(model_dir),

@@ -1,4 +1,4 @@
-"""A random-weight Llama of a chosen size, made locally (on the GPU when there is one) for benchmarks.
+"""A random-weight Llama (or a Mixtral-form MoE, config only) of a chosen size, made locally (on the GPU when there is one) for benchmarks.
 
 Weights are drawn directly as safetensors shards (normal(0, 0.02), norms 1), with vLLM's / transformers' Llama
 tensor names and a model.safetensors.index.json, so no transformers model object is built: an 8B-class model
@@ -73,6 +73,28 @@ SIZES: dict[str, dict[str, int]] = {
         "num_attention_heads": 40,
         "num_key_value_heads": 8,
     },
+    # Mixture-of-experts shapes (Mixtral form: num_local_experts, top-2 routing) for expert parallel; with
+    # --dummy-weights / --no-weights only (vLLM draws the weights). "moe-tiny": the demo model's body, 8 experts
+    # (tests/gpu). "moe-3b": 16 experts of Llama-1B-like width, 3.4 B parameters (0.6 B active), 7 GB in bf16: the
+    # expert-parallel benchmark's shape (multi_gpu.sh ep2 / ep4), 8 or 4 experts per GPU at DP=2 / 4.
+    "moe-tiny": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "moe-3b": {
+        "hidden_size": 2048,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 2,
+    },
 }
 MAX_POSITIONS = 8192
 SEED = 1234
@@ -83,11 +105,16 @@ def shape_of(size: str) -> dict[str, int]:
     return {"vocab_size": VOCAB, "max_position_embeddings": MAX_POSITIONS, **SIZES[size]}
 
 
+def is_moe(size: str) -> bool:
+    return "num_local_experts" in SIZES[size]
+
+
 def parameter_count(size: str) -> int:
     s = shape_of(size)
     h, i, layers = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
     kv = h // s["num_attention_heads"] * s["num_key_value_heads"]
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    experts = s.get("num_local_experts", 1)
+    per_layer = 2 * h * h + 2 * h * kv + experts * 3 * h * i + 2 * h + (h * experts if is_moe(size) else 0)
     return layers * per_layer + 2 * VOCAB * h + h
 
 
@@ -96,7 +123,8 @@ def model_dir(size: str, seed: int = SEED, cache_dir: Path | None = None, weight
         json.dumps({"seed": seed, "format": 1, **shape_of(size)}, sort_keys=True).encode()
     ).hexdigest()[:12]
     kind = "" if weights else "config-"  # config.json + tokenizer only: for vLLM's load_format dummy
-    return (cache_dir or default_cache_dir()) / f"bench-llama-{size}-{kind}{key}"
+    family = "mixtral" if is_moe(size) else "llama"
+    return (cache_dir or default_cache_dir()) / f"bench-{family}-{size}-{kind}{key}"
 
 
 def _tensor_shapes(size: str) -> list[tuple[str, tuple[int, ...], bool]]:
@@ -123,9 +151,12 @@ def _tensor_shapes(size: str) -> list[tuple[str, tuple[int, ...], bool]]:
 
 
 def _write_config(out_dir: Path, size: str) -> None:
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, MixtralConfig
 
-    config = LlamaConfig(
+    config_class, architecture = (
+        (MixtralConfig, "MixtralForCausalLM") if is_moe(size) else (LlamaConfig, "LlamaForCausalLM")
+    )
+    config = config_class(
         **shape_of(size),
         bos_token_id=0,
         eos_token_id=1,
@@ -133,7 +164,7 @@ def _write_config(out_dir: Path, size: str) -> None:
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = [architecture]
     config.save_pretrained(out_dir)
 
 
@@ -192,6 +223,8 @@ def ensure_model(
 ) -> Path:
     """The model directory for `size`, generated on first use (on `device`, default the GPU if there is one).
     `weights=False`: config.json and tokenizer only, for an engine that loads with `load_format: dummy`."""
+    if weights and is_moe(size):
+        raise ValueError(f"the {size} shape is written without weights only (--no-weights / --dummy-weights)")
     target = model_dir(size, seed, cache_dir, weights)
     if (target / ".complete").exists():
         return target

@@ -29,6 +29,16 @@
 #   tune2  the same on 2 GPUs (instance x TP over 1, 2); TUNE_PER_DEVICE=1: each level and the prompts x the
 #          candidate's GPUs (auto_tuner.concurrency_per_device), so layouts over different GPU counts compare fairly
 #   dpi2   vLLM's own data_parallel_size 2 inside one replica: plain `--data-parallel-size 2` vs the orchestrator
+#   ep2    expert parallel (issue 55): a random-weight MoE shape (model.py moe-3b, Mixtral form, 16 experts, dummy
+#          weights), data_parallel_size 2 + enable_expert_parallel on 2 GPUs through the orchestrator vs plain
+#          `vllm serve --data-parallel-size 2 --enable-expert-parallel` (the same flags) vs 2 independent TP=1
+#          replicas (one GPU each, no EP), alternating, c=1/64/256, 4 clients; placement check (each DP rank on its
+#          own GPU as status says), the env check, nothing left after stop. Target: orchestrator >= 0.98x plain.
+#          Plain is `vllm serve` itself (one API server per DP rank, its CLI default); EP_PLAIN_ENTRY=api_server
+#          compares with one API server, as the orchestrator's replica runs
+#   ep4    the same with DP=4 on 4 GPUs against 4 TP=1 replicas
+#   eptest tests/gpu/test_expert_parallel.py: placement and env of every rank, DP/EP index in status, a rank killed ->
+#          the replica replaced, stop (DP=4 too where there are 4 GPUs)
 # 1 GPU (issue 36):
 #   llama1 the CUDA llama-server (built first if missing: the llama-cpp-python sdist under $LLAMA_CPP_SDIST_DIR,
 #          nothing downloaded), a random-weight 1B Llama as f16 GGUF: plain llama-server vs the orchestrator on GPU 0,
@@ -128,6 +138,14 @@ for step in $steps; do
            --run-best ${TUNE_PER_DEVICE:+--per-device} --output "$out/$step.json" ;;
     dpi2) python3 benchmarks/gpu/bench_gpu.py $model --engine-arg data_parallel_size=2 --rounds 2 \
            --concurrency 1 256 512 --output "$out/dpi2.json" ;;
+    ep2|ep4) n=${step#ep}
+         python3 benchmarks/gpu/bench_gpu.py ${model/--size 8b/--size moe-3b} --clients 4 \
+           --engine-arg data_parallel_size=$n --engine-arg enable_expert_parallel=true \
+           --replicas $n --gpus-per-replica 1 --replica-engine-arg data_parallel_size=1 \
+           --replica-engine-arg enable_expert_parallel=false --rounds 3 --concurrency 1 64 256 \
+           --plain-entry "${EP_PLAIN_ENTRY:-serve}" --output "$out/$step.json" ;;
+    eptest) python3 -m pytest tests/gpu/test_expert_parallel.py -v -p no:cacheprovider \
+              --junitxml="$out/tests-ep.xml" ;;
     pd2) python3 benchmarks/pd.py --size 1b --num-gpus 1 --gpu-memory-utilization 0.4 --max-num-seqs 256 \
            --max-model-len 8192 --systems A B --rounds 2 --concurrency 16 --prefill-prompts 64 \
            --prefill-input-len 4096 --prefill-output-len 64 --decode-prompts 48 --decode-input-len 128 \

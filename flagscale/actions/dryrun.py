@@ -18,7 +18,7 @@ from flagscale.actions.graph_view import describe, draw
 from flagscale.actions.run import running_state
 from flagscale.config.schema import ServeConfig
 from flagscale.plan import Plan, open_without_key
-from flagscale.replica.rank_layout import preview
+from flagscale.replica.rank_layout import preview, rank_indexes
 from flagscale.update import MASK, SECRET_NAME, diff, masked_config
 
 
@@ -105,9 +105,20 @@ def _print_ranks(plan: Plan, engine, console: Console) -> None:
     on_gpu = engine.device == "gpu"
     planned = preview(engine.parallel, on_gpu, engine.ranks_per_host, hosts, engine.initial_replicas)
     nnodes = planned[0].share.nnodes if planned else 1
+    experts = (
+        f", expert parallel: EP = DP x TP = {dp * tp} ranks per stage share the experts"
+        if engine.expert_parallel
+        else ""
+    )
+    spread = planned[0].share.dp_local if planned else 0
+    runner = (
+        f"{engine.kind.display}'s multi-node data parallel, {spread} DP rank(s) per host"
+        if spread
+        else engine.kind.rank_runner
+    )
     console.print(
         f"[bold]ranks of '{engine.serve_id}'[/]: TP {tp} x PP {pp} x DP {dp} = {math.prod(engine.parallel)} per "
-        f"replica, {engine.ranks_per_host} per host over {nnodes} host(s), {engine.kind.rank_runner}"
+        f"replica{experts}, {engine.ranks_per_host} per host over {nnodes} host(s), {runner}"
         + (" (placement group: one bundle per host)" if nnodes > 1 else "")
     )
     kind = engine.kind
@@ -115,11 +126,14 @@ def _print_ranks(plan: Plan, engine, console: Console) -> None:
     def shown(argv: list[str]) -> str:
         argv = ["python" if a == sys.executable else a for a in argv]
         text = shlex.join(argv).replace("--port 0", "--port <free port>")
+        text = text.replace("--data-parallel-rpc-port 0", "--data-parallel-rpc-port '<free port>'")
         return text.replace("--master-port 0", "--master-port <free port>")
 
     for host in planned:
         share = host.share
         ranks = f"{share.ranks[0]}-{share.ranks[-1]}" if len(share.ranks) > 1 else str(share.ranks[0])
+        if dp > 1:
+            ranks += f" ({_group_ranges(share.ranks, engine.parallel, engine.expert_parallel)})"
         if share.node_rank == 0:
             launch = kind.bind_ranks(kind.launch(engine.argv, share.host, 0, None, engine.role), share)
             what = "API server + ranks"
@@ -134,6 +148,15 @@ def _print_ranks(plan: Plan, engine, console: Console) -> None:
         console.print(f"    $ {env + ' ' if env else ''}{shown(launch.argv)}", markup=False, soft_wrap=True)
     if len(planned) < nnodes * engine.initial_replicas:
         console.print(f"  (the hosts' free slots hold {len(planned) // max(1, nnodes)} such replica(s))")
+
+
+def _group_ranges(ranks: tuple[int, ...], parallel: tuple[int, int, int], expert_parallel: bool) -> str:
+    """ "DP 2-3, EP 2-3": the DP (and EP) ranks of a host's consecutive global ranks; EP only without PP (with PP
+    each stage has its own EP group)."""
+    first, last = (rank_indexes(rank, parallel, expert_parallel and parallel[1] == 1) for rank in (ranks[0], ranks[-1]))
+    return ", ".join(
+        f"{key.upper()} {first[key]}" + (f"-{last[key]}" if last[key] != first[key] else "") for key in first
+    )
 
 
 def act(ctx: ActionContext) -> int:

@@ -180,12 +180,14 @@ def _host_table(hosts: list[HostRow]) -> Table:
 
 
 def _rank_table(ranks: list[tuple[ReplicaRow, dict]]) -> Table:
-    table = _table("engine ranks", ["node", "replica", "rank", "pid", "host", "cores", "gpus"])
+    table = _table("engine ranks", ["node", "replica", "rank", "dp", "ep", "pid", "host", "cores", "gpus"])
     for replica, rank in ranks:
         table.add_row(
             replica.node,
             replica.replica_id,
             str(rank.get("rank", "-")),
+            str(rank.get("dp", "-")),
+            str(rank.get("ep", "-")),
             str(rank.get("pid", "-")),
             rank.get("host") or replica.host,
             _cores(rank.get("cpus") or []) or "-",

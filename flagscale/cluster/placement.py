@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from flagscale.cluster.host_split import hosts_to_span
 from flagscale.cluster.hostfile import HostEntry, Hostfile
 from flagscale.cluster.ray_facts import accelerator_requirement
 from flagscale.cluster.ssh import SshSettings
@@ -81,10 +82,17 @@ def auto_replicas(devices_per_replica: int, devices_per_host: list[int]) -> int:
 
 
 def reserve(
-    res: Resources, parallel: tuple[int, int, int], target: Target, strategy: str, where: str, args_where: str
+    res: Resources,
+    parallel: tuple[int, int, int],
+    target: Target,
+    strategy: str,
+    where: str,
+    args_where: str,
+    spread_dp: bool = False,
 ) -> Reservation:
     """The one placement decision for an engine node: from its resources and TP x PP x DP to what every replica
-    reserves on `target`. `where`/`args_where` name resources/engine_args in errors."""
+    reserves on `target`. `where`/`args_where` name resources/engine_args in errors. `spread_dp`: the replica's
+    data-parallel ranks may span hosts (expert parallel: vLLM's multi-node data parallel)."""
     tp, pp, dp = parallel
     devices = tp * pp * dp
     if target.hostfile is None:
@@ -112,7 +120,7 @@ def reserve(
         return Reservation(device, chip, options, auto, ranks_per_host=devices)
     # More devices than any one host has: one bundle per host, each with that host's share of the ranks; the
     # replica takes bundle 0 (API server and the first ranks) and starts the others' ranks (replica/ranks.py).
-    nnodes = hosts_to_span(parallel, [h.slots for h in hosts], args_where)
+    nnodes = hosts_to_span(parallel, [h.slots for h in hosts], args_where, spread_dp)
     per_host = devices // nnodes
     share = {device_key: float(per_host), **label}
     if on_gpu:
@@ -123,34 +131,6 @@ def reserve(
         options.setdefault("resources", {}).update(label)
     bundles = [{"CPU": float(cpus), **share}] + [dict(share) for _ in range(nnodes - 1)]
     return Reservation(device, chip, options, auto, bundles, strategy, ranks_per_host=per_host)
-
-
-def hosts_to_span(parallel: tuple[int, int, int], slots: list[int], args_where: str) -> int:
-    """How many hosts one replica's ranks span: the fewest that vLLM's multi-node executor can split them over
-    (the same number of consecutive ranks on each host, so the host count divides TP x PP), each with that many
-    free slots. A ConfigError names the arithmetic when no such split exists."""
-    tp, pp, dp = parallel
-    world = tp * pp
-    if dp > 1:
-        raise ConfigError(
-            f"data_parallel_size={dp} with TP x PP = {world} over several hosts: one replica spans hosts only "
-            "with TP x PP; run data-parallel copies as replicas (resources.num_replicas)",
-            args_where,
-        )
-    for nnodes in range(2, len(slots) + 1):
-        if world % nnodes == 0 and sum(1 for n in slots if n >= world // nnodes) >= nnodes:
-            return nnodes
-    usable = [n for n in range(2, len(slots) + 1) if world % n == 0]
-    why = (
-        f"no host count from 2 to {len(slots)} divides it (vLLM runs the same number of ranks on each host)"
-        if not usable
-        else "; ".join(f"{n} hosts need {world // n} slots each" for n in usable)
-    )
-    raise ConfigError(
-        f"TP x PP = {tp} x {pp} = {world} ranks do not split over the hosts (slots {', '.join(map(str, slots))}): "
-        f"{why}",
-        args_where,
-    )
 
 
 def _on_this_machine(

@@ -26,6 +26,7 @@ class Capabilities:
     cpu_worker_binding: bool = False  # binds its CPU workers to cores itself (flagscale/replica/cpu_layout.py)
     multi_host: bool = False  # one replica's ranks may span hosts
     parallel: tuple[str, ...] = ()  # which of "tp", "pp", "dp" a replica may have above 1
+    expert_parallel: bool = False  # spreads a MoE model's experts over its DP x TP ranks (enable_expert_parallel)
     keeps_connections: bool = True  # its server keeps a connection open after a response (the router reuses it)
 
 
@@ -52,7 +53,15 @@ class HostShare:
     gpus: tuple[str, ...] = ()  # GPU engines: the devices Ray granted on this host
     master: tuple[str, int] | None = None  # nnodes > 1: node rank 0's address and port for the rendezvous
     interface: str | None = None  # nnodes > 1: the network interface that carries `host`
+    # data-parallel ranks spread over hosts (expert parallel): the DP ranks (engines) this host runs, and the first
+    # one's DP rank; `master` is then the DP master's address and RPC port. 0: DP, if any, stays on one host.
+    dp_local: int = 0
+    dp_start: int = 0
 
+
+# How a node asks for expert parallelism: vLLM's engine arg (`--enable-expert-parallel`), as FlagScale's configs
+# pass it through.
+EXPERT_PARALLEL_ARG = "enable_expert_parallel"
 
 # The OpenAI routes where every engine kind here runs the model: each kind's inference_paths start with these.
 OPENAI_INFERENCE_PATHS = (
@@ -194,6 +203,20 @@ class EngineKind(ABC):
 
     def check_parallel(self, parallel: tuple[int, int, int], on_cpu: bool, where: str) -> None:
         """Raise ConfigError naming the engine arg when this engine cannot run that split on that device."""
+
+    def expert_parallel(
+        self, args: dict[str, Any], parallel: tuple[int, int, int], on_cpu: bool, experts: int | None, where: str
+    ) -> bool:
+        """Whether the node asks for expert parallelism (`enable_expert_parallel`, vLLM's spelling), refused with a
+        ConfigError where it cannot run (`experts`: the model's expert count from its config.json, 0: a dense
+        model, None: unknown). Engines with capabilities.expert_parallel override it."""
+        if args.get(EXPERT_PARALLEL_ARG):
+            raise ConfigError(
+                f"{EXPERT_PARALLEL_ARG}: {self.display} has no expert parallelism here; spreading a MoE model's "
+                "experts over GPUs needs engine: vllm (docs/parallelism.md)",
+                f"{where}.{EXPERT_PARALLEL_ARG}",
+            )
+        return False
 
     def served_names(self, args: dict[str, Any], default: str) -> list[str]:
         names = args.get("served_model_name") or [default]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -33,3 +34,41 @@ def positive_int(args: dict[str, Any], key: str, where: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{key} must be a positive integer, got {value!r}", where)
     return value
+
+
+# config.json keys that count a mixture-of-experts model's routed experts, as vLLM reads them
+# (vllm/transformers_utils/model_arch_config_convertor.py: get_num_experts): Jamba/Qwen-MoE, DBRX, DeepSeek, Mixtral
+EXPERT_COUNT_KEYS = ("num_experts", "moe_num_experts", "n_routed_experts", "num_local_experts")
+
+
+def model_experts(model: str) -> int | None:
+    """The routed experts of a Hugging Face model (a local directory, or a hub id in this machine's cache): the
+    first of EXPERT_COUNT_KEYS its config.json sets, at the top or in its text_config / ffn_config; 0 for a dense
+    model; None when its config.json cannot be read here."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        if model.startswith(("/", ".", "~")) or Path(model).exists() or model.count("/") != 1:
+            return None  # a local path without config.json (a GGUF file), or no hub id
+        try:
+            cached = huggingface_hub.try_to_load_from_cache(model, "config.json")
+        except ValueError:  # not a valid hub id after all
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    for section in (config, config.get("text_config"), config.get("ffn_config")):
+        if not isinstance(section, dict):
+            continue
+        for key in EXPERT_COUNT_KEYS:
+            value = section.get(key)
+            if isinstance(value, list):  # some remote-code configs list one count per layer
+                value = max(value, default=0)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return 0

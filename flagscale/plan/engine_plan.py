@@ -29,12 +29,18 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
     model = args.get("model")
     args["model"] = kind.check_model(model, where)
     names = args["served_model_name"] = served_names(node, args)
+    parallel = kind.parallel(args, where)
+    experts = inputs.facts.experts_of(model)
+    expert_parallel = kind.expert_parallel(args, parallel, inputs.on_cpu, experts, where)
     argv = kind.argv(kind.map_common_args(args), where)
     secrets = kind.secret_env(args, where)
-    parallel = kind.parallel(args, where)
     strategy = inputs.config.experiment.runner.placement_strategy
-    reservation = reserve(node.resources, parallel, inputs.target, strategy, f"{pool.where}.resources", where)
+    res_where = f"{pool.where}.resources"
+    reservation = reserve(node.resources, parallel, inputs.target, strategy, res_where, where, expert_parallel)
     kind.check_parallel(parallel, reservation.device != "gpu", where)
+    if expert_parallel:
+        kind.expert_parallel(args, parallel, reservation.device != "gpu", experts, where)
+        _check_expert_parallel_gpus(node.resources.num_gpus, parallel, reservation.ranks_per_host, res_where)
     host_argv = _host_argv(node, names, reservation, inputs, node_args_ips)
     scaling = replica_settings(node.resources, reservation.ray_actor_options, reservation.auto_replicas)
     utilization = args.get("gpu_memory_utilization", kind.default_gpu_memory_utilization)
@@ -51,6 +57,7 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
         device=reservation.device,
         devices_per_replica=math.prod(parallel),
         parallel=parallel,
+        expert_parallel=expert_parallel,
         host_argv=host_argv,
         chip=reservation.chip,
         placement_bundles=reservation.placement_bundles,
@@ -65,6 +72,21 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
         **vars(scaling),
     )
     return _pinned(engine, pool, inputs) if pool.host is not None else engine
+
+
+def _check_expert_parallel_gpus(
+    num_gpus: float | None, parallel: tuple[int, int, int], ranks_per_host: int, where: str
+) -> None:
+    """An expert-parallel replica runs one rank per GPU: resources.num_gpus, if set, is the GPUs of its ranks on a
+    host (all DP x TP x PP of them on one host; its share when it spans hosts)."""
+    if num_gpus is None or num_gpus == ranks_per_host:
+        return
+    tp, pp, dp = parallel
+    raise ConfigError(
+        f"num_gpus={num_gpus:g}, but an expert-parallel replica runs DP x TP x PP = {dp} x {tp} x {pp} ranks, "
+        f"{ranks_per_host} per host, one GPU each: leave num_gpus unset or set it to {ranks_per_host}",
+        f"{where}.num_gpus",
+    )
 
 
 def _pinned(engine: EnginePlan, pool: Pool, inputs: PlanInputs) -> EnginePlan:

@@ -29,6 +29,7 @@ class EnginePlan(ReplicaSettings):
     device: str  # "cpu", "gpu", or a hostfile chip type
     devices_per_replica: int
     parallel: tuple[int, int, int] = (1, 1, 1)  # TP, PP, DP
+    expert_parallel: bool = False  # a MoE model's experts spread over its DP x TP ranks (enable_expert_parallel)
     host_argv: dict[str, list[str]] = field(default_factory=dict)  # node IP -> argv (experiment.node_args)
     chip: str | None = None  # hostfile chip type the replicas run on (multi-host)
     placement_bundles: list[dict[str, float]] | None = None  # set when TP x PP spans hosts

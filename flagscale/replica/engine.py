@@ -55,6 +55,7 @@ class EngineSpec:
     engine: str = engines.DEFAULT_ENGINE
     api_key: str | None = field(default=None, repr=False)  # engines require it on every path but health
     parallel: tuple[int, int, int] = (1, 1, 1)  # TP, PP, DP: above one rank, flagscale/replica/ranks.py places them
+    expert_parallel: bool = False  # the DP x TP ranks share the experts: each rank's record names its EP index
 
     @property
     def kind(self) -> engines.EngineKind:
@@ -116,7 +117,7 @@ class EngineReplica:
             launch = spec.kind.launch(engine_argv, host, port, spec.api_key, spec.role)
             if math.prod(spec.parallel) > 1:
                 cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-                self.ranks = ReplicaRanks(spec.engine, spec.parallel, host, cpus)
+                self.ranks = ReplicaRanks(spec.engine, spec.parallel, host, cpus, spec.expert_parallel)
                 share = self.ranks.start(
                     engine_argv, gpu_ids, lambda: free_port(host), self.log_path, spec.env, self._note
                 )

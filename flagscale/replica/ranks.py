@@ -21,7 +21,7 @@ from flagscale.engines.base import HostShare
 from flagscale.replica.bundles import HostPart, actor_options, placement_hosts
 from flagscale.replica.cores import CoreClaim, RankStartError
 from flagscale.replica.host_ranks import RemoteRanks, interface_of, worker_pids
-from flagscale.replica.rank_layout import split_ranks
+from flagscale.replica.rank_layout import dp_split, rank_indexes, split_ranks
 
 REMOTE_CALL_TIMEOUT_S = 30.0  # one call to a host's RemoteRanks actor
 REMOTE_START_TIMEOUT_S = 120.0  # a host's RemoteRanks actor scheduled and its ranks' process started
@@ -41,8 +41,17 @@ class RemoteHost:
 class ReplicaRanks:
     """The ranks of one replica (world > 1): the share of its own host, and the other hosts' RemoteRanks."""
 
-    def __init__(self, engine: str, parallel: tuple[int, int, int], host: str, cpus_reserved: float):
+    def __init__(
+        self,
+        engine: str,
+        parallel: tuple[int, int, int],
+        host: str,
+        cpus_reserved: float,
+        expert_parallel: bool = False,
+    ):
         self.engine = engine
+        self.parallel = parallel
+        self.expert_parallel = expert_parallel
         self.tp, self.pp, self.dp = parallel
         self.world = self.tp * self.pp * self.dp
         self.host = host
@@ -70,7 +79,8 @@ class ReplicaRanks:
         if not gpus:
             self.claim = CoreClaim.take(len(local_ranks) * cores_per_rank, note=note)
             rank_cpus = self.claim.per_rank(len(local_ranks))
-        master = (self.host, master_port()) if nnodes > 1 else None
+        master = (self.host, master_port()) if nnodes > 1 else None  # DP spread over hosts: the DP RPC port
+        dp_local, dp_start = dp_split(self.parallel, nnodes, 0)
         self.local = HostShare(
             host=self.host,
             node_rank=0,
@@ -80,6 +90,8 @@ class ReplicaRanks:
             gpus=tuple(gpus),
             master=master,
             interface=interface_of(self.host) if nnodes > 1 else None,
+            dp_local=dp_local,
+            dp_start=dp_start,
         )
         if nnodes > 1:
             self._start_remote(parts[1:], per_host[1:], master, argv, cores_per_rank, log_path, env, note)
@@ -89,7 +101,9 @@ class ReplicaRanks:
         group = ray.util.get_current_placement_group()
         actor_class = ray.remote(RemoteRanks)
         for node_rank, (part, ranks) in enumerate(zip(parts, per_host, strict=True), start=1):
-            share = HostShare(host=part.host, node_rank=node_rank, nnodes=len(parts) + 1, ranks=ranks, master=master)
+            nnodes = len(parts) + 1
+            dp_local, dp_start = dp_split(self.parallel, nnodes, node_rank)
+            share = HostShare(part.host, node_rank, nnodes, ranks, master=master, dp_local=dp_local, dp_start=dp_start)
             host_log = str(log_path.with_name(f"{log_path.stem}-node{node_rank}{log_path.suffix}"))
             actor = actor_class.options(
                 **actor_options(part.resources),
@@ -131,7 +145,7 @@ class ReplicaRanks:
                 )
 
     def records(self, server_pid: int) -> list[dict]:
-        """The registry record's `ranks`: rank, worker pid, host, cores, GPUs."""
+        """The registry record's `ranks`: rank, worker pid, host, cores, GPUs, DP rank (and EP rank)."""
         shares = []
         if self.local is not None:
             shares.append((self.local, worker_pids(engines.get(self.engine), server_pid, self.tp, self.pp, self.local)))
@@ -141,7 +155,11 @@ class ReplicaRanks:
             except ray.exceptions.RayError:
                 pids = {}
             shares.append((remote.started or remote.share, pids))
-        return [record for share, pids in shares for record in _rank_records(share, pids)]
+        return [
+            {**record, **rank_indexes(record["rank"], self.parallel, self.expert_parallel)}
+            for share, pids in shares
+            for record in _rank_records(share, pids)
+        ]
 
     def cores(self) -> list[int]:
         return list(self.claim.cores) if self.claim else []

@@ -103,6 +103,7 @@ def engine_spec(plan: Plan, engine: EnginePlan) -> EngineSpec:
         api_key=plan.api_key,
         engine=engine.engine,
         parallel=engine.parallel,
+        expert_parallel=engine.expert_parallel,
         startup_timeout_s=plan.startup_timeout_s,
         pin_cpus=plan.pin_cpus,
         role=engine.role,

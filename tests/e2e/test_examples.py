@@ -12,7 +12,7 @@ import pytest
 
 from flagscale.engines import llama_cpp_build
 from flagscale.net import free_port
-from tests.conftest import REPO, run_flagscale
+from tests.conftest import REPO, run_flagscale, write_moe_model
 
 EXAMPLES = REPO / "examples"
 NEEDS_A_CLUSTER = {"ray_cluster"}
@@ -39,6 +39,11 @@ def what_it_needs(example: str, tmp_path: Path, demo_model_path: Path, request=N
         hosts = tmp_path / "hosts"
         hosts.write_text("127.0.0.2 slots=1 type=cpu\n127.0.0.3 slots=1 type=cpu\n")
         return [f"experiment.runner.hostfile={hosts}"]
+    if example == "gpu_moe_ep":  # expert parallel needs a MoE model: a tiny Mixtral's config.json, no weights
+        hosts = tmp_path / "hosts"
+        hosts.write_text("127.0.0.2 slots=8 type=gpu\n127.0.0.3 slots=8 type=gpu\n")
+        model = write_moe_model(tmp_path / "tiny-mixtral", demo_model_path)
+        return [f"experiment.runner.hostfile={hosts}", "--model-path", str(model)]
     if example.startswith("gpu_"):
         hosts = tmp_path / "hosts"
         hosts.write_text("127.0.0.2 slots=8 type=gpu\n127.0.0.3 slots=8 type=gpu\n")
@@ -65,6 +70,17 @@ def test_70b_at_tp8_plans_eight_ranks_per_replica(tmp_path, demo_model_path):
     result = run_flagscale(*argv, cwd=tmp_path, timeout=300, forked=True)
     assert result.returncode == 0, result.output
     assert "TP 8 x PP 1 x DP 1" in " ".join(result.stdout.split()), result.stdout
+
+
+def test_moe_ep_over_two_hosts_plans_whole_dp_ranks_per_host(tmp_path, demo_model_path):
+    needs = what_it_needs("gpu_moe_ep", tmp_path, demo_model_path)
+    argv = ["serve", "gpu_moe_ep", "--dryrun", "serve=dp16_two_hosts", f"experiment.exp_dir={tmp_path / 'exp'}"]
+    result = run_flagscale(*argv, *needs, cwd=tmp_path, timeout=300, forked=True)
+    assert result.returncode == 0, result.output
+    out = " ".join(result.stdout.split())
+    assert "TP 1 x PP 1 x DP 16 = 16 per replica, expert parallel" in out, result.stdout
+    assert "127.0.0.3: headless ranks 8-15 (DP 8-15, EP 8-15), GPUs 0-7" in out, result.stdout
+    assert "--data-parallel-start-rank 8" in out and "--data-parallel-address 127.0.0.2" in out, result.stdout
 
 
 def test_existing_ray_cluster_example_loads_and_names_the_address_it_needs(tmp_path):

@@ -222,7 +222,7 @@ GPU_ENVS = {"NCCL_NVLS_ENABLE": 0, "TORCH_SYMM_MEM_DISABLE_MULTICAST": 1, "NVSHM
 
 def test_every_gpu_example_turns_nvlink_multicast_off():
     gpu = [e for e in _examples() if e.name.startswith("gpu_")]
-    assert {e.name for e in gpu} == {"gpu_8b", "gpu_70b"}
+    assert {e.name for e in gpu} == {"gpu_8b", "gpu_70b", "gpu_moe_ep"}
     for example in gpu:
         envs = yaml.safe_load((example / "conf" / "serve.yaml").read_text())["experiment"]["envs"]
         assert GPU_ENVS.items() <= envs.items(), (example.name, envs)

@@ -76,3 +76,21 @@ def test_the_orchestrator_gets_exactly_the_plain_servers_engine_args(tmp_path):
         "model": str(tmp_path / "model"),
         **engine_args,
     }
+
+
+def test_expert_parallel_step_compares_vllm_serve_and_one_gpu_replicas(monkeypatch, tmp_path):
+    """multi_gpu.sh ep2: plain is `vllm serve` itself with the orchestrator's flags; the replicas drop DP and EP."""
+    import overhead
+
+    ep = {"data_parallel_size": 2, "enable_expert_parallel": True}
+    serve = overhead.PlainVLLM(tmp_path, 8601, tmp_path, ep, entry="serve")
+    assert serve.argv[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+    assert "--enable-expert-parallel" in serve.argv and "--data-parallel-size" in serve.argv
+    assert overhead.PlainVLLM(tmp_path, 8601, tmp_path, ep).argv[2] == "vllm.entrypoints.openai.api_server"
+    argv = ["bench_gpu.py", "--replicas", "2", "--gpus-per-replica", "1", "--plain-entry", "serve"]
+    argv += ["--replica-engine-arg", "data_parallel_size=1", "--replica-engine-arg", "enable_expert_parallel=false"]
+    monkeypatch.setattr(sys, "argv", argv)
+    args = bench_gpu.parse_args()
+    assert args.plain_entry == "serve"
+    replica = bench_gpu.parse_engine_args(args.replica_engine_arg)
+    assert replica == {"data_parallel_size": 1, "enable_expert_parallel": False}
