@@ -2,7 +2,8 @@
 until one answers, each at most once and at most `max_migrations` moves after a failure.
 
 - a refused connection (nothing was sent; not counted as a move): the next replica, its circuit tripped;
-- a dropped connection or a 5xx before the client got anything: sent again as it was;
+- a dropped connection or a 5xx before the client got anything: sent again as it was; a replica gone silent
+  (upstream_watch.py, replicas.give_up_on_frozen) counts as a dropped connection, its circuit opened;
 - a completions or chat stream broken off part-way: resumed from the tokens the client has (resume.py), or
   finished when every token is there, else ended with an error event;
 - a 4xx is the client's problem: passed on, the replica not counted as failing;
