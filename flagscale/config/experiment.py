@@ -38,7 +38,8 @@ class DeployConfig(Strict):
         min_length=1,
         repr=False,
         description="Clients must send `Authorization: Bearer <key>` (every request but GET /health; GET /metrics "
-        "too with protect_metrics); engines get it too, so they refuse direct access. Prefer api_key_env.",
+        "too with protect_metrics); engines get it too, so they refuse direct access. At least 16 characters. Prefer "
+        "api_key_env.",
     )
     api_key_env: str | None = Field(
         None, min_length=1, description="Name of an env var holding api_key, so the key stays out of YAML."
