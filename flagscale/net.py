@@ -103,11 +103,14 @@ def health_ok(base_url: str, timeout_s: float, path: str = "/health") -> bool:
     return health_problem(base_url, timeout_s, path) is None
 
 
-def health_problem(base_url: str, timeout_s: float, path: str = "/health") -> str | None:
+def health_problem(base_url: str, timeout_s: float, path: str = "/health", api_key: str | None = None) -> str | None:
     """None when GET base_url + path answers 200, else what went wrong: "HTTP <code>[: <body>]" or
-    "unreachable (<error>)"."""
+    "unreachable (<error>)". With the deployment's key, the router's /health says which models lack a replica."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(base_url + path, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(
+            urllib.request.Request(base_url + path, headers=headers), timeout=timeout_s
+        ) as resp:
             return None if resp.status == 200 else f"HTTP {resp.status}"
     except urllib.error.HTTPError as exc:  # before OSError, which it is too (as are refused/reset connections)
         try:

@@ -350,15 +350,15 @@ def bare_router(upstreams: list, policy: str):
     return router
 
 
-async def serve(app, **runner_options):
-    """An aiohttp app on a free loopback port (fake engines, the router): (runner, port)."""
+async def serve(app, port: int = 0, **runner_options):
+    """An aiohttp app on loopback, on `port` or a free one (fake engines, the router): (runner, port)."""
     from aiohttp import web
 
     from flagscale.net import free_port
 
     runner = web.AppRunner(app, **runner_options)
     await runner.setup()
-    port = free_port()
+    port = port or free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, port
 
@@ -366,11 +366,12 @@ async def serve(app, **runner_options):
 @contextlib.asynccontextmanager
 async def router_listening(router):
     """A bare router (bare_router) serving its real HTTP surface (Router.web_app) on a free port: its URL."""
-    from flagscale.router.frontend import RUNNER_OPTIONS
+    from flagscale.net import free_port
     from flagscale.router.router import upstream_session
 
-    router.clients.session = upstream_session()
-    runner, port = await serve(router.web_app(), **RUNNER_OPTIONS)
+    router.clients.session = upstream_session(router.spec.admission.upstream_first_byte_timeout_s)
+    port = free_port()
+    runner = await router.frontend.listen("127.0.0.1", port)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

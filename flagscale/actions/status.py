@@ -88,7 +88,7 @@ def collect(state: RunState, api_key: str | None = None, note: bounded.Note = _q
         # The router's view: policy, in-flight, circuit state, prefix-table blocks / sessions (docs/routing.md).
         replica.router = {k: v for k, v in entry.items() if k not in ("serve_id", "url", "served")} or None
     note(f"checking {state.endpoint}/health")
-    report.http_health = health_problem(state.endpoint, timeout_s=3) or "ok"
+    report.http_health = health_problem(state.endpoint, timeout_s=3, api_key=api_key) or "ok"
     note("listing the cluster's hosts")
     hosts = launcher.hosts(state, [asdict(r) for r in report.replicas])
     if hosts is not None:

@@ -17,6 +17,9 @@ from flagscale import engines
 from flagscale.config.fields import Backend, Strict, launcher_key
 from flagscale.config.tuner import AutoTunerConfig
 
+# Shorter keys are refused before anything starts: a key is all that stands between the port and the engines.
+MIN_API_KEY_CHARS = 16
+
 
 class DeployConfig(Strict):
     """Where and how the HTTP entry point is exposed, and bounds on start-up and shutdown."""
@@ -35,7 +38,8 @@ class DeployConfig(Strict):
         min_length=1,
         repr=False,
         description="Clients must send `Authorization: Bearer <key>` (every request but GET /health; GET /metrics "
-        "too with protect_metrics); engines get it too, so they refuse direct access. Prefer api_key_env.",
+        "too with protect_metrics); engines get it too, so they refuse direct access. At least 16 characters. Prefer "
+        "api_key_env.",
     )
     api_key_env: str | None = Field(
         None, min_length=1, description="Name of an env var holding api_key, so the key stays out of YAML."
@@ -58,6 +62,47 @@ class DeployConfig(Strict):
     )
     queue_timeout_s: float = Field(
         30, gt=0, description="How long a request waits in that queue before it gets 503 with Retry-After."
+    )
+    upstream_first_byte_timeout_s: float = Field(
+        900,
+        gt=0,
+        description="The most a replica may take to send the first byte of its answer's body (a prompt's prefill; "
+        "a whole non-streamed answer) before the router gives up on it and retries the request elsewhere.",
+    )
+    upstream_idle_timeout_s: float = Field(
+        30,
+        gt=0,
+        description="The most a replica may stay silent between two pieces of a streamed answer before the router "
+        "takes it as frozen and resumes the stream on another replica.",
+    )
+    client_idle_timeout_s: float = Field(
+        60,
+        gt=0,
+        description="A client connection is closed when it has not sent a whole request head within this long of "
+        "opening or of its previous answer's end (idle keep-alive and slow headers alike). Applied at router start.",
+    )
+    client_body_timeout_s: float = Field(
+        300,
+        gt=0,
+        description="The most a client may take to send a request's body once its head is in (408 after).",
+    )
+    max_client_connections: int = Field(
+        10000,
+        ge=1,
+        description="Open client connections per router process (at most half its open-file limit); beyond it a new "
+        "connection gets 503 and is closed. Applied at router start.",
+    )
+    max_reading_body_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1024,
+        description="Per router process: bytes of request bodies being read and parsed at once; a request that "
+        "would go beyond gets 503 with Retry-After.",
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Without an API key, the router answers only requests whose Host header is an IP address, "
+        "localhost, its own host name or deploy.host (against DNS rebinding from web pages); names added here are "
+        "accepted too.",
     )
     router_processes: int | None = Field(
         None,
@@ -109,6 +154,13 @@ class DeployConfig(Strict):
             raise ValueError("give api_key or api_key_env, not both")
         return self
 
+    @field_validator("api_key")
+    @classmethod
+    def _long_enough(cls, key: str | None) -> str | None:
+        if key is not None and len(key) < MIN_API_KEY_CHARS:
+            raise ValueError(f"the API key is {len(key)} characters long; use at least {MIN_API_KEY_CHARS}")
+        return key
+
     def resolved_api_key(self) -> str | None:
         """The API key clients must send, or None; api_key_env must name a set, non-empty variable."""
         if self.api_key_env is None:
@@ -116,6 +168,11 @@ class DeployConfig(Strict):
         key = os.environ.get(self.api_key_env)
         if not key:
             raise ValueError(f"api_key_env names {self.api_key_env}, which is not set (or empty) in this environment")
+        if len(key) < MIN_API_KEY_CHARS:
+            raise ValueError(
+                f"the key in {self.api_key_env} (api_key_env) is {len(key)} characters long; use at least "
+                f"{MIN_API_KEY_CHARS}"
+            )
         return key
 
 

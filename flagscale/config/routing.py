@@ -60,7 +60,15 @@ class Admission:
     max_body_bytes: int = _DEPLOY["max_body_bytes"]
     max_queued_requests: int = _DEPLOY["max_queued_requests"]
     queue_timeout_s: float = _DEPLOY["queue_timeout_s"]
+    upstream_first_byte_timeout_s: float = _DEPLOY["upstream_first_byte_timeout_s"]
+    upstream_idle_timeout_s: float = _DEPLOY["upstream_idle_timeout_s"]
+    client_idle_timeout_s: float = _DEPLOY["client_idle_timeout_s"]
+    client_body_timeout_s: float = _DEPLOY["client_body_timeout_s"]
+    max_client_connections: int = _DEPLOY["max_client_connections"]
+    max_reading_body_bytes: int = _DEPLOY["max_reading_body_bytes"]
+    allowed_hosts: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, deploy: DeployConfig) -> Admission:
-        return cls(**{bound.name: getattr(deploy, bound.name) for bound in fields(cls)})
+        bounds = {bound.name: getattr(deploy, bound.name) for bound in fields(cls)}
+        return cls(**bounds | {"allowed_hosts": tuple(deploy.allowed_hosts)})

@@ -1,12 +1,22 @@
-"""What the client sent, checked before it is routed: the body read within its limit, parsed once (orjson), the
-fields the router reads checked (400 naming the field); and the router's own answers in OpenAI's error shape."""
+"""What the client sent, checked before it is routed: the body read within its limits (size, time, the process's
+budget of bodies being read), parsed once (orjson), the fields the router reads checked (400 naming the field);
+and the router's own answers in OpenAI's error shape.
+
+Parsing must not stall the event loop every stream of the process is relayed on: a body is refused unread past
+MAX_JSON_CONTAINERS brackets (a body of `[[],[],...]` costs orjson about a second per 4 million), bodies up to
+INLINE_PARSE_BYTES are parsed inline, larger ones on one worker thread (the depth walk is Python and yields the
+interpreter to the loop; one at a time, so the loop waits for at most one parse's C part at once)."""
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
 
+from flagscale.config.routing import Admission
+from flagscale.router.guard import BodyBudget
 from flagscale.router.resume import dumps, loads
 
 # Headers not passed on (either way). "expect": the router has the whole body before it sends the request.
@@ -14,6 +24,10 @@ HOP_BY_HOP = frozenset("connection keep-alive transfer-encoding content-length h
 # Deeper request bodies are refused: vLLM's server parses with Python's json, whose recursion gives out near 1000
 # levels (a 500 there would count against the replica), and no OpenAI request nests anywhere near this.
 MAX_JSON_DEPTH = 64
+# Brackets ([ and {, inside strings too) a body may hold: far beyond any request's, and bounded parse work.
+MAX_JSON_CONTAINERS = 200_000
+INLINE_PARSE_BYTES = 256 * 1024
+_PARSER = ThreadPoolExecutor(1, thread_name_prefix="flagscale-router-body")
 
 
 def error_response(status: int, message: str, kind: str, headers: dict | None = None) -> web.Response:
@@ -24,13 +38,18 @@ def error_response(status: int, message: str, kind: str, headers: dict | None = 
 class BadRequest(Exception):
     """The request cannot be routed as it is: the client gets `status` and this message."""
 
+    KINDS = {413: "RequestEntityTooLargeError", 408: "RequestTimeoutError", 503: "ServiceUnavailableError"}
+
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
 
     def response(self) -> web.Response:
-        kind = "RequestEntityTooLargeError" if self.status == 413 else "BadRequestError"
-        return error_response(self.status, str(self), kind)
+        headers = {"Retry-After": "1"} if self.status == 503 else None
+        response = error_response(self.status, str(self), self.KINDS.get(self.status, "BadRequestError"), headers)
+        if self.status in (408, 413):  # the rest of the body is not waited for
+            response.force_close()
+        return response
 
 
 def _nests_deeper(value: Any, levels: int) -> bool:
@@ -76,19 +95,48 @@ def check_payload(payload: Any) -> None:
             raise BadRequest(f"`{key}` must be {described}, not {dumps(value)[:100].decode(errors='replace')}")
 
 
-async def read_body(request, limit: int) -> bytes:
-    """The request's body, or BadRequest(413) as soon as it is over `limit` bytes (before reading it all when
-    Content-Length says so)."""
+async def read_payload(request, bounds: Admission, budget: BodyBudget) -> tuple[bytes, Any]:
+    """The request's body and its JSON ({} for an empty body), or BadRequest: 413 as soon as it is over
+    max_body_bytes (before reading it when Content-Length says so), 408 when it did not come within
+    client_body_timeout_s, 503 when the process is reading max_reading_body_bytes of bodies already, 400 when it
+    is not JSON the router can route (parse_body)."""
+    limit = bounds.max_body_bytes
 
     def too_large() -> BadRequest:
         return BadRequest(f"request body is over the limit of {limit} bytes (deploy.max_body_bytes)", 413)
 
-    if request.content_length is not None and request.content_length > limit:
+    def busy() -> BadRequest:
+        return BadRequest("the router is reading too many request bodies at once (deploy.max_reading_body_bytes)", 503)
+
+    reserved = request.content_length or 0
+    if reserved > limit:
         raise too_large()
-    chunks, size = [], 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise too_large()
-        chunks.append(chunk)
-    return b"".join(chunks)
+    if not budget.take(reserved, bounds.max_reading_body_bytes):
+        raise busy()
+    try:
+        chunks, size, brackets = [], 0, 0
+        try:
+            async with asyncio.timeout(bounds.client_body_timeout_s):
+                async for chunk in request.content.iter_any():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large()
+                    if size > reserved:  # (chunked: the budget grows with the body)
+                        if not budget.take(size - reserved, bounds.max_reading_body_bytes):
+                            raise busy()
+                        reserved = size
+                    brackets += chunk.count(b"[") + chunk.count(b"{")
+                    chunks.append(chunk)
+        except TimeoutError:
+            message = f"the request body did not arrive within {bounds.client_body_timeout_s:g} s"
+            raise BadRequest(message + " (deploy.client_body_timeout_s)", 408) from None
+        if brackets > MAX_JSON_CONTAINERS:
+            raise BadRequest(f"request body has over {MAX_JSON_CONTAINERS} JSON arrays and objects ([ and {{ counted)")
+        body = b"".join(chunks)
+        if not body:
+            return body, {}
+        if len(body) <= INLINE_PARSE_BYTES:
+            return body, parse_body(body)
+        return body, await asyncio.get_running_loop().run_in_executor(_PARSER, parse_body, body)
+    finally:
+        budget.give_back(reserved)

@@ -2,7 +2,8 @@
 until one answers, each at most once and at most `max_migrations` moves after a failure.
 
 - a refused connection (nothing was sent; not counted as a move): the next replica, its circuit tripped;
-- a dropped connection or a 5xx before the client got anything: sent again as it was;
+- a dropped connection or a 5xx before the client got anything: sent again as it was; a replica gone silent
+  (upstream_watch.py, replicas.give_up_on_frozen) counts as a dropped connection, its circuit opened;
 - a completions or chat stream broken off part-way: resumed from the tokens the client has (resume.py), or
   finished when every token is there, else ended with an error event;
 - a 4xx is the client's problem: passed on, the replica not counted as failing;
@@ -33,7 +34,7 @@ from flagscale.router.replicas import Replicas, Upstream, engine_death
 from flagscale.router.resume import CHAT, COMPLETIONS, error_event
 from flagscale.router.spec import RouterSpec
 from flagscale.router.state import Clients, Counters
-from flagscale.router.upstream_http import Answer, ConnectFailed, Disconnected
+from flagscale.router.upstream_http import Answer, ConnectFailed, Disconnected, Stalled
 from flagscale.router.verdict import RETRIES_AFTER_ENGINE_DEATH, Verdict, judge
 
 log = logging.getLogger("flagscale.router")
@@ -64,9 +65,13 @@ class _Attempt:
         self.name = f"replica {upstream.record.replica_id} of {upstream.record.serve_id!r}"
         self.ok: bool | None = None
 
-    def failed(self) -> None:
+    def failed(self, error: Exception | None = None) -> None:
+        """The replica failed the request; one that went silent (Stalled) has its circuit opened at once."""
         self.ok = False
-        self.upstream.breaker.failure(time.monotonic())
+        if isinstance(error, Stalled):
+            self.upstream.breaker.trip(time.monotonic())
+        else:
+            self.upstream.breaker.failure(time.monotonic())
 
 
 class Failover:
@@ -219,7 +224,7 @@ class Failover:
             attempt.ok = False  # the caller trips the circuit
             raise Unreachable(str(exc)) from exc
         except Disconnected as exc:
-            attempt.failed()
+            attempt.failed(exc)
             raise Failed(f"{attempt.name} dropped the connection before answering ({exc})", engine_died=True) from exc
         upstream.served += 1
         verdict = judge(answer.status, exchange.inference)  # (its body, read later, may say the engine died)
@@ -240,7 +245,7 @@ class Failover:
         try:
             body = await answer.read()
         except Disconnected as exc:
-            attempt.failed()
+            attempt.failed(exc)
             raise Failed(f"{attempt.name} broke off its answer ({exc})", engine_died=True) from exc
         reply = web.Response(status=answer.status, body=body, headers=headers)
         if not attempt.ok:
@@ -276,7 +281,7 @@ class Failover:
         try:
             await answer.relay(exchange.relay_piece, exchange.drain)
         except Disconnected as exc:  # the replica broke off mid-stream (a client gone raises in drain)
-            attempt.failed()
+            attempt.failed(exc)
             if stream is None:  # not an OpenAI event stream: cut off as it is, the client's connection closed
                 log.warning("%s broke off its answer (%s)", attempt.name, exc)
                 exchange.client.close()  # (so the answer is not ended as if it were whole)

@@ -11,7 +11,6 @@ the engine aborts the request.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -28,11 +27,19 @@ from flagscale.router.client_request import (
     BadRequest,
     check_payload,
     error_response,
-    parse_body,
-    read_body,
+    read_payload,
 )
 from flagscale.router.exchange import Exchange
 from flagscale.router.failover import Failover
+from flagscale.router.guard import (
+    BodyBudget,
+    ConnectionCap,
+    GuardedSite,
+    KeyCheck,
+    host_allowed,
+    open_file_share,
+    own_names,
+)
 from flagscale.router.metrics import SCRAPE_TIMEOUT_S, RouterMetrics, merge_replica_metrics
 from flagscale.router.peers import PeerLink
 from flagscale.router.policies import RequestInfo, rank_replicas
@@ -46,6 +53,7 @@ log = logging.getLogger("flagscale.router")
 
 # The router's aiohttp server: a client that hangs up cancels its handler (and so the request upstream).
 RUNNER_OPTIONS = {"access_log": None, "handle_signals": False, "handler_cancellation": True}
+MODELS_TIMEOUT_S = 5.0  # GET /v1/models: the most one replica's list may take (then the next, then the router's own)
 
 # Request headers never passed to an engine: hop-by-hop ones, and those an engine kind asks the router to drop.
 NOT_PASSED_ON = HOP_BY_HOP | engines.dropped_request_headers()
@@ -73,6 +81,10 @@ class Frontend:
         self.graph = graph
         self._surface: Surface | None = None
         self.graph_inflight = 0  # graph requests in flight through this process (bounded: spec.graph_max_ongoing)
+        self.keys = KeyCheck()
+        self.bodies = BodyBudget()
+        self.connections: ConnectionCap | None = None  # set by listen
+        self._names: tuple[tuple[str, tuple[str, ...]], frozenset[str]] | None = None
 
     @property
     def surface(self) -> Surface:
@@ -82,10 +94,20 @@ class Frontend:
             surface = self._surface = Surface(spec)
         return surface
 
+    async def listen(self, host: str, port: int, **site_options) -> web.AppRunner:
+        """Serves the app on host:port: idle connections and slow heads closed after client_idle_timeout_s, at most
+        max_client_connections (bounded by the open-file limit) open at once. Returns the runner (cleanup stops it)."""
+        bounds = self._spec().admission
+        runner = web.AppRunner(self.app(), keepalive_timeout=bounds.client_idle_timeout_s, **RUNNER_OPTIONS)
+        await runner.setup()
+        self.connections = ConnectionCap(open_file_share(bounds.max_client_connections))
+        await GuardedSite(runner, host, port, self.connections, **site_options).start()
+        return runner
+
     def app(self) -> web.Application:
         """The HTTP surface: /health, /metrics, /v1/models, the graph's route, the engines' public paths proxied
         (the rest is 404: proxy, surface.py); the API key checked in front of all of it."""
-        # (bodies are read by read_body, bounded by spec.admission.max_body_bytes, which an update may change)
+        # (bodies are read by read_payload, bounded by spec.admission, which an update may change)
         app = web.Application(middlewares=[self._require_key])
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
@@ -96,20 +118,35 @@ class Frontend:
     @web.middleware
     async def _require_key(self, request: web.Request, handler):
         """deploy.api_key: `Authorization: Bearer <key>` on every request but GET /health (and GET /metrics unless
-        protect_metrics), 401 in OpenAI's shape otherwise. Any other method on those paths needs the key too."""
+        protect_metrics), 401 in OpenAI's shape otherwise (later and later for an address that keeps failing). Any
+        other method on those paths needs the key too. Without a key: only Host headers guard.host_allowed takes."""
         spec = self._spec()
         key = spec.api_key
+        if not key:
+            if not host_allowed(request.headers.get("Host"), self._own_names(spec)):
+                message = "this router has no API key and answers only its own host names (deploy.allowed_hosts)"
+                return error_response(421, message, "MisdirectedRequestError")
+            return await handler(request)
         open_path = request.method == "GET" and (
             request.path == "/health" or (request.path == "/metrics" and not spec.protect_metrics)
         )
-        if key and not open_path:
-            given = request.headers.get("Authorization", "")
-            # (aiohttp keeps header bytes that are not UTF-8 as surrogates)
-            if not hmac.compare_digest(given.encode(errors="surrogateescape"), f"Bearer {key}".encode()):
+        if not open_path:
+            address = request.remote or ""
+            if not self.keys.matches(request.headers.get("Authorization", ""), key):
+                delay = self.keys.failure_delay(address)
+                if delay:
+                    await asyncio.sleep(delay)
                 body = {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error"}}
                 body["error"]["code"] = "invalid_api_key"
                 return web.json_response(body, status=401)
+            self.keys.succeeded(address)
         return await handler(request)
+
+    def _own_names(self, spec: RouterSpec) -> frozenset[str]:
+        wanted = (spec.host, spec.admission.allowed_hosts)
+        if self._names is None or self._names[0] != wanted:
+            self._names = (wanted, own_names(*wanted))
+        return self._names[1]
 
     def upstream_headers(self, headers: dict) -> dict:
         """Headers of a request to an engine: the client's, with the deployment's key (engines require it too)."""
@@ -150,15 +187,24 @@ class Frontend:
         return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def health(self, request: web.Request | None) -> web.Response:
-        missing = self._replicas.missing(self._spec().models)
+        """ok, or why not: with the key (or without one configured), which models lack a replica; without it,
+        only "unhealthy" (the models' names are not the public's)."""
+        spec = self._spec()
+        missing = self._replicas.missing(spec.models)
         if self._counters.draining:
             return web.Response(status=503, text="draining\n")
         if missing:
-            return web.Response(status=503, text=f"no ready replica for: {', '.join(missing)}\n")
+            told = not spec.api_key or (
+                request is not None and self.keys.matches(request.headers.get("Authorization", ""), spec.api_key)
+            )
+            return web.Response(
+                status=503, text=f"no ready replica for: {', '.join(missing)}\n" if told else "unhealthy\n"
+            )
         return web.Response(text="ok\n")
 
     async def models(self, request: web.Request) -> web.Response:
         models, session, data = self._spec().models, self._clients.session, []
+        timeout = aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)
         for serve_id in dict.fromkeys(models.values()):
             names = [m for m, sid in models.items() if sid == serve_id]
             ups = rank_replicas(self._replicas.pool(names[0]), 0, time.monotonic())
@@ -166,7 +212,8 @@ class Frontend:
             for upstream in ups[:2]:
                 try:
                     headers = self.upstream_headers({})
-                    async with session.get(upstream.record.url + "/v1/models", headers=headers) as resp:
+                    url = upstream.record.url + "/v1/models"
+                    async with session.get(url, headers=headers, timeout=timeout) as resp:
                         entries = (await resp.json())["data"]
                         break
                 except Exception:
@@ -192,8 +239,7 @@ class Frontend:
         if self._counters.draining:
             return error_response(503, "server is shutting down", "ServiceUnavailableError")
         try:
-            body = await read_body(request, spec.admission.max_body_bytes)
-            payload = parse_body(body) if body else {}
+            body, payload = await read_payload(request, spec.admission, self.bodies)
             check_payload(payload)
         except BadRequest as exc:
             return exc.response()
@@ -256,7 +302,7 @@ class Frontend:
         if self._counters.draining:
             return error_response(503, "server is shutting down", "ServiceUnavailableError")
         try:
-            payload = parse_body(await read_body(request, spec.admission.max_body_bytes) or b"{}")
+            _, payload = await read_payload(request, spec.admission, self.bodies)
         except BadRequest as exc:
             return exc.response()
         with_trace = request.query.get("trace", "").lower() in ("1", "true", "yes")

@@ -125,6 +125,7 @@ class Prefill:
         upstream.sent += 1
         try:
             url = upstream.record.url + exchange.http.path
+            # (bounded: the session's read timeout, deploy.upstream_first_byte_timeout_s)
             async with self._clients.session.post(url, data=data, headers=exchange.headers) as resp:
                 answer = await resp.read()
             marker = engines.get(upstream.record.engine).dead_engine_marker

@@ -6,6 +6,7 @@ whether a replica that failed a request lost its engine."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -17,10 +18,17 @@ from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS
 from flagscale.replica import registry
 from flagscale.router.circuit_breaker import CircuitBreaker, CircuitState
 from flagscale.router.policies import Policy
+from flagscale.router.state import Clients
 from flagscale.router.verdict import Verdict
+
+log = logging.getLogger("flagscale.router")
 
 HEALTH_PROBE_TIMEOUT_S = 2.0
 DEATH_PROBE_TIMEOUT_S = 2.0  # after a 5xx, the replica's health check that tells whether its engine died
+# A replica silent this long on an answer being relayed gets a health check (FROZEN_PROBE_TIMEOUT_S to answer): a
+# frozen process (SIGSTOP, a lost host) is given up on in seconds, while a long prefill goes on (its server answers).
+QUIET_PROBE_S = 5.0
+FROZEN_PROBE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -170,3 +178,36 @@ async def engine_death(session: aiohttp.ClientSession, upstream: Upstream, verdi
     except (TimeoutError, aiohttp.ClientError):
         healthy = False
     return "" if healthy else "its engine died (its health check failed right after)"
+
+
+async def give_up_on_frozen(table: ReplicaTable, clients: Clients) -> None:
+    """Replicas silent for QUIET_PROBE_S on an answer being relayed: one the registry no longer has, or whose
+    health check does not answer within FROZEN_PROBE_TIMEOUT_S, is given up on: every answer being relayed from
+    it fails (upstream_http.Stalled), so its requests move to other replicas and its streams resume there, and
+    its circuit opens."""
+    relay = clients.relay
+    quiet = relay.watch.quiet_replicas(QUIET_PROBE_S)
+    if not quiet:
+        return
+    known = {relay.address(u.record.url): u for u in table.by_replica.values()}
+
+    async def check(key: tuple[str, int]) -> None:
+        upstream = known.get(key)
+        if upstream is None:
+            reason = f"was withdrawn from the registry and sent nothing for {QUIET_PROBE_S:g} s"
+        else:
+            url = upstream.record.url + engines.get(upstream.record.engine).health_path
+            try:
+                timeout = aiohttp.ClientTimeout(total=FROZEN_PROBE_TIMEOUT_S)
+                async with clients.session.get(url, timeout=timeout) as resp:
+                    await resp.read()
+                return  # its server answers: busy (a long prefill), not frozen
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+            upstream.breaker.trip(time.monotonic())
+            reason = f"sent nothing for {QUIET_PROBE_S:g} s and its health check did not answer"
+        given_up = relay.watch.give_up(key, reason)
+        if given_up:
+            log.warning("the replica at %s:%d %s: %d of its answers given up", *key, reason, given_up)
+
+    await asyncio.gather(*(check(key) for key in quiet))

@@ -39,11 +39,11 @@ from flagscale.replica.cpu_layout import RouterPinning
 from flagscale.router import own_port, peers
 from flagscale.router.admission import AdmissionQueue
 from flagscale.router.failover import Failover
-from flagscale.router.frontend import RUNNER_OPTIONS, Frontend
+from flagscale.router.frontend import Frontend
 from flagscale.router.metrics import RouterMetrics
 from flagscale.router.pd import Prefill
 from flagscale.router.policies import Policy, make_policy
-from flagscale.router.replicas import Replicas, Upstream, probe_half_open
+from flagscale.router.replicas import Replicas, Upstream, give_up_on_frozen, probe_half_open
 from flagscale.router.spec import RouterSpec
 from flagscale.router.state import Clients, Counters
 from flagscale.router.upstream_http import UpstreamClient
@@ -66,12 +66,13 @@ MISS_REFRESH_GAP_S = 0.25
 MISS_REFRESH_TIMEOUT_S = 2.0  # the most a registry read may take (a GCS that does not answer: 503 then)
 
 
-def upstream_session() -> aiohttp.ClientSession:
+def upstream_session(read_timeout_s: float = 900.0) -> aiohttp.ClientSession:
     """The router's aiohttp client for its own calls to the replicas: health probes, /metrics, /v1/models,
-    prefill (the requests it relays go through upstream_http). Call inside its event loop."""
+    prefill (the requests it relays go through upstream_http). Every call has a bound: its own, else a replica
+    silent for `read_timeout_s` (deploy.upstream_first_byte_timeout_s) fails it. Call inside its event loop."""
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=UPSTREAM_CONNECT_TIMEOUT_S, sock_read=read_timeout_s),
         auto_decompress=False,
     )
 
@@ -122,6 +123,8 @@ class Router:
     def _apply_spec(self, spec: RouterSpec) -> None:
         old = self.spec
         self.spec = spec
+        self.clients.relay.watch.first_byte_s = spec.admission.upstream_first_byte_timeout_s
+        self.clients.relay.watch.idle_s = spec.admission.upstream_idle_timeout_s
         replicas, table = self.replicas, self.replicas.table
         for upstream in table.by_replica.values():
             upstream.max_ongoing = self._max_ongoing(upstream)
@@ -155,7 +158,15 @@ class Router:
         self.replicas = Replicas(policies, prefill_policies)
         self.metrics = RouterMetrics()
         self.counters = Counters()
-        self.clients = Clients(UpstreamClient(UPSTREAM_KEEPALIVE_S, UPSTREAM_CONNECT_TIMEOUT_S))
+        bounds = self.spec.admission
+        self.clients = Clients(
+            UpstreamClient(
+                UPSTREAM_KEEPALIVE_S,
+                UPSTREAM_CONNECT_TIMEOUT_S,
+                bounds.upstream_first_byte_timeout_s,
+                bounds.upstream_idle_timeout_s,
+            )
+        )
         self.admission = AdmissionQueue()
         self._pinning = None  # the router processes' cores (RouterPinning), where spec.pin_cpus asks for it
         self._miss_refresh = asyncio.Lock()
@@ -197,12 +208,11 @@ class Router:
         loop.run_forever()
 
     async def _start(self) -> None:
-        self.clients.session = upstream_session()
-        runner = web.AppRunner(self.web_app(), **RUNNER_OPTIONS)
-        await runner.setup()
+        self.clients.session = upstream_session(self.spec.admission.upstream_first_byte_timeout_s)
         # every router process of the deployment listens on the same port; the kernel spreads connections
-        site = web.TCPSite(runner, self.spec.host, self.spec.port, backlog=1024, reuse_address=True, reuse_port=True)
-        await site.start()
+        runner = await self.frontend.listen(
+            self.spec.host, self.spec.port, backlog=1024, reuse_address=True, reuse_port=True
+        )
         foreign = own_port.foreign_listeners(self.spec.host, self.spec.port, os.environ.get(own_port.DEPLOYMENT_ENV))
         if foreign:
             await runner.cleanup()
@@ -213,7 +223,8 @@ class Router:
         await self._refresh()
         if self.spec.share_with_peers:
             await self.peers.start_sharing()
-        asyncio.get_running_loop().create_task(self._refresh_forever())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._refresh_forever()), loop.create_task(self._watch_forever())]
 
     def web_app(self) -> web.Application:
         """The HTTP surface (flagscale/router/frontend.py)."""
@@ -226,6 +237,15 @@ class Router:
             await self._probe_half_open()
             if self.spec.share_with_peers:
                 await self.peers.publish()
+
+    async def _watch_forever(self) -> None:
+        """Every refresh_s: replicas silent on an answer being relayed are checked (replicas.give_up_on_frozen)."""
+        while True:
+            await asyncio.sleep(self.spec.refresh_s)
+            try:
+                await give_up_on_frozen(self.replicas.table, self.clients)
+            except Exception:  # never let the watch end
+                log.exception("checking silent replicas failed")
 
     async def _probe_half_open(self) -> None:
         """Replicas whose circuit cool-down is over get one /health probe, so an idle router readmits them too."""

@@ -66,7 +66,8 @@ class RouterSpec:
         for key in ("routing", "prefill_routing"):
             config[key] = {model: RoutingSpec.from_json(spec) for model, spec in config.get(key, {}).items()}
         if "admission" in config:
-            config["admission"] = Admission(**config["admission"])
+            bounds = config["admission"]
+            config["admission"] = Admission(**bounds | {"allowed_hosts": tuple(bounds.get("allowed_hosts", ()))})
         return replace(self, **config)
 
 

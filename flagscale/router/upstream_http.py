@@ -9,7 +9,11 @@ awaits only the answer's head and its end (or a full client buffer, during which
 
 Connections are kept per host:port and reused while idle for at most `keepalive_s` (the replicas' servers close
 idle ones after 5 s). Errors: ConnectFailed (no connection: nothing was sent), Disconnected (the connection broke
-before or while the answer came, or the answer was not HTTP).
+before or while the answer came, or the answer was not HTTP), Stalled (a Disconnected: the replica sent nothing
+for longer than its bound, `first_byte_s` before the answer's body begins, `idle_s` between two pieces of it).
+
+Stalls are found by upstream_watch.StallWatch's sweep, not by a timer per piece: a piece costs one counter
+increment. TCP keepalive is on, so a connection to a host that vanished breaks even while idle.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from urllib.parse import urlsplit
 
 import httptools
 from multidict import CIMultiDict
+
+from flagscale.router.upstream_watch import StallWatch, tcp_keepalive
 
 
 class UpstreamError(Exception):
@@ -35,6 +41,11 @@ class Disconnected(UpstreamError):
     """The connection broke before or while the answer came."""
 
 
+class Stalled(Disconnected):
+    """The replica sent nothing for longer than its bound (a frozen engine, a lost host): the connection was
+    closed and the answer is given up, as for a replica that died."""
+
+
 # A sink takes a piece of the body and says whether more may come now (False: its consumer is full or gone).
 Sink = Callable[[bytes], bool]
 
@@ -42,9 +53,12 @@ Sink = Callable[[bytes], bool]
 class UpstreamClient:
     """Keep-alive connections to the replicas and the requests sent on them. Use it on one event loop."""
 
-    def __init__(self, keepalive_s: float, connect_timeout_s: float) -> None:
+    def __init__(
+        self, keepalive_s: float, connect_timeout_s: float, first_byte_s: float = 900.0, idle_s: float = 30.0
+    ) -> None:
         self.keepalive_s = keepalive_s
         self.connect_timeout_s = connect_timeout_s
+        self.watch = StallWatch(first_byte_s, idle_s)  # the connections waiting for an answer, and their silence
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._addresses: dict[str, tuple[str, int]] = {}
 
@@ -65,6 +79,7 @@ class UpstreamClient:
             head.append("Connection: close")
         answer = Answer(conn, head_only=method == "HEAD")
         conn.send(("\r\n".join(head) + "\r\n\r\n").encode("utf-8", "surrogateescape") + body, answer)
+        self.watch.add(conn)
         try:
             await answer.head
         except BaseException:
@@ -72,8 +87,13 @@ class UpstreamClient:
             raise
         return answer
 
+    def address(self, url: str) -> tuple[str, int]:
+        host, port, _ = self._address(url)
+        return host, port
+
     def close(self) -> None:
         """Closes the idle connections (those in use close with their answers)."""
+        self.watch.close()
         for conns in self._idle.values():
             for conn in conns:
                 conn.abort()
@@ -117,6 +137,7 @@ class UpstreamClient:
         self._idle.setdefault(conn.key, []).append(conn)
 
     def _forget(self, conn: _Connection) -> None:
+        self.watch.busy.discard(conn)
         conns = self._idle.get(conn.key)
         if conns and conn in conns:
             conns.remove(conn)
@@ -131,6 +152,9 @@ class _Connection(asyncio.Protocol):
         self.answer: Answer | None = None
         self.parser = None
         self.idle_since = 0.0
+        self.received = 0  # data_received calls: the stall sweep compares it with `seen`
+        self.seen = 0
+        self.quiet_since = 0.0
 
     def usable(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
@@ -144,10 +168,18 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def stall(self, reason: str) -> None:
+        """Gives up on the answer: the connection is closed, its answer fails with Stalled."""
+        answer, self.answer = self.answer, None
+        self.abort()
+        if answer is not None:
+            answer.broken(Stalled(reason))
+
     def done(self, keep_alive: bool) -> None:
         """The answer is in whole: the connection goes back to the pool (reading, even if its answer's relay
         paused it), or is closed."""
         self.answer, self.parser = None, None
+        self.client.watch.busy.discard(self)
         if keep_alive and self.usable():
             self.transport.resume_reading()
             self.client._release(self)
@@ -158,8 +190,10 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        tcp_keepalive(transport)
 
     def data_received(self, data: bytes) -> None:
+        self.received += 1
         if self.parser is None:  # nothing asked: a server that speaks out of turn is not reused
             self.abort()
             return
@@ -195,6 +229,7 @@ class Answer:
         self._sink: Sink | None = None
         self._wake: asyncio.Future | None = None  # what the handler waits on during read/relay
         self._paused = False
+        self.body_began = False
         self.complete = False
         self._interim = False
         self._until_close = False  # the body lasts until the connection closes
@@ -292,7 +327,12 @@ class Answer:
             self.complete = True
             self._conn.done(keep_alive=False)
 
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
     def on_body(self, body: bytes) -> None:
+        self.body_began = True
         sink = self._sink
         if sink is None:
             self._parts.append(body)

@@ -332,6 +332,42 @@ def test_killing_a_replica_under_streaming_load_loses_no_request(deployment):
     assert all(r["router"]["circuit"] == "closed" for r in routed_replicas(conf))
 
 
+def test_a_sigstopped_replica_under_streaming_load_loses_no_request(deployment):
+    """Issue 56: a replica whose processes stop (SIGSTOP: no FIN, no RST, as a GPU hang or a host that loses power)
+    no longer holds its streams: the router finds it silent, its /health unanswered, and resumes them on the other
+    replica within seconds; GET /v1/models answers meanwhile."""
+    conf = deployment
+    before = wait_for(lambda: two_routed(conf), 300, "two routed replicas")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
+    work = [("completion", f"request {i}: tell me about freezing {i * 5}") for i in range(12)]
+    reference = {item: stream(client, *item) for item in work[:4]}
+    victim = before[0]
+    frozen = [psutil.Process(victim["engine_pid"]), *psutil.Process(victim["engine_pid"]).children(recursive=True)]
+    progress = Progress()
+    resumed_before = status_json(conf)["router"]["resumed"]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            futures = {pool.submit(stream, client, *item, progress): item for item in work}
+            wait_for(lambda: progress.in_flight_past(2) is not None, 120, "streams part-way at their clients", 0.02)
+            for proc in frozen:
+                proc.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/models", timeout=15) as answer:
+                assert answer.status == 200
+            results = {futures[f]: f.result() for f in concurrent.futures.as_completed(futures)}
+            took = time.monotonic() - stopped
+    finally:
+        for proc in frozen:
+            try:
+                proc.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+    assert all(results.values()) and all(results[item] == text for item, text in reference.items())
+    assert took < 90, f"the streams took {took:.0f} s after the SIGSTOP"
+    router = wait_for(lambda: status_json(conf, while_replacing=True)["router"], STATUS_WAIT_S, "the router's totals")
+    assert router["resumed"] > resumed_before, router
+
+
 def two_router_processes(conf, without_pid: int | None = None) -> dict[str, dict] | None:
     processes = status_json(conf)["router"]["processes"]
     ok = len(processes) == 2 and without_pid not in {p["pid"] for p in processes.values()}

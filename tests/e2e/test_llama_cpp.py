@@ -33,7 +33,7 @@ from tests.conftest import (
 )
 
 PORT = 19271
-KEY_ENV, API_KEY = "FS_E2E_LLAMA_KEY", "e2e-llama-key"
+KEY_ENV, API_KEY = "FS_E2E_LLAMA_KEY", "e2e-llama-key-0123"
 LLAMA, VLLM = "tiny", "beta"
 LLAMA_REPLICAS = 2
 

@@ -38,7 +38,7 @@ from tests.e2e.log_follow import Follow, header, sections
 PORT = 18411
 MODELS = ("alpha", "beta")
 REPLICAS = {"alpha": 2, "beta": 1}
-KEY_ENV, API_KEY = "FS_E2E_API_KEY", "e2e-secret-key"  # deploy.api_key_env: the key stays out of the YAML
+KEY_ENV, API_KEY = "FS_E2E_API_KEY", "e2e-secret-key-0123"  # deploy.api_key_env: the key stays out of the YAML
 ENV_SECRET = f"hf_{secrets.token_hex(12)}"  # experiment.envs.HF_TOKEN: a secret env value
 
 

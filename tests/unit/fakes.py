@@ -88,19 +88,29 @@ def part_of_a_character(token: int) -> bool:
 
 
 class FakeEngine:
-    """Streams `max_tokens` tokens of the toy model above; `die_after` tokens: the connection is cut there.
-    Like vLLM, a token that is part of a character streams empty text, and a prompt of token ids that ends
-    part-way through a character gets the whole prompt's text streamed back with the first token."""
+    """Streams `max_tokens` tokens of the toy model above, `pace_s` apart; `die_after` tokens: the connection is
+    cut there; `freeze_after` tokens: it stops writing there and keeps the connection open (a hung engine). Like
+    vLLM, a token that is part of a character streams empty text, and a prompt of token ids that ends part-way
+    through a character gets the whole prompt's text streamed back with the first token. GET /health answers 200."""
 
-    def __init__(self, name: str, die_after: int | None = None, status: int = 200):
+    def __init__(
+        self,
+        name: str,
+        die_after: int | None = None,
+        status: int = 200,
+        pace_s: float = 0.0,
+        freeze_after: int | None = None,
+    ):
         self.name, self.die_after, self.status = name, die_after, status
+        self.pace_s, self.freeze_after = pace_s, freeze_after
         self.bodies: list[tuple[str, dict]] = []
 
-    async def start(self) -> str:
+    async def start(self, port: int = 0) -> str:
         app = web.Application()
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_post("/v1/chat/completions", self.handle)
-        self.runner, port = await serve(app)
+        app.router.add_get("/health", lambda _: web.Response(text="ok"))
+        self.runner, port = await serve(app, port=port)
         return f"http://127.0.0.1:{port}"
 
     async def handle(self, request: web.Request):
@@ -137,6 +147,12 @@ class FakeEngine:
                 await response.write(b'data: {"id":"partial')  # half an event, then the connection is cut
                 request.transport.abort()
                 return response
+            if self.freeze_after is not None and i == self.freeze_after:
+                while request.transport is not None and not request.transport.is_closing():
+                    await asyncio.sleep(0.05)  # hung: not a byte more, the connection open until the router closes it
+                return response
+            if self.pace_s:
+                await asyncio.sleep(self.pace_s)
             finish = "length" if i == len(ids) - 1 else None
             held += text_of([token])
             text, held = ("", held) if part_of_a_character(token) and not finish else (held, "")
@@ -222,6 +238,6 @@ async def raw_request(url: str, head: bytes, body: bytes = b"") -> tuple[asyncio
 
 
 def post_head(path: str, body: bytes, *headers: bytes) -> bytes:
-    lines = [f"POST {path} HTTP/1.1".encode(), b"Host: x", b"Content-Type: application/json"]
+    lines = [f"POST {path} HTTP/1.1".encode(), b"Host: 127.0.0.1", b"Content-Type: application/json"]
     lines += [f"Content-Length: {len(body)}".encode(), *headers]
     return b"\r\n".join(lines) + b"\r\n"

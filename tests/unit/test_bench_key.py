@@ -15,7 +15,7 @@ from flagscale.actions import bench as bench_action
 from flagscale.actions.context import ActionContext
 from flagscale.config.load import ConfigSources, load_config
 
-KEY = "bench-key-7f3a"
+KEY = "bench-key-7f3a-0123"
 
 
 def _key_seen_by_the_benchmark(log_path: str, api_key: str) -> str | None:

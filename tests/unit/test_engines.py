@@ -157,20 +157,22 @@ def llama_config(gguf, deploy: dict) -> dict:
     }
 
 
-@pytest.mark.parametrize("deploy", [{"api_key": "one,two"}, {"api_key_env": "FS_TEST_COMMA_KEY"}])
+@pytest.mark.parametrize("deploy", [{"api_key": "one,two,three-four-five"}, {"api_key_env": "FS_TEST_COMMA_KEY"}])
 def test_llama_cpp_refuses_a_key_with_a_comma_naming_the_key(fake_llama_server, gguf, monkeypatch, deploy):
     from flagscale.config.load import ConfigSources, load_config
     from flagscale.plan import build_plan
 
-    monkeypatch.setenv("FS_TEST_COMMA_KEY", "one,two")
+    monkeypatch.setenv("FS_TEST_COMMA_KEY", "one,two,three-four-five")
     sources = ConfigSources(main="conf/serve.yaml")
     with pytest.raises(ConfigError) as info:
         build_plan(load_config(llama_config(gguf, deploy), sources), sources, check_port=False)
     entry = next(iter(deploy))
     assert f"conf/serve.yaml: experiment.runner.deploy.{entry}" in str(info.value) and "','" in str(info.value)
-    assert "one,two" not in str(info.value)
-    plan = build_plan(load_config(llama_config(gguf, {"api_key": "one-two"}), sources), sources, check_port=False)
-    assert plan.api_key == "one-two"
+    assert "one,two,three-four-five" not in str(info.value)
+    plan = build_plan(
+        load_config(llama_config(gguf, {"api_key": "one-two-three-four-five"}), sources), sources, check_port=False
+    )
+    assert plan.api_key == "one-two-three-four-five"
 
 
 def test_llama_cpp_names_the_request_headers_the_router_drops():

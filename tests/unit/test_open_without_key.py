@@ -46,7 +46,7 @@ def test_a_router_beyond_loopback_without_a_key_is_said_with_where(demo_model_pa
     warning = open_without_key(plan)
     assert warning and "no API key" in warning and f"the router on {host}:8123" in warning
     assert "api_key_env" in warning and "engine" not in warning  # engines here stay on 127.0.0.1
-    keyed = config(demo_model_path, {"host": host, "api_key": "k"})
+    keyed = config(demo_model_path, {"host": host, "api_key": "k-0123456789abcdef"})
     assert open_without_key(build_plan(keyed, SOURCES, target_facts=TargetFacts())) is None
 
 

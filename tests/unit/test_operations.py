@@ -104,7 +104,7 @@ def test_metrics_show_every_replica_and_the_router_and_skip_a_silent_one(monkeyp
 
 def test_api_key_is_required_everywhere_but_health_and_reaches_the_engines():
     engine = FakeEngine("a", 1)
-    good = {"Authorization": "Bearer sesame"}
+    good = {"Authorization": "Bearer open-sesame-0123456789"}
     calls = [
         ("POST", "/v1/completions", {}),
         ("POST", "/v1/completions", {"Authorization": "Bearer wrong"}),
@@ -113,13 +113,20 @@ def test_api_key_is_required_everywhere_but_health_and_reaches_the_engines():
         ("GET", "/metrics", {}),  # protected by default: Prometheus sends the key as a bearer token
         ("GET", "/metrics", good),
     ]
-    results, _ = asyncio.run(with_router([engine], api_key="sesame", calls=calls))
+    results, _ = asyncio.run(with_router([engine], api_key="open-sesame-0123456789", calls=calls))
     statuses = [status for status, _ in results]
     assert statuses == [401, 401, 200, 200, 401, 200]
-    assert '"code": "invalid_api_key"' in results[0][1] and "sesame" not in results[0][1]
-    assert engine.authorization == ["Bearer sesame"]  # only the good one reached the engine, with the key
+    assert '"code": "invalid_api_key"' in results[0][1] and "open-sesame-0123456789" not in results[0][1]
+    assert engine.authorization == [
+        "Bearer open-sesame-0123456789"
+    ]  # only the good one reached the engine, with the key
     opted_out, _ = asyncio.run(
-        with_router([FakeEngine("b", 1)], api_key="sesame", protect_metrics=False, calls=[("GET", "/metrics", {})])
+        with_router(
+            [FakeEngine("b", 1)],
+            api_key="open-sesame-0123456789",
+            protect_metrics=False,
+            calls=[("GET", "/metrics", {})],
+        )
     )
     assert opted_out[0][0] == 200
 
@@ -143,16 +150,18 @@ def test_api_key_env_must_be_set_and_the_key_is_never_printed(demo_model_path, m
     with pytest.raises(ConfigError) as info:
         build_plan(config, sources, check_port=False)
     assert "deploy.api_key_env" in str(info.value) and "FS_TEST_KEY" in str(info.value)
-    monkeypatch.setenv("FS_TEST_KEY", "sesame")
+    monkeypatch.setenv("FS_TEST_KEY", "open-sesame-0123456789")
     plan = build_plan(config, sources, check_port=False)
-    assert plan.api_key == "sesame" and "sesame" not in repr(plan)
+    assert plan.api_key == "open-sesame-0123456789" and "open-sesame-0123456789" not in repr(plan)
     with pytest.raises(ConfigError, match="not both"):
-        load_config(config_with({"api_key": "a", "api_key_env": "FS_TEST_KEY"}, demo_model_path), sources)
+        load_config(
+            config_with({"api_key": "a-0123456789abcdef", "api_key_env": "FS_TEST_KEY"}, demo_model_path), sources
+        )
 
     from rich.console import Console
 
     from flagscale.actions.dryrun import dryrun
 
-    inline = load_config(config_with({"api_key": "sesame"}, demo_model_path), sources)
+    inline = load_config(config_with({"api_key": "open-sesame-0123456789"}, demo_model_path), sources)
     dryrun(inline, build_plan(inline, sources, check_port=False), Console(width=200))
-    assert "sesame" not in capsys.readouterr().out
+    assert "open-sesame-0123456789" not in capsys.readouterr().out

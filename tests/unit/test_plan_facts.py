@@ -67,9 +67,9 @@ def test_this_machines_gpus_and_port_come_from_the_facts(demo_model_path, no_pro
 def test_checkpoint_sizes_the_key_and_exp_dir_come_from_the_facts(demo_model_path, monkeypatch, no_probes):
     model = str(demo_model_path)
     keyed = config(demo_model_path, deploy={"api_key_env": "FS_TEST_FACTS_KEY"})
-    monkeypatch.setenv("FS_TEST_FACTS_KEY", "sesame")
+    monkeypatch.setenv("FS_TEST_FACTS_KEY", "open-sesame-0123456789")
     facts = gather_facts(keyed, SOURCES, target=TargetFacts())
-    assert facts.api_key == "sesame" and list(facts.weight_bytes) == [model]
+    assert facts.api_key == "open-sesame-0123456789" and list(facts.weight_bytes) == [model]
     monkeypatch.delenv("FS_TEST_FACTS_KEY")  # planning reads the key from the facts, not the environment
     h100 = TargetFacts(gpus=[Gpu(0, "NVIDIA H100 80GB HBM3", 81559)], cpus=8)
     plan = plan_of(keyed, SOURCES, Facts(h100, api_key="given", exp_dir="/given"))

@@ -20,7 +20,7 @@ from tests.conftest import bare_router, router_listening, serve
 from tests.unit.fakes import FakeEngine, raw_request, started_upstreams, through_pd_router, upstream
 from tests.unit.fakes import through_router as stream_through_router
 
-KEY = {"Authorization": "Bearer sesame"}
+KEY = {"Authorization": "Bearer open-sesame-0123456789"}
 # vLLM's dead engine core, as its server answers every request after it (vllm/v1/engine/exceptions.py)
 ENGINE_DEAD = {
     "error": {
@@ -122,7 +122,7 @@ def test_only_the_engines_public_paths_reach_an_engine_the_rest_is_404_at_the_ro
     body = {"model": "m", "prompt": "x"}
     calls = [(method, path, body if method == "POST" else None, KEY) for method, path in NOT_PUBLIC + PUBLIC]
     calls.append(("GET", "/v1/completions?stream=false&x=%20y", None, KEY))
-    results, _ = asyncio.run(with_router([engine], calls, api_key="sesame"))
+    results, _ = asyncio.run(with_router([engine], calls, api_key="open-sesame-0123456789"))
     statuses = {f"{m} {p}": status for (m, p, _, _), (status, _) in zip(calls, results)}
     assert {f"{m} {p}": statuses[f"{m} {p}"] for m, p in NOT_PUBLIC} == {f"{m} {p}": 404 for m, p in NOT_PUBLIC}
     assert {f"{m} {p}": statuses[f"{m} {p}"] for m, p in PUBLIC} == {f"{m} {p}": 200 for m, p in PUBLIC}
@@ -140,7 +140,7 @@ def test_a_path_outside_the_surface_does_not_reach_the_engine_however_it_is_spel
         try:
             async with router_listening(bare_router([up], "least_load")) as url:
                 for target in (b"/v1/completions/../../load", b"/v1/%2e%2e/load", b"//load", b"/v1/models/../../load"):
-                    reader, writer = await raw_request(url, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n")
+                    reader, writer = await raw_request(url, b"GET " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n")
                     statuses.append(int((await asyncio.wait_for(reader.readline(), 10)).split()[1]))
                     writer.close()
         finally:
@@ -192,13 +192,13 @@ def test_only_get_health_skips_the_key_other_methods_need_it_and_then_get_405():
         ("POST", "/metrics", body, KEY),
         ("POST", "/v1/models", body, KEY),
     ]
-    results, _ = asyncio.run(with_router([engine], calls, api_key="sesame"))
+    results, _ = asyncio.run(with_router([engine], calls, api_key="open-sesame-0123456789"))
     assert [status for status, _ in results] == [200, 401, 401, 401, 401, 401, 401, 405, 405, 405]
     opened, _ = asyncio.run(
         with_router(
             [RecordingEngine("b")],
             [("GET", "/metrics", None, {}), ("POST", "/metrics", body, {}), ("PUT", "/metrics", body, {})],
-            api_key="sesame",
+            api_key="open-sesame-0123456789",
             protect_metrics=False,
         )
     )
@@ -223,7 +223,7 @@ def test_client_errors_and_5xx_off_the_inference_paths_leave_the_replica_in_rota
     bad = {"model": "m", "prompt": "x", "bad": True}
     calls = [("POST", "/v1/completions", bad, KEY), ("POST", "/tokenize", {"model": "m", "prompt": "x"}, KEY)] * 12
     calls += [("POST", "/v1/completions", {"model": "m", "prompt": "x"}, KEY)] * 6
-    results, router = asyncio.run(with_router([a, b], calls, api_key="sesame"))
+    results, router = asyncio.run(with_router([a, b], calls, api_key="open-sesame-0123456789"))
     assert [s for s, _ in results[:24]] == [400, 500] * 12
     assert [s for s, _ in results[24:]] == [200] * 6
     assert len(a.seen) + len(b.seen) == 30  # each request went to one replica: none was retried on another
@@ -349,6 +349,6 @@ def test_headers_an_engine_kind_asks_to_drop_never_reach_an_engine():
     engine = HeaderEngine("a")
     headers = {**KEY, "X-Conversation-Id": "c1", "X-Other": "kept"}
     calls = [("POST", "/v1/completions", {"model": "m", "prompt": "x"}, headers)]
-    results, _ = asyncio.run(with_router([engine], calls, api_key="sesame"))
+    results, _ = asyncio.run(with_router([engine], calls, api_key="open-sesame-0123456789"))
     assert results[0][0] == 200
     assert "x-conversation-id" not in engine.headers[0] and engine.headers[0]["x-other"] == "kept"

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import random
+from dataclasses import replace
 
 import aiohttp
 from aiohttp import web
@@ -194,7 +195,7 @@ def test_generated_malformed_requests_never_get_a_5xx_from_the_router():
         try:
             for policy in ("cache_aware", "session"):
                 router = bare_router(ups, policy)
-                router.spec.api_key = "sesame" if policy == "session" else None
+                router.spec.api_key = "open-sesame-0123456789" if policy == "session" else None
                 async with router_listening(router) as url:
                     for _ in range(CASES // 2):
                         path, body, headers = rng.choice(PATHS), junk_body(rng), junk_headers(rng)
@@ -204,7 +205,7 @@ def test_generated_malformed_requests_never_get_a_5xx_from_the_router():
                             path = rng.choice(OFF_SURFACE)
                         if router.spec.api_key and rng.random() < 0.8:
                             headers = [h for h in headers if not h.startswith(b"Authorization")]
-                            headers.append(b"Authorization: Bearer sesame")
+                            headers.append(b"Authorization: Bearer open-sesame-0123456789")
                         reached = sum(len(e.paths) for e in engines)
                         status = await answer_status(url, path, body, headers, method)
                         if status >= 500:
@@ -215,7 +216,7 @@ def test_generated_malformed_requests_never_get_a_5xx_from_the_router():
                                 bad.append((status, method, path, "off the surface", headers))
                     async with aiohttp.ClientSession() as client:
                         good = {"model": "m", "prompt": "hello", "max_tokens": 3}
-                        headers = {"Authorization": "Bearer sesame"} if router.spec.api_key else {}
+                        headers = {"Authorization": "Bearer open-sesame-0123456789"} if router.spec.api_key else {}
                         async with client.post(f"{url}/v1/completions", json=good, headers=headers) as r:
                             assert r.status == 200 and (await r.json())["choices"][0]["text"] == "ok"
                     assert router.counters.inflight == 0 and all(u.inflight == 0 for u in ups)
@@ -232,3 +233,73 @@ def test_generated_malformed_requests_never_get_a_5xx_from_the_router():
     assert not failed_handlers.records, [
         r.getMessage() + str(r.exc_info and r.exc_info[1]) for r in failed_handlers.records[:3]
     ]
+
+
+async def partial_request(url: str, rng: random.Random, body: bytes) -> tuple[str, int | None]:
+    """One generated slow or partial request: (what it did, the status it got or None when the router closed it
+    without an answer). A request dribbled within the bounds is answered; the rest are closed within them."""
+    head = post_head("/v1/completions", body, b"Connection: close")
+    whole = head + b"\r\n" + body
+    kind = rng.choice(["head-cut-close", "head-cut-silent", "body-cut-close", "body-cut-silent", "dribbled"])
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        if kind.startswith("head-cut"):
+            writer.write(head[: rng.randint(0, len(head) - 1)])
+        elif kind.startswith("body-cut"):
+            writer.write(whole[: len(head) + 2 + rng.randint(0, len(body) - 1)])
+        else:  # the whole request, a few bytes at a time: slow but within the bounds
+            for i in range(0, len(whole), max(1, len(whole) // 8)):
+                writer.write(whole[i : i + max(1, len(whole) // 8)])
+                await asyncio.sleep(rng.uniform(0.01, 0.1))
+        if kind.endswith("close"):
+            writer.close()
+            return kind, None
+        answer = await asyncio.wait_for(reader.read(), 15)  # answered, or closed by the router within its bounds
+        return kind, int(answer.split()[1]) if answer.startswith(b"HTTP/1.1 ") else None
+    except ConnectionError:
+        return kind, None
+    finally:
+        writer.close()
+
+
+def test_generated_slow_and_partial_requests_are_answered_or_closed_within_the_bounds():
+    rng = random.Random(SEED)
+    failed_handlers = Errors()
+    logging.getLogger("aiohttp.server").addHandler(failed_handlers)
+
+    async def main():
+        engine = TolerantEngine("a")
+        up = upstream("a", 0, sent=0)
+        up.record.url = await engine.start()
+        router = bare_router([up], "cache_aware")
+        router.spec.admission = replace(router.spec.admission, client_idle_timeout_s=1.0, client_body_timeout_s=1.0)
+        try:
+            async with router_listening(router) as url:
+                bodies = [json.dumps({"model": "m", "prompt": "hello", "max_tokens": 3}).encode()]
+                bodies += [junk_body(rng) or b"{}" for _ in range(5)]
+                began = asyncio.get_running_loop().time()
+                results = await asyncio.gather(*(partial_request(url, rng, rng.choice(bodies)) for _ in range(120)))
+                took = asyncio.get_running_loop().time() - began
+                deadline = asyncio.get_running_loop().time() + 15
+                while router.frontend.connections.open and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.05)
+                left = router.frontend.connections.open, router.counters.inflight, router.frontend.bodies.taken
+                async with aiohttp.ClientSession() as client:
+                    good = {"model": "m", "prompt": "hello", "max_tokens": 3}
+                    async with client.post(f"{url}/v1/completions", json=good) as r:
+                        assert r.status == 200
+        finally:
+            await engine.runner.cleanup()
+        return results, took, left
+
+    try:
+        results, took, left = asyncio.run(main())
+    finally:
+        logging.getLogger("aiohttp.server").removeHandler(failed_handlers)
+    bad = [(kind, status) for kind, status in results if status is not None and status >= 500]
+    bad += [(kind, status) for kind, status in results if kind == "dribbled" and status is None]
+    assert not bad, bad[:5]
+    assert any(kind == "dribbled" for kind, _ in results) and any(kind.endswith("silent") for kind, _ in results)
+    assert took < 15 and left == (0, 0, 0), (took, left)
+    assert not failed_handlers.records, [r.getMessage() for r in failed_handlers.records[:3]]

@@ -196,7 +196,7 @@ def test_what_the_engine_refuses_is_its_4xx_not_a_router_500():
         up = upstream("a", 0, sent=0)
         up.record.url = await engine.start()
         router = bare_router([up], "session")
-        router.spec.api_key = "sesame"
+        router.spec.api_key = "open-sesame-0123456789"
         chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]})
         good = json.dumps({"model": "m", "prompt": "x"}).encode()
         # a resumable stream's body is re-serialized with orjson, which has no integers beyond 64 bits
@@ -205,11 +205,15 @@ def test_what_the_engine_refuses_is_its_4xx_not_a_router_500():
         try:
             async with router_listening(router) as url:
                 for path, body, headers in [
-                    ("/v1/chat/completions", chat.encode(), [b"Authorization: Bearer sesame"]),
+                    ("/v1/chat/completions", chat.encode(), [b"Authorization: Bearer open-sesame-0123456789"]),
                     ("/v1/completions", good, [b"Authorization: Bearer \xff\xfe"]),
-                    ("/v1/completions", good, [b"Authorization: Bearer sesame", b"X-Session-Id: \xff\xfe\xfd"]),
-                    ("/v1/completions", huge_int, [b"Authorization: Bearer sesame"]),
-                    ("/v1/completions", good, [b"Authorization: Bearer sesame"]),
+                    (
+                        "/v1/completions",
+                        good,
+                        [b"Authorization: Bearer open-sesame-0123456789", b"X-Session-Id: \xff\xfe\xfd"],
+                    ),
+                    ("/v1/completions", huge_int, [b"Authorization: Bearer open-sesame-0123456789"]),
+                    ("/v1/completions", good, [b"Authorization: Bearer open-sesame-0123456789"]),
                 ]:
                     reader, writer = await raw_request(url, post_head(path, body, b"Connection: close", *headers), body)
                     statuses.append(int((await reader.readline()).split()[1]))

@@ -7,6 +7,7 @@ import pytest
 from flagscale.config.routing import RoutingSpec
 from flagscale.router.policies import POLICIES, RequestInfo, make_policy
 from flagscale.router.policies.cache_aware import CacheAware, PrefixTable, prompt_text
+from flagscale.router.policies.session import Session
 from flagscale.router.replicas import Upstream
 from tests.conftest import replica_record
 
@@ -224,10 +225,22 @@ def test_session_moves_when_its_replica_leaves_or_fails():
     assert send(policy, [r1, r2], {"user": "ann"}, now=2.0) is r2  # r1's circuit is open
     assert send(policy, [r1, r2], {"user": "ann"}, now=100.0) is r2  # and the session stays where it went
     policy.on_replica_left("r2")
-    assert "user:ann" not in policy.sessions
+    assert session_of("ann") not in policy.sessions
     for user in ("a", "b", "c"):
         send(policy, [r1, r2], {"user": user}, now=100.0)
-    assert list(policy.sessions) == ["user:b", "user:c"]  # bounded, least recently used forgotten
+    assert list(policy.sessions) == [session_of("b"), session_of("c")]  # bounded, least recently used forgotten
+
+
+def session_of(user: str) -> bytes:
+    return Session.key(RequestInfo("m", {"user": user}))
+
+
+def test_a_session_costs_the_same_however_long_its_name():
+    policy = make_policy(RoutingSpec.of("session", max_sessions=10))
+    r1 = upstream("r1")
+    send(policy, [r1], {"user": "u" * 1_000_000})
+    send(policy, [r1], {}, {"x-session-id": "\udcff" * 10_000})  # (header bytes that are not UTF-8)
+    assert [len(key) for key in policy.sessions] == [16, 16]
 
 
 def test_routing_options_are_every_policys_settings_with_the_same_defaults():

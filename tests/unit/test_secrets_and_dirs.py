@@ -21,7 +21,7 @@ from flagscale.config.load import load_config
 from flagscale.errors import ClusterError, ConfigError
 from flagscale.update import diff, masked_config, snapshot
 
-SECRET = "hf_s3cr3t_value"
+SECRET = "hf_s3cr3t_value_0123"
 
 
 def config(**experiment):

@@ -120,7 +120,7 @@ def test_flagscale_args_become_sglangs_own_flags(installed):
     [
         ({"context_lenght": 8}, "context_lenght", "SGLang has no flag --context-lenght .*did you mean context_length"),
         ({"trust_remote_code": "yes"}, "trust_remote_code", "--trust-remote-code is a switch: give true or false"),
-        ({"api_key": "k"}, "api_key", "deploy.api_key"),
+        ({"api_key": "k-0123456789abcdef"}, "api_key", "deploy.api_key"),
         ({"model_path": "/m"}, "model_path", "engine_args.model"),
         ({"served_model_name": ["a", "b"]}, "served_model_name", "one name"),
     ],

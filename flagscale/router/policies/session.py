@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -14,13 +15,16 @@ SESSION_HEADER = "x-session-id"
 class SessionSettings(Settings):
     """session's own `routing_options`: the bound of its session table."""
 
-    max_sessions: int = setting(100_000, "sessions remembered, least recently used forgotten first.", ge=1)
+    max_sessions: int = setting(
+        100_000, "sessions remembered, least recently used forgotten first (about 200 bytes each).", ge=1
+    )
 
 
 class Session(Policy):
     """Affinity by the OpenAI `user` field, else the X-Session-Id header: a session's requests go to the replica
     that served its first one while that replica is there and its circuit closed; requests without a session,
-    and a session's first request, go by least_load. The session table is an LRU of `max_sessions`."""
+    and a session's first request, go by least_load. The session table is an LRU of `max_sessions`, keyed by a
+    16-byte digest of the client's string (however long it is, an entry costs the same)."""
 
     name = "session"
     settings_type = SessionSettings
@@ -28,15 +32,19 @@ class Session(Policy):
 
     def __init__(self, settings: SessionSettings | None = None):
         super().__init__(settings)
-        self.sessions: OrderedDict[str, str] = OrderedDict()  # session key -> replica id
+        self.sessions: OrderedDict[bytes, str] = OrderedDict()  # digest of the session key -> replica id
 
     @staticmethod
-    def key(request: RequestInfo) -> str | None:
+    def key(request: RequestInfo) -> bytes | None:
         user = request.body.get("user")
         if isinstance(user, str) and user:
-            return "user:" + user
-        header = request.headers.get(SESSION_HEADER)
-        return "header:" + header if header else None
+            named = "user:" + user
+        else:
+            header = request.headers.get(SESSION_HEADER)
+            if not header:
+                return None
+            named = "header:" + header
+        return hashlib.blake2b(named.encode(errors="surrogatepass"), digest_size=16).digest()
 
     def select(self, upstreams, request, now):
         ranked = rank_replicas(upstreams, self.next_turn(), now)
