@@ -22,7 +22,7 @@ from flagscale.actions.invocation import RUN_PY, Invocation
 from flagscale.actions.runner_log import log_to_file, runner_log_path
 from flagscale.actions.teardown import EnvFor, no_envs, teardown
 from flagscale.actions.update_in_place import update
-from flagscale.adaptors import ray
+from flagscale.adaptors import ray, serve
 from flagscale.cluster.ray_node import cluster_alive
 from flagscale.cluster.state import RunState
 from flagscale.errors import DeployError, FlagScaleError
@@ -74,6 +74,10 @@ def run(
     warning = open_without_key(plan)
     if warning:
         console.print(f"[bold yellow]warning:[/] {warning}", soft_wrap=True)
+    # Ray and Serve imported whole before a signal can cut in: an import a signal interrupts stays half-made, and
+    # the teardown needs both.
+    ray.load()
+    serve.load()
     previous = signals.stop_on_termination()
     try:
         started = launcher.launch(state, plan, console)

@@ -6,13 +6,14 @@ Becoming a Ray driver changes two handlers (Ray 2.60):
   among others. On SIGTERM it prints a stack ("*** SIGTERM received at time=... ***"), arms a 3-second alarm whose
   handler aborts the process (SIGABRT), then hands the signal on. The Python handler's SystemExit starts the run's
   teardown, and the alarm kills it 3 s later: Ray and its engines are left running.
+And a signal that interrupts `ray.init` itself leaves a core worker made but Ray not marked initialized: the
+teardown's own `ray.init` then aborts the process ("The process is already initialized for core worker").
 
-`keeping_signal_handlers` runs a `ray.init` so that neither sticks: the core worker is told to install no failure-signal
-handler (ray_compat.no_failure_signal_handler; a crash of the driver then has no C++ stack, only Python's), SIGINT,
-SIGTERM and SIGHUP are blocked on the calling thread meanwhile, and on the main thread the process's own handlers are
-put back afterwards. The threads Ray starts inherit the blocked mask, so these signals reach the process's own
-threads only; one that arrived during the call is delivered, to the restored handler, once the mask is lifted. (A
-teardown attaches from a worker thread, within a bound: cluster/bounded.py. There Ray sets no Python handler.)"""
+`keeping_signal_handlers` runs a `ray.init` so that none of this happens: Ray sets no SIGTERM handler
+(ray_compat.ray_sets_no_sigterm_handler), its core worker no failure-signal handler (ray_compat.no_failure_signal_handler;
+a crash of the driver then has no C++ stack, only Python's), and on the main thread SIGINT, SIGTERM and SIGHUP are
+held meanwhile: noted, then raised again once the process's own handlers are back. (A teardown may attach from a
+bounded worker thread, cluster/bounded.py: no handler can be set there, and the teardown's own note a signal.)"""
 
 from __future__ import annotations
 
@@ -21,22 +22,27 @@ import signal
 import threading
 from collections.abc import Iterator
 
-from flagscale.cluster.ray_compat import no_failure_signal_handler
+from flagscale.cluster.ray_compat import no_failure_signal_handler, ray_sets_no_sigterm_handler
 
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
 def keeping_signal_handlers() -> Iterator[None]:
-    """The handlers of HANDLED as they were before the block, and none of them delivered to this thread during it."""
+    """The process's handlers of HANDLED as they were, and any of those signals that came during the block handled by
+    them after it (on the main thread; elsewhere only Ray's handlers are kept out)."""
     no_failure_signal_handler()
-    on_main = threading.current_thread() is threading.main_thread()
-    before = {signum: signal.getsignal(signum) for signum in HANDLED} if on_main else {}
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+    held: list[int] = []
+    before = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in HANDLED:
+            if signal.getsignal(signum) not in (signal.SIG_IGN, None):  # None: a handler set outside Python
+                before[signum] = signal.signal(signum, lambda signum, _frame: held.append(signum))
     try:
-        yield
+        with ray_sets_no_sigterm_handler():
+            yield
     finally:
         for signum, handler in before.items():
-            if handler is not None:  # None: set outside Python, nothing to put back
-                signal.signal(signum, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)

@@ -126,3 +126,40 @@ def test_sigterm_while_a_run_starts_stops_everything_it_started(tmp_path, short_
     if can_check_users:
         assert not open_paths, open_paths
         assert not open_to_nobody(exp_dir) and not private_files(exp_dir), private_files(exp_dir)
+
+
+ATTACH_ON_A_THREAD = """
+import os, signal, sys, tempfile, threading, time
+import ray
+from flagscale.cluster.driver_signals import keeping_signal_handlers
+
+got = []
+signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+temp_dir = sys.argv[1]
+
+def attach():  # as a teardown attaches: on a bounded worker thread (cluster/bounded.py)
+    with keeping_signal_handlers():
+        ray.init(num_cpus=1, include_dashboard=False, _temp_dir=temp_dir, logging_level="ERROR")
+
+thread = threading.Thread(target=attach)
+thread.start()
+thread.join()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)  # absl's handler would have aborted the process 3 s after the signal
+print("handled by the run" if got == [signal.SIGTERM] else f"not handled: {got}", flush=True)
+ray.shutdown()
+"""
+
+
+def test_a_driver_attached_on_a_thread_keeps_the_runs_sigterm(tmp_path):
+    """Ray's core worker would install absl's failure-signal handler process-wide, from whichever thread attaches:
+    a SIGTERM then aborts the process 3 s later (exit 134), whatever Python handler the run has."""
+    temp_dir = tempfile.mkdtemp(prefix="fsd", dir="/tmp")  # short: Ray's socket paths
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", ATTACH_ON_A_THREAD, temp_dir], capture_output=True, text=True, timeout=180, cwd=REPO
+        )
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert done.returncode == 0 and "handled by the run" in done.stdout, (done.returncode, done.stdout, done.stderr)
+    assert "SIGTERM received" not in done.stderr, done.stderr

@@ -116,18 +116,20 @@ def test_a_second_sigterm_or_a_ctrl_c_during_the_teardown_is_noted_and_the_teard
 
 
 def test_ray_init_does_not_take_the_runs_handlers(tmp_path):
-    """What `ray.init` does to a driver's SIGTERM (a handler of its own; absl's, below Python) is undone by
-    keeping_signal_handlers, and a SIGTERM that came meanwhile reaches the run's handler once it is back."""
+    """`ray.init` under keeping_signal_handlers sets no SIGTERM handler of Ray's, is not cut short by a SIGTERM, and
+    that SIGTERM reaches the run's handler after it. (absl's handler, below Python, needs a real driver:
+    tests/e2e/test_run_signals.py.)"""
     code = textwrap.dedent(
         """
         import os, signal, sys
+        import ray._private.utils
         from flagscale.cluster.driver_signals import keeping_signal_handlers
 
         got = []
         signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
         with keeping_signal_handlers():
-            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(15))  # as ray.init does
-            os.kill(os.getpid(), signal.SIGTERM)  # held until the run's handler is back
+            ray._private.utils.set_sigterm_handler(lambda signum, frame: sys.exit(15))  # what ray.init does
+            os.kill(os.getpid(), signal.SIGTERM)  # held: ray.init is not cut short, the run gets it after
             assert not got
         print("handled by the run" if got == [signal.SIGTERM] else f"not handled: {got}")
         """
