@@ -8,12 +8,20 @@ Two port questions with different answers, kept apart on purpose:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import ipaddress
+import os
 import random
 import socket
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from flagscale.paths import UnsafeDirectory, ensure_private_dir, user_tmp_root
 
 
 def is_loopback(host: str) -> bool:
@@ -67,7 +75,10 @@ def port_is_free(host: str, port: int) -> bool:
 # bind(0) lies inside that range, where any outgoing connection on the machine (ZMQ, HTTP clients, Ray's own) can take
 # it between this probe and the owner's bind. Ray's worker ports (cluster/ray_node.py) end at 29999.
 _PICK_RANGE = (30000, 32767)
-_handed_out: set[int] = set()
+# How long a port handed out stays reserved: its owner binds it within this (an engine's server binds its port before
+# it loads the model), after which a bound port is seen as not free anyway.
+PORT_HOLD_S = 300.0
+LEDGER = "ports.ledger"  # in the user's private directory under /tmp (paths.user_tmp_root)
 
 
 def _ephemeral_low() -> int:
@@ -79,23 +90,65 @@ def _ephemeral_low() -> int:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port this machine can bind on host now, for a process that binds it later (free when asked, not reserved).
+    """A port this machine can bind on host now, for a process that binds it later, reserved host-wide for
+    PORT_HOLD_S: no other process of this user on the machine is given it meanwhile (replicas that start at once on
+    one host, each in its own Ray worker, get different ports).
 
-    Drawn at random from below the ephemeral range, where no outgoing connection is given it meanwhile, and never the
-    same one twice in this process until it has gone round the range; the OS's choice (bind to port 0) when that
-    range holds none free."""
+    The reservation is a ledger file, `<user_tmp_root>/ports.ledger` ("<port> <until>" a line), read and rewritten
+    under an exclusive flock by whoever picks a port; expired lines are dropped. A ledger rather than a bound socket
+    handed to the engine: vLLM, SGLang and llama-server each take a port number, not a socket, and the ledger needs
+    nothing of them. Every process that hands out ports for this user's runs on this machine shares it (they run as
+    this user); another user's processes keep to their own (a port they bind is still seen as not free).
+
+    Drawn at random from below the ephemeral range, where no outgoing connection is given it meanwhile; the OS's
+    choice (bind to port 0) when that range holds none free and unreserved."""
     low, high = _PICK_RANGE[0], min(_PICK_RANGE[1], _ephemeral_low() - 1)
-    candidates = [port for port in range(low, high + 1) if port not in _handed_out]
-    if not candidates and _handed_out:  # a long-lived process went round the range once: start again
-        _handed_out.clear()
-        candidates = list(range(low, high + 1))
-    for port in random.sample(candidates, min(len(candidates), 64)):
-        if port_is_free(host, port):
-            _handed_out.add(port)
+    try:
+        with _ledger() as held:
+            port = _pick(host, [p for p in range(low, high + 1) if p not in held])
+            if port is not None:
+                held[port] = time.time() + PORT_HOLD_S
+                return port
+    except (
+        OSError,
+        UnsafeDirectory,
+    ):  # no private directory to keep the ledger in: this process's own choice, unreserved
+        port = _pick(host, list(range(low, high + 1)))
+        if port is not None:
             return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _pick(host: str, candidates: list[int]) -> int | None:
+    for port in random.sample(candidates, min(len(candidates), 64)):
+        if port_is_free(host, port):
+            return port
+    return None
+
+
+@contextlib.contextmanager
+def _ledger() -> Iterator[dict[int, float]]:
+    """The unexpired reservations (port -> until), under the ledger's lock; what the body leaves in the dict is
+    written back. OSError or UnsafeDirectory when the private directory cannot be had."""
+    directory = Path(user_tmp_root(tempfile.gettempdir()))
+    ensure_private_dir(str(directory))
+    fd = os.open(directory / LEDGER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "r+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # held for a read, a few probes and a write: milliseconds
+        now = time.time()
+        held: dict[int, float] = {}
+        for line in f.read().splitlines():
+            words = line.split()
+            if len(words) == 2 and words[0].isdigit():
+                with contextlib.suppress(ValueError):
+                    if float(words[1]) > now:
+                        held[int(words[0])] = float(words[1])
+        yield held
+        f.seek(0)
+        f.truncate()
+        f.write("".join(f"{port} {until:.0f}\n" for port, until in held.items()))
 
 
 def health_ok(base_url: str, timeout_s: float, path: str = "/health") -> bool:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from flagscale.config.graph import GraphPlan
 from flagscale.config.schema import ServeConfig
+from flagscale.secrets import MASK, SECRET_NAME
 
 # Paths under `experiment` that are applied in place; everything else under it is fixed while the cluster runs.
 IN_PLACE = ("experiment.runner.deploy.", "experiment.node_args.", "experiment.task.")
@@ -26,8 +26,6 @@ IGNORED = ("experiment.bench.", "experiment.auto_tuner")
 # Recorded and compared only as digests, shown only as "changed": every env var value (HF_TOKEN, ...), the API
 # key, and engine args named like a credential (api_key, hf_token, ...).
 SECRET_PATHS = ("experiment.envs.", "experiment.runner.deploy.api_key_digest")
-SECRET_NAME = re.compile(r"(^|_)(api_?key|token|secret|password|passwd|credentials?)($|_)", re.IGNORECASE)
-MASK = "***"
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from flagscale.actions.run import running_state
 from flagscale.config.schema import ServeConfig
 from flagscale.plan import Plan, open_without_key
 from flagscale.replica.rank_layout import preview, rank_indexes
+from flagscale.secrets import mask_argv, mask_env
 from flagscale.update import MASK, SECRET_NAME, diff, masked_config
 
 
@@ -124,7 +125,7 @@ def _print_ranks(plan: Plan, engine, console: Console) -> None:
     kind = engine.kind
 
     def shown(argv: list[str]) -> str:
-        argv = ["python" if a == sys.executable else a for a in argv]
+        argv = mask_argv(["python" if a == sys.executable else a for a in argv])
         text = shlex.join(argv).replace("--port 0", "--port <free port>")
         text = text.replace("--data-parallel-rpc-port 0", "--data-parallel-rpc-port '<free port>'")
         return text.replace("--master-port 0", "--master-port <free port>")
@@ -144,7 +145,7 @@ def _print_ranks(plan: Plan, engine, console: Console) -> None:
             f"  replica {host.replica + 1}  node rank {share.node_rank}  {host.host}: {what} {ranks}, {host.devices}",
             markup=False,
         )
-        env = " ".join(f"{k}={v}" for k, v in launch.env.items())
+        env = " ".join(f"{k}={v}" for k, v in mask_env(launch.env).items())
         console.print(f"    $ {env + ' ' if env else ''}{shown(launch.argv)}", markup=False, soft_wrap=True)
     if len(planned) < nnodes * engine.initial_replicas:
         console.print(f"  (the hosts' free slots hold {len(planned) // max(1, nnodes)} such replica(s))")

@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 from rich.console import Console
 
@@ -21,11 +22,12 @@ from flagscale.actions.invocation import RUN_PY, Invocation
 from flagscale.actions.runner_log import log_to_file, runner_log_path
 from flagscale.actions.teardown import EnvFor, no_envs, teardown
 from flagscale.actions.update_in_place import update
-from flagscale.adaptors import ray
+from flagscale.adaptors import ray, serve
 from flagscale.cluster.ray_node import cluster_alive
 from flagscale.cluster.state import RunState
 from flagscale.errors import DeployError, FlagScaleError
 from flagscale.launchers import connect
+from flagscale.paths import private_dir
 from flagscale.plan import Plan, open_without_key
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ def run(
 ) -> int:
     """`snapshot`: the validated config (flagscale/update.py), recorded so that a later `run` can update in place.
     `invocation`: how the user called us, for the lines that say what to type next."""
-    plan.log_dir.mkdir(parents=True, exist_ok=True)
+    make_private(plan)
     log_to_file(runner_log_path(plan.exp_dir))
     launcher = launchers.get(plan.launcher)
     state = _starting_state(plan, launcher.auth_token(plan))
@@ -72,6 +74,10 @@ def run(
     warning = open_without_key(plan)
     if warning:
         console.print(f"[bold yellow]warning:[/] {warning}", soft_wrap=True)
+    # Ray and Serve imported whole before a signal can cut in: an import a signal interrupts stays half-made, and
+    # the teardown needs both.
+    ray.load()
+    serve.load()
     previous = signals.stop_on_termination()
     try:
         started = launcher.launch(state, plan, console)
@@ -95,6 +101,14 @@ def run(
     return 0
 
 
+def make_private(plan: Plan) -> None:
+    """The exp_dir and its log dir, made or narrowed to 0700: Ray opens the directories it makes to every user
+    (0777), and its temp dir may be <exp_dir>/ray (cluster/ray_node.py ray_temp_dir); inside a private exp_dir no one
+    else reaches them, nor the logs."""
+    private_dir(Path(plan.exp_dir))
+    private_dir(plan.log_dir)
+
+
 def _starting_state(plan: Plan, token_path: str | None) -> RunState:
     return RunState(
         app_name=plan.app_name,
@@ -115,7 +129,7 @@ def _stop_started(exc: BaseException, state: RunState, plan: Plan, console: Cons
     """A start that failed or was interrupted (Ctrl-C, SIGTERM, SIGHUP): stop what it started, remove the state
     file, then the error again (a FlagScaleError as it was, anything else as a DeployError) or the exit code of
     the signal (signals.exit_code)."""
-    signals.ignore_termination()
+    signals.note_further_signals()
     if isinstance(exc, signals.Terminated):
         survive_hang_up(console)
         console.print(f"[yellow]{exc} received; stopping what was started[/]")
@@ -155,7 +169,7 @@ def _stay_attached(state: RunState, plan: Plan, console: Console) -> int:
         if not cluster_alive(state):
             console.print("[red]the Ray cluster went away[/]")
             break
-    signals.ignore_ctrl_c()  # let the teardown finish
+    signals.note_further_signals()  # let the teardown finish
     problems = teardown(state, console, plan.drain_timeout_s, plan_env_for(plan))
     RunState.remove(plan.exp_dir)
     console.print("stopped" if not problems else "stopped with problems:\n  " + "\n  ".join(problems))

@@ -15,6 +15,7 @@ import logging.handlers
 from pathlib import Path
 
 from flagscale.adaptors import serve
+from flagscale.paths import private_file
 
 PROJECT = "flagscale"
 LOG_DIR = "serve_logs"  # <exp_dir>/serve_logs: where `run` writes runner.log and the engines their logs
@@ -101,7 +102,7 @@ def log_to_file(path: Path) -> None:
     root = logging.getLogger()
     if any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in root.handlers):
         return
-    handler = logging.FileHandler(path)
+    handler = logging.FileHandler(private_file(path))  # 0600, also when an earlier version left it 0644
     handler.setFormatter(logging.Formatter(FORMAT))
     for held in [h for h in root.handlers if isinstance(h, _Held)]:
         held.flush_into(handler)

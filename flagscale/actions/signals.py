@@ -1,13 +1,22 @@
 """The signals a run handles: SIGTERM and SIGHUP while it starts are handled as Ctrl-C is (what was started is
-stopped), and a run that stays attached (foreground=true) ends on any of them."""
+stopped), and a run that stays attached (foreground=true) ends on any of them.
+
+The first stop signal of a start starts the one teardown; any further one (a second SIGTERM, a Ctrl-C, a SIGHUP)
+while it runs is noted on stderr, never a new teardown nor an end to this one. Ray's driver would take SIGTERM over
+(a handler calling sys.exit, and absl's, which aborts the process 3 s later): flagscale/cluster/driver_signals.py
+keeps these handlers across `ray.init`."""
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
 
+log = logging.getLogger(__name__)
 TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGINT, *TERMINATING)
 
 
 class Terminated(KeyboardInterrupt):
@@ -19,7 +28,23 @@ class Terminated(KeyboardInterrupt):
 
 
 def _raise_terminated(signum: int, _frame) -> None:
+    note_further_signals()  # before raising: a second signal must not interrupt the teardown the first starts
     raise Terminated(signum)
+
+
+def _raise_interrupted(_signum: int, _frame) -> None:
+    note_further_signals()
+    raise KeyboardInterrupt
+
+
+def _note(signum: int, _frame) -> None:
+    """A stop signal while what was started is stopped: said, and nothing else."""
+    name = signal.Signals(signum).name
+    try:
+        os.write(2, f"{name} received: already stopping what was started; waiting for that to finish\n".encode())
+    except OSError:  # a terminal that hung up
+        pass
+    log.warning("%s received during the teardown: noted, the teardown goes on", name)
 
 
 def _in_main_thread() -> bool:
@@ -27,11 +52,15 @@ def _in_main_thread() -> bool:
 
 
 def stop_on_termination() -> dict:
-    """SIGTERM and SIGHUP raise Terminated from now on; the handlers they had, to restore. (Only the main thread
-    may install handlers: elsewhere nothing changes.)"""
+    """SIGTERM and SIGHUP raise Terminated from now on, Ctrl-C KeyboardInterrupt (unless this process was started
+    with SIGINT ignored); the first of them switches all three to noting (note_further_signals). Returns the handlers
+    they had, to restore. (Only the main thread may install handlers: elsewhere nothing changes.)"""
     if not _in_main_thread():
         return {}
-    return {signum: signal.signal(signum, _raise_terminated) for signum in TERMINATING}
+    previous = {signum: signal.signal(signum, _raise_terminated) for signum in TERMINATING}
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_interrupted)
+    return previous
 
 
 def restore_handlers(previous: dict) -> None:
@@ -39,11 +68,14 @@ def restore_handlers(previous: dict) -> None:
         signal.signal(signum, handler)
 
 
-def ignore_termination() -> None:
-    """While what was started is stopped: a second SIGTERM or SIGHUP must not cut the teardown short."""
-    if _in_main_thread():
-        for signum in TERMINATING:
-            signal.signal(signum, signal.SIG_IGN)
+def note_further_signals() -> None:
+    """While what was started is stopped: SIGTERM, SIGHUP and Ctrl-C are noted and do not cut the teardown short.
+    (SIGINT stays ignored where this process was started with it ignored.)"""
+    if not _in_main_thread():
+        return
+    for signum in STOP_SIGNALS:
+        if signum != signal.SIGINT or signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _note)
 
 
 def exit_code(exc: KeyboardInterrupt) -> int:
@@ -55,9 +87,5 @@ def call_on_stop_signals(callback: Callable[[], None]) -> None:
     """Ctrl-C, SIGTERM and SIGHUP call `callback`. Installed explicitly: a process started in the background
     inherits SIGINT ignored, and Ctrl-C (or `kill -INT`) must still stop the run; a handler also keeps the signal
     out of library code."""
-    for signum in (signal.SIGINT, *TERMINATING):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, lambda *_: callback())
-
-
-def ignore_ctrl_c() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -19,13 +19,14 @@ from flagscale import launchers
 from flagscale.actions.runner_log import route_serve_logger
 from flagscale.adaptors import ray, serve
 from flagscale.cluster import bounded, ssh
-from flagscale.cluster.ray_compat import delete_app
+from flagscale.cluster.ray_compat import delete_app, kv_del, kv_list
 from flagscale.cluster.ray_node import cluster_alive
 from flagscale.cluster.runner import CommandRunner, CommandTimeout, parallel, runner_for
 from flagscale.cluster.state import HostRecord, RunState
 from flagscale.errors import ClusterError
 from flagscale.plan import ROUTER_DEPLOYMENT
 from flagscale.replica import registry
+from flagscale.router import peers
 
 log = logging.getLogger(__name__)
 AFTER_STOP_TIMEOUT_S = 120.0
@@ -194,3 +195,16 @@ def _delete_app(state: RunState, console: Console, drain_timeout_s: float, note:
         deadline = time.monotonic() + drain_timeout_s + 60
         while state.app_name in serve.status().applications and time.monotonic() < deadline:
             time.sleep(0.5)
+    note(f"removing what '{state.app_name}' left in Ray's key-value store")
+    forget_app_keys(state.app_name)
+
+
+def forget_app_keys(app: str) -> None:
+    """What a deployment keeps in Ray's key-value store, gone with it: its replicas' records and stop mark
+    (replica/registry.py), its router processes' reports and drain mark (router/peers.py). On a cluster the run
+    started they would go with the cluster; on an existing cluster (launchers/ray.py) they would stay for good."""
+    registry.withdraw_all(app)
+    # peers has no withdraw_all of its own yet: its key names, read from it
+    for key in kv_list(peers._prefix(app), namespace=peers.KV_NAMESPACE):
+        kv_del(key, namespace=peers.KV_NAMESPACE)
+    kv_del(peers._drain_key(app), namespace=peers.KV_NAMESPACE)

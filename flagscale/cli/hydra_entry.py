@@ -5,6 +5,7 @@ Before Hydra sees it, the command line goes through flagscale.config.cli (malfor
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from flagscale.config.resolvers import register_resolvers
 from flagscale.errors import FlagScaleError
 
 CONFIG_DIR = conf_dir()
+PRIVATE_UMASK = 0o077
 register_resolvers()
 # How the user called us (main's argument): Hydra's entry takes the config only.
 _invocation = RUN_PY
@@ -49,6 +51,9 @@ def main(argv: list[str] | None = None, base_dir: Path | None = None, invocation
     unless said), for the lines that say what to type next."""
     global _invocation
     _invocation = invocation
+    # What any action writes (the exp_dir, its logs, Ray's logs and the engines', inherited by every process it
+    # starts) is the user's alone; Ray's own directories, which it opens to all, sit inside the private exp_dir.
+    os.umask(PRIVATE_UMASK)
     argv = absolute_config_path(list(sys.argv[1:] if argv is None else argv), base_dir or Path.cwd())
     try:
         check_yaml_files(argv, CONFIG_DIR, "serve")

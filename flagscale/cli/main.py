@@ -15,6 +15,7 @@ from flagscale.actions import ACTIONS
 from flagscale.cli import argv as cli_argv
 from flagscale.cli.resources import conf_dir, example_names, examples_dir
 from flagscale.errors import FlagScaleError
+from flagscale.secrets import mask_argv
 
 # serve's action flags (FlagScale v1.0's names) and their help: the action registry's one-line summaries
 ACTION_HELP = {flag: ACTIONS[action].summary for flag, action in cli_argv.SERVE_ACTIONS.items()}
@@ -113,7 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     except FlagScaleError as exc:
         print(f"flagscale: error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    print(f"flagscale: {call.config_dir / call.config_name}.yaml {' '.join(call.overrides)}", file=sys.stderr)
+    print(
+        f"flagscale: {call.config_dir / call.config_name}.yaml {' '.join(mask_argv(call.overrides))}", file=sys.stderr
+    )
     # reason: Hydra, Ray and the actions load only once the command line is known to be good (fast --help and errors)
     from flagscale.cli.hydra_entry import main as hydra_main
 

@@ -27,6 +27,11 @@ this file. What each wraps, and why the public API does not do:
 - reload_ray_config: `ray._raylet.Config.initialize("")`, which re-reads the RAY_* env settings (RAY_AUTH_MODE)
   that Ray read at import, then `AuthenticationTokenLoader.instance().reset_cache()`, which drops a token read
   before; Ray's own test helpers do both, in this order, after setting them.
+- ray_sets_no_sigterm_handler: `ray._private.utils.set_sigterm_handler`, which `ray.init` (ray/_private/worker.py)
+  calls to install a SIGTERM handler that calls sys.exit, replaced by a no-op while a driver attaches.
+- no_failure_signal_handler: `ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True`, the constant
+  that `ray._raylet.CoreWorker` reads, when a driver connects, to decide `install_failure_signal_handler` (its env
+  variable is read once, at import; the constant, so that no process started from here inherits it).
 - node_ip_init_kwargs: `ray.init(_node_ip_address=...)`, which attaches a driver to the Ray node of that IP.
 - check_gcs_auth: `ray._raylet.GcsClient(address=)`, which asks the GCS for the cluster id once: a refused token
   raises AuthenticationError at once, where `ray.init` retries it for ~20 s.
@@ -40,6 +45,8 @@ this file. What each wraps, and why the public API does not do:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from flagscale.adaptors import LazyImport, ray, serve
@@ -56,6 +63,8 @@ _raylet = LazyImport("ray._raylet")
 _state = LazyImport("ray._private.state")
 _serve_context = LazyImport("ray.serve.context")
 _serve_schema = LazyImport("ray.serve.schema")
+_ray_constants = LazyImport("ray._private.ray_constants")
+_ray_utils = LazyImport("ray._private.utils")
 
 
 def deploy_app(app: Application, name: str) -> None:
@@ -115,6 +124,24 @@ def connect_kv(gcs_address: str) -> None:
     """Make kv_put/kv_get/kv_del/kv_list work in this process, which is not a Ray driver, against that GCS (token
     auth as Ray reads it from the environment)."""
     _internal_kv._initialize_internal_kv(_raylet.GcsClient(address=gcs_address))
+
+
+def no_failure_signal_handler() -> None:
+    """The next `ray.init` of this process gives its core worker no absl failure-signal handler (its SIGTERM handler
+    aborts the process 3 s after a SIGTERM: cluster/driver_signals.py)."""
+    _ray_constants.load().RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+
+
+@contextlib.contextmanager
+def ray_sets_no_sigterm_handler() -> Iterator[None]:
+    """Within the block, Ray's `set_sigterm_handler` (what `ray.init` calls to make SIGTERM a sys.exit) does nothing."""
+    utils = _ray_utils.load()
+    original = utils.set_sigterm_handler
+    utils.set_sigterm_handler = lambda _handler: None
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = original
 
 
 def reload_ray_config() -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flagscale.adaptors import ray, ray_exceptions
+from flagscale.cluster.driver_signals import keeping_signal_handlers
 from flagscale.cluster.ray_compat import check_gcs_auth, free_resources_per_node, serve_details
 from flagscale.cluster.ray_env import project_root
 from flagscale.cluster.ray_facts import ClusterFacts, NodeFacts, fmt, fmt_labels
@@ -81,13 +82,14 @@ def connect(address: str) -> None:
     check_answers(address)
     try:
         check_gcs_auth(address)  # seconds, where ray.init retries a refused token for ~20 s
-        ray.init(
-            address=address,
-            namespace=RAY_NAMESPACE,
-            runtime_env={"py_modules": [str(Path(project_root()) / "flagscale")]},
-            log_to_driver=False,
-            logging_level=logging.ERROR,
-        )
+        with keeping_signal_handlers():  # a run's SIGTERM stays the run's (cluster/driver_signals.py)
+            ray.init(
+                address=address,
+                namespace=RAY_NAMESPACE,
+                runtime_env={"py_modules": [str(Path(project_root()) / "flagscale")]},
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+            )
     except Exception as exc:  # ConnectionError / RuntimeError / AuthenticationError
         raise ClusterError(_auth_problem(exc) or f"cannot connect to the Ray cluster: {exc}", address) from None
     logging.getLogger("ray.serve").setLevel(logging.WARNING)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from flagscale.adaptors import ray
 from flagscale.cluster import ssh
+from flagscale.cluster.driver_signals import keeping_signal_handlers
 from flagscale.cluster.ray_compat import RAY_CLI_MODULE, node_ip_init_kwargs, reload_ray_config
 from flagscale.cluster.ray_compat import connect_kv as connect_gcs
 from flagscale.cluster.runner import CommandRunner, CommandTimeout, LocalRunner, parallel, runner_for
@@ -28,6 +29,7 @@ from flagscale.cluster.state import HostRecord, RunState
 from flagscale.cluster.tempdirs import user_tmp_root
 from flagscale.errors import ClusterError
 from flagscale.net import free_port, port_open, wait_for_port
+from flagscale.secrets import mask_argv
 
 log = logging.getLogger(__name__)
 RAY_NAMESPACE = "flagscale"
@@ -87,11 +89,14 @@ def ray_cli() -> list[str]:
 
 
 def with_before_start(argv: list[str], before_start: str | None) -> list[str]:
-    """Run the user's `cmds.before_start` snippet in the same shell that then execs argv (FlagScale semantics).
-    argv crosses as positional parameters, never spliced into the snippet."""
-    if not before_start:
-        return argv
-    return ["bash", "-c", f'set -e\n{before_start}\nexec "$@"', "flagscale-before-start", *argv]
+    """Run the user's `cmds.before_start` snippet in the same shell that then execs argv (FlagScale semantics),
+    under umask 077: what the node writes (Ray's logs, the engines' logs, their files) is the user's alone, on every
+    host. argv crosses as positional parameters, never spliced into the snippet."""
+    snippet = f"{PRIVATE_UMASK}\nset -e\n{before_start}\n" if before_start else f"{PRIVATE_UMASK}\n"
+    return ["bash", "-c", snippet + 'exec "$@"', "flagscale-before-start", *argv]
+
+
+PRIVATE_UMASK = "umask 077"
 
 
 # Ray's workers listen on ports of a range (Ray's default: 10002-19999, where users often put a service). Every node a
@@ -182,7 +187,7 @@ def start_node(
     record the session in `state` (saved) before waiting for `ray start` to exit, so a failure from here on is torn
     down by session id. `record`: further HostRecord fields."""
     argv = with_before_start(ray_start_argv(node), before_start)
-    log.info("%s: %s", runner.host, " ".join(argv))
+    log.info("%s: %s", runner.host, " ".join(mask_argv(argv)))  # before_start may set a token
     session = runner.start_session(argv, env, log_path, timeout_s)
     host = HostRecord(
         host=runner.host,
@@ -296,14 +301,15 @@ def connect(state: RunState) -> None:
     # Multi-host: attach to the run's Ray node on this machine, whose IP is on the route to the head.
     node_ip = node_ip_init_kwargs(state.extra.get("driver_ip"))
     try:
-        ray.init(
-            address=state.ray_address,
-            namespace=RAY_NAMESPACE,
-            log_to_driver=False,
-            logging_level=logging.ERROR,
-            configure_logging=True,
-            **node_ip,
-        )
+        with keeping_signal_handlers():  # a run's SIGTERM stays the run's (cluster/driver_signals.py)
+            ray.init(
+                address=state.ray_address,
+                namespace=RAY_NAMESPACE,
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+                configure_logging=True,
+                **node_ip,
+            )
     except Exception as exc:  # ray raises ConnectionError / RuntimeError / AuthenticationError
         raise ClusterError(f"cannot connect to Ray at {state.ray_address}: {exc}", state.ray_address) from None
     logging.getLogger("ray.serve").setLevel(logging.WARNING)

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 
 from flagscale.errors import error_excerpt
+from flagscale.secrets import mask_argv, mask_env
 
 NODE_LOG_DIR = "ray-node-logs"  # EngineSpec.log_dir: under the replica's node's Ray session logs (runner.type: ray)
 
@@ -71,8 +72,8 @@ def start_watched(argv: list[str], env: dict[str, str], shown_env: dict[str, str
     written to the log first with `shown_env` only: `env` (the full env, secrets included) is not shown."""
     wrapped = [sys.executable, "-m", "flagscale.replica.engine_proc", *argv]
     with open(log_path, "ab") as log:
-        shown = " ".join(f"{k}={v}" for k, v in shown_env.items())
-        log.write(f"$ {shown} {' '.join(wrapped)}\n".encode())
+        shown = " ".join(f"{k}={v}" for k, v in mask_env(shown_env).items())
+        log.write(f"$ {shown} {' '.join(mask_argv(wrapped))}\n".encode())
         log.flush()
         return spawn_engine(wrapped, log, env)
 

@@ -110,14 +110,15 @@ except Exception:
     apps = []
 keys = sorted(kv_list(b"replicas/", namespace="flagscale"))
 engines = [json.loads(kv_get(k, namespace="flagscale"))["engine_pid"] for k in keys]
+every = sorted(k.decode() for k in kv_list(b"", namespace="flagscale"))
 print(json.dumps({{"nodes": sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]), "apps": apps,
-                  "registry": [k.decode() for k in keys], "engines": engines}}))
+                  "registry": [k.decode() for k in keys], "engines": engines, "keys": every}}))
 """
 
 
 def view() -> dict:
     """The cluster as a separate driver sees it: alive nodes, Serve applications, replica registry keys and the
-    engine server (engine_proc) pids they name."""
+    engine server (engine_proc) pids they name, and every key of the project's namespace in Ray's KV store."""
     code = VIEW.format(address=f"{HEAD_IP}:{RAY_PORT}")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -238,6 +239,7 @@ def test_deploy_serve_update_coexist_and_stop_only_its_own(cluster, tmp_path, st
     wait_for(lambda: not alive_engines(a_engines), 30, "no engine process of 'a' on either node")
     after = view()
     assert after["apps"] == ["b"] and all(key.startswith("replicas/b/") for key in after["registry"]), after
+    assert not [k for k in after["keys"] if "a" in k.split("/")[1:2]], after["keys"]  # records, reports, drain mark
     assert alive_engines(b_engines) == b_engines
     client_b = openai.OpenAI(base_url=f"http://{HEAD_IP}:{PORT_B}/v1", api_key="none", timeout=120)
     assert client_b.completions.create(model="m", prompt="hello", max_tokens=4).usage.completion_tokens == 4
@@ -245,4 +247,4 @@ def test_deploy_serve_update_coexist_and_stop_only_its_own(cluster, tmp_path, st
     stop_b = run_cli(conf_b, "action=stop", timeout=300)
     assert stop_b.returncode == 0, stop_b.output
     wait_for(lambda: not alive_engines(b_engines), 30, "no engine process of 'b' on either node")
-    assert view() == {"nodes": sorted([HEAD_IP, cluster.ip]), "apps": [], "registry": [], "engines": []}
+    assert view() == {"nodes": sorted([HEAD_IP, cluster.ip]), "apps": [], "registry": [], "engines": [], "keys": []}

@@ -170,4 +170,4 @@ def test_ray_start_argv_for_head_and_worker(tmp_path):
     assert worker[worker.index("--address") + 1] == "10.0.0.1:6379" and "--num-cpus" not in worker
     wrapped = session_argv(with_before_start(worker, "echo 'hi'"), "/tmp/fsr-y/ray-start.log")
     assert wrapped[:3] == ["setsid", "-w", "sh"] and wrapped[6] == "/tmp/fsr-y/ray-start.log"
-    assert wrapped[7:10] == ["bash", "-c", "set -e\necho 'hi'\nexec \"$@\""]
+    assert wrapped[7:10] == ["bash", "-c", "umask 077\nset -e\necho 'hi'\nexec \"$@\""]

@@ -23,6 +23,7 @@ FLOORS = [
         "flagscale.net",
         "flagscale.devices",
         "flagscale.paths",
+        "flagscale.secrets",
         "=flagscale.actions",
     ],
     ["flagscale.engines", "flagscale.router.policies", "flagscale.router.circuit_breaker"],

@@ -1,6 +1,11 @@
 """flagscale.net: the port and /health probes every layer uses."""
 
+import os
 import socket
+import stat
+import subprocess
+import sys
+import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -56,11 +61,11 @@ def test_health_probes():
     assert health_problem(dead, 1).startswith("unreachable (")
 
 
-def test_free_port_skips_ports_in_use_and_ports_handed_out(monkeypatch):
+def test_free_port_skips_ports_in_use_and_ports_handed_out(monkeypatch, tmp_path):
     import flagscale.net as net
 
     monkeypatch.setattr(net, "_ephemeral_low", lambda: 65536)
-    monkeypatch.setattr(net, "_handed_out", set())
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # a ledger of this test's own
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -73,10 +78,56 @@ def test_free_port_skips_ports_in_use_and_ports_handed_out(monkeypatch):
     assert len(set(picks)) == 10 and all(port_is_free("127.0.0.1", port) for port in picks)
 
 
-def test_free_port_stays_below_the_ephemeral_range(monkeypatch):
+def test_free_port_stays_below_the_ephemeral_range(monkeypatch, tmp_path):
     import flagscale.net as net
 
-    monkeypatch.setattr(net, "_handed_out", set())
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     low = min(net._ephemeral_low(), net._PICK_RANGE[1] + 1)
     ports = [free_port() for _ in range(20)]
     assert all(net._PICK_RANGE[0] <= port < low for port in ports) or low <= net._PICK_RANGE[0]
+
+
+PICKER = """
+import sys, tempfile, time
+tempfile.tempdir = sys.argv[1]
+from flagscale.net import free_port
+while time.time() < float(sys.argv[2]):  # all start picking at the same moment
+    time.sleep(0.005)
+print(" ".join(str(free_port()) for _ in range(25)))
+"""
+
+
+def test_processes_picking_at_once_never_get_the_same_port(tmp_path):
+    """Replicas that start at once on a host each pick ports in their own process: 8 processes x 25 ports drawn from
+    the ~2,700 of the range would repeat one almost surely (birthday bound) without the host-wide ledger."""
+    import time
+
+    start_at = time.time() + 3
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PICKER, str(tmp_path), str(start_at)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(8)
+    ]
+    picks = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0
+        picks += [int(word) for word in out.split()]
+    assert len(picks) == 200 and len(set(picks)) == 200, sorted(p for p in picks if picks.count(p) > 1)
+    ledger = tmp_path / f"flagscale-{os.getuid()}" / "ports.ledger"
+    assert stat.S_IMODE(ledger.stat().st_mode) == 0o600 and len(ledger.read_text().splitlines()) == 200
+
+
+def test_an_expired_reservation_is_given_out_again(monkeypatch, tmp_path):
+    import flagscale.net as net
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(net, "_ephemeral_low", lambda: 65536)
+    port = free_port()
+    monkeypatch.setattr(net, "_PICK_RANGE", (port, port))
+    assert free_port() != port  # reserved: the OS's choice instead
+    monkeypatch.setattr(net, "PORT_HOLD_S", 0.0)
+    ledger = tmp_path / f"flagscale-{os.getuid()}" / "ports.ledger"
+    ledger.write_text(f"{port} {0}\n")  # expired
+    assert free_port() == port

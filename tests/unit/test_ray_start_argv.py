@@ -26,6 +26,8 @@ TOKEN = "/nonexistent/exp/ray_auth_token"
 # ssh_launcher.host_temp_dir(EXP_DIR, host), recorded
 TEMP = {"node-a": "/tmp/fsr-3260ede3b9/ray", "node-b": "/tmp/fsr-5364ea9ed0/ray"}
 AUTH = {"RAY_AUTH_MODE": "token"}
+# every node starts in a shell that sets umask 077 (and runs cmds.before_start, when given) before it execs `ray start`
+SHELL = ["bash", "-c", 'umask 077\nexec "$@"', "flagscale-before-start"]
 
 
 def canon(argv: list[str]) -> tuple[list[str], list[tuple[str, str | None]]]:
@@ -42,6 +44,9 @@ def canon(argv: list[str]) -> tuple[list[str], list[tuple[str, str | None]]]:
 
 
 def assert_same_argv(actual: list[str], expected: list[str]) -> None:
+    """`actual` as SHELL runs `expected` (a `ray start` argv), options in any order."""
+    assert actual[:4] == SHELL, actual[:4]
+    actual = actual[4:]
     assert canon(actual) == canon(expected)
     assert len(actual) == len(expected)
 
@@ -121,7 +126,7 @@ def test_one_machine_head(calls, num_gpus):
 def test_one_machine_head_runs_before_start_in_the_same_shell(calls):
     start_local_head(new_state(), 1, None, {}, "echo hi", Path("/logs/ray-head.log"), port=6379)
     [(_, argv, _, _)] = calls
-    assert argv[:4] == ["bash", "-c", 'set -e\necho hi\nexec "$@"', "flagscale-before-start"]
+    assert argv[:4] == ["bash", "-c", 'umask 077\nset -e\necho hi\nexec "$@"', "flagscale-before-start"]
     assert argv[4 : 4 + len(ray_cli()) + 2] == [*ray_cli(), "start", "--head"]
 
 
@@ -212,10 +217,10 @@ def test_untyped_hostfile_without_num_cpus(calls, tmp_path):
     _, remote = launch(tmp_path, "node-a slots=1\nnode-b slots=3\n", num_cpus=None, before_start="echo hi")
     started = [c for c in remote if c[1] not in ("make_dir", "put_file")]
     (_, head_argv, _, _), (_, worker_argv, _, _) = started
-    wrap = ["bash", "-c", 'set -e\necho hi\nexec "$@"', "flagscale-before-start"]
+    wrap = ["bash", "-c", 'umask 077\nset -e\necho hi\nexec "$@"', "flagscale-before-start"]
     assert head_argv[:4] == wrap and worker_argv[:4] == wrap
     assert_same_argv(
-        head_argv[4:],
+        SHELL + head_argv[4:],
         [
             *ray_cli(), "start", "--head", "--port", "6379", "--include-dashboard", "false",
             "--node-ip-address", "10.0.0.1", "--temp-dir", TEMP["node-a"], "--resources", '{"flagscale_head": 1.0}',
@@ -224,7 +229,7 @@ def test_untyped_hostfile_without_num_cpus(calls, tmp_path):
         ],
     )  # fmt: skip
     assert_same_argv(
-        worker_argv[4:],
+        SHELL + worker_argv[4:],
         [
             *ray_cli(), "start", "--address", "10.0.0.1:6379",
             "--node-ip-address", "10.0.0.2", "--temp-dir", TEMP["node-b"], "--resources", "{}",
@@ -233,7 +238,7 @@ def test_untyped_hostfile_without_num_cpus(calls, tmp_path):
         ],
     )  # fmt: skip
     [(_, driver_argv, _, _)] = calls  # no before_start on this machine's driver node
-    assert driver_argv[: len(ray_cli()) + 1] == [*ray_cli(), "start"]
+    assert driver_argv[: 4 + len(ray_cli()) + 1] == [*SHELL, *ray_cli(), "start"]
 
 
 def worker_port_flags(argv: list[str]) -> tuple[str, str]:

@@ -55,6 +55,8 @@ SCRIPT = textwrap.dedent(
 
     run_action.launchers.get = lambda name: StandIn()
     def teardown(state, console, drain_timeout_s=0, env_for=None):
+        Path(exp_dir, "tearing-down").touch()
+        time.sleep(float(sys.argv[3]))  # a teardown that takes a while: the test may signal again meanwhile
         Path(exp_dir, "torn-down").write_text(RunStateFile.read_text())
         return []
     RunStateFile = Path(exp_dir, "state.json")
@@ -68,7 +70,7 @@ SCRIPT = textwrap.dedent(
 def test_sigterm_and_sighup_tear_down_what_run_started(tmp_path, demo_model_path, signum):
     exp_dir = tmp_path / "exp"
     proc = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, str(exp_dir), str(demo_model_path)],
+        [sys.executable, "-c", SCRIPT, str(exp_dir), str(demo_model_path), "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -86,6 +88,54 @@ def test_sigterm_and_sighup_tear_down_what_run_started(tmp_path, demo_model_path
     assert '"phase": "starting"' in (exp_dir / "torn-down").read_text()  # teardown saw what was started
     assert not RunState.path(exp_dir).exists()  # no state left "starting"
     assert "Traceback" not in output and signal.Signals(signum).name in output, output
+
+
+def test_a_second_sigterm_or_a_ctrl_c_during_the_teardown_is_noted_and_the_teardown_finishes(tmp_path, demo_model_path):
+    exp_dir = tmp_path / "exp"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(exp_dir), str(demo_model_path), "4"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for(lambda: (exp_dir / "started").exists() or proc.poll() is not None, 60, "the stand-in launch")
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: (exp_dir / "tearing-down").exists() or proc.poll() is not None, 30, "the teardown to begin")
+        for again in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            proc.send_signal(again)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert (exp_dir / "torn-down").exists() and not RunState.path(exp_dir).exists(), output
+    assert output.count("already stopping what was started") == 3, output
+    assert "stopped everything this run started" in output and "Traceback" not in output, output
+
+
+def test_ray_init_does_not_take_the_runs_handlers(tmp_path):
+    """`ray.init` under keeping_signal_handlers sets no SIGTERM handler of Ray's, is not cut short by a SIGTERM, and
+    that SIGTERM reaches the run's handler after it. (absl's handler, below Python, needs a real driver:
+    tests/e2e/test_run_signals.py.)"""
+    code = textwrap.dedent(
+        """
+        import os, signal, sys
+        import ray._private.utils
+        from flagscale.cluster.driver_signals import keeping_signal_handlers
+
+        got = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+        with keeping_signal_handlers():
+            ray._private.utils.set_sigterm_handler(lambda signum, frame: sys.exit(15))  # what ray.init does
+            os.kill(os.getpid(), signal.SIGTERM)  # held: ray.init is not cut short, the run gets it after
+            assert not got
+        print("handled by the run" if got == [signal.SIGTERM] else f"not handled: {got}")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "handled by the run", done.stdout + done.stderr
 
 
 def test_a_full_disk_while_state_json_is_written_is_one_clear_error_and_stops_what_was_started(

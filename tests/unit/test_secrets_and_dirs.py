@@ -189,3 +189,52 @@ def test_a_per_user_base_taken_by_someone_else_falls_back_to_the_users_cache(tmp
     monkeypatch.setenv("FLAGSCALE_CACHE", str(tmp_path / ("x" * 80)))
     with pytest.raises(ClusterError, match="too long for Ray's socket paths"):
         ray_temp_dir("/very/long/experiment/directory/name", tmp=str(tmp))
+
+
+def test_the_flagscale_command_line_it_echoes_masks_every_secret(capsys, monkeypatch):
+    """`flagscale` prints the overrides it passes on: an API key, an env var's value and a credential engine arg
+    given by --engine-args are shown as ***, the rest as given."""
+    from flagscale.cli import hydra_entry
+    from flagscale.cli.main import main
+
+    monkeypatch.setattr(hydra_entry, "main", lambda *a, **k: None)
+    main(
+        [
+            "serve",
+            "demo",
+            "--engine-args",
+            json.dumps({"hf_token": SECRET, "max_model_len": 64}),
+            f"experiment.runner.deploy.api_key={SECRET}1",
+            f"++experiment.envs.HF_TOKEN={SECRET}2",
+            f"serve.0.engine_args={{api_key:'{SECRET}3',max_num_seqs:4}}",
+        ]
+    )
+    echoed = capsys.readouterr().err
+    assert SECRET not in echoed, echoed
+    assert "serve.0.engine_args.hf_token=***" in echoed and "experiment.runner.deploy.api_key=***" in echoed
+    assert "experiment.envs.HF_TOKEN=***" in echoed and "{api_key:***,max_num_seqs:4}" in echoed
+    assert "serve.0.engine_args.max_model_len=64" in echoed
+
+
+def test_a_command_line_or_snippet_is_shown_with_its_secrets_masked():
+    from flagscale.cluster.ray_node import with_before_start
+    from flagscale.secrets import MASK, mask_argv, mask_env, mask_text
+
+    argv = ["vllm", "--api-key", SECRET, f"--hf-token={SECRET}", "--port", "8000", "--model", "m"]
+    assert mask_argv(argv) == ["vllm", "--api-key", MASK, f"--hf-token={MASK}", "--port", "8000", "--model", "m"]
+    # cmds.before_start, logged to runner.log with the `ray start` it runs before
+    snippet = f"export HF_TOKEN={SECRET}\nexport PATH=/opt/bin:$PATH\nhuggingface-cli login --token '{SECRET}'"
+    shown = " ".join(mask_argv(with_before_start(["ray", "start"], snippet)))
+    assert SECRET not in shown and "HF_TOKEN=***" in shown and "PATH=/opt/bin:$PATH" in shown
+    assert mask_env({"HF_TOKEN": SECRET, "VLLM_HOST_IP": "10.0.0.1"}) == {"HF_TOKEN": MASK, "VLLM_HOST_IP": "10.0.0.1"}
+    assert mask_text(json.dumps({"api_key": SECRET, "model": "m"})) == '{"api_key": ***, "model": "m"}'
+
+
+def test_an_engine_log_shows_its_command_line_with_secrets_masked(tmp_path):
+    from flagscale.replica.process import start_watched
+
+    log_path = tmp_path / "engine.log"
+    proc = start_watched(["true", "--api-key", SECRET], {**os.environ}, {"HF_TOKEN": SECRET}, log_path)
+    proc.wait(timeout=60)
+    first = log_path.read_text().splitlines()[0]
+    assert SECRET not in first and "HF_TOKEN=***" in first and "--api-key ***" in first
