@@ -19,7 +19,7 @@ from flagscale import launchers
 from flagscale.actions.runner_log import route_serve_logger
 from flagscale.adaptors import ray, serve
 from flagscale.cluster import bounded, ssh
-from flagscale.cluster.ray_compat import delete_app, kv_del, kv_list
+from flagscale.cluster.ray_compat import delete_app
 from flagscale.cluster.ray_node import cluster_alive
 from flagscale.cluster.runner import CommandRunner, CommandTimeout, parallel, runner_for
 from flagscale.cluster.state import HostRecord, RunState
@@ -204,7 +204,4 @@ def forget_app_keys(app: str) -> None:
     (replica/registry.py), its router processes' reports and drain mark (router/peers.py). On a cluster the run
     started they would go with the cluster; on an existing cluster (launchers/ray.py) they would stay for good."""
     registry.withdraw_all(app)
-    # peers has no withdraw_all of its own yet: its key names, read from it
-    for key in kv_list(peers._prefix(app), namespace=peers.KV_NAMESPACE):
-        kv_del(key, namespace=peers.KV_NAMESPACE)
-    kv_del(peers._drain_key(app), namespace=peers.KV_NAMESPACE)
+    peers.withdraw_all(app)

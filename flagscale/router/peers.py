@@ -114,6 +114,13 @@ def withdraw(app: str, process: str) -> None:
     kv_del(_prefix(app) + process.encode(), namespace=KV_NAMESPACE)
 
 
+def withdraw_all(app: str) -> None:
+    """Every router process's report and the drain mark of `app`: what its routers keep in the key-value store."""
+    for key in kv_list(_prefix(app), namespace=KV_NAMESPACE):
+        kv_del(key, namespace=KV_NAMESPACE)
+    kv_del(_drain_key(app), namespace=KV_NAMESPACE)
+
+
 def reports(app: str) -> list[PeerReport]:
     """Every live router process's last report."""
     found = []

@@ -282,6 +282,16 @@ class Router:
 
     # ---- Serve-side methods (called through deployment handles) ------------------------------
 
+    def __del__(self) -> None:
+        """Serve stops this router process (a downscale, an update, stop): its report leaves the key-value store
+        with it, so the others stop counting it at once rather than when it goes stale."""
+        link = getattr(self, "peers", None)
+        if link is not None and link.sharing:
+            try:
+                peers.withdraw(self.spec.app, link.process)
+            except Exception as exc:  # noqa: BLE001 - a GCS gone first (stop): stop removes every key anyway
+                log.debug("could not withdraw this router's report: %r", exc)
+
     def check_health(self) -> None:
         if not self._thread.is_alive():
             raise RuntimeError("router event loop thread died")

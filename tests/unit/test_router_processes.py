@@ -287,3 +287,21 @@ def test_the_graph_route_answers_503_beyond_its_share_of_requests_in_flight():
                     assert answer.status == 200 and await answer.json() == {"ok": True}
 
     asyncio.run(main())
+
+
+def test_a_stopped_router_process_withdraws_its_report_and_a_stop_removes_every_key(monkeypatch):
+    """Serve stopping a router process (__del__) takes its report out of the key-value store at once; a stop's
+    peers.withdraw_all removes every process's report and the drain mark (issue 56)."""
+    store = {}
+    monkeypatch.setattr(peers, "kv_put", lambda key, value, namespace: store.__setitem__(key, value))
+    monkeypatch.setattr(peers, "kv_del", lambda key, namespace: store.pop(key, None))
+    monkeypatch.setattr(peers, "kv_list", lambda prefix, namespace: [k for k in store if k.startswith(prefix)])
+    router = bare_router([], "least_load")
+    router.peers.sharing = True
+    for process in (router.peers.process, "other:1"):
+        peers.publish("a", peers.PeerReport(process, pid=1, started_at=0.0, updated_at=0.0, stats={}, metrics=""))
+    peers.request_drain("a", 30)
+    router.__del__()
+    assert sorted(store) == [b"router-drain/a", b"routers/a/other:1"]
+    peers.withdraw_all("a")
+    assert store == {}
