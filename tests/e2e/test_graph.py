@@ -25,7 +25,7 @@ EXAMPLE_CONF = REPO / "examples" / "graph" / "conf"
 GRAPH_PORT = 18700
 PIPELINE_PORT = 18701
 # The pipeline runs with an API key: its custom node's calls to the engine node must carry it.
-PIPELINE_KEY_ENV, PIPELINE_KEY = "FS_E2E_GRAPH_KEY", "graph-e2e-key"
+PIPELINE_KEY_ENV, PIPELINE_KEY = "FS_E2E_GRAPH_KEY", "graph-e2e-key-0123"  # keys are >= 16 characters
 
 
 def post(port: int, path: str, body: dict, timeout: float = 120, key: str | None = None) -> tuple[int, dict]:
