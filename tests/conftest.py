@@ -116,6 +116,26 @@ def streamed_chat_chunks(client, model: str, max_tokens: int = 12) -> list:
     return [c for c in stream if c.choices and c.choices[0].delta.content]
 
 
+def note_state_sessions(exp_dir: Path, sessions: set[int]) -> None:
+    """Add the Ray sessions that a starting run's state file names so far to `sessions` (the run writes the file as
+    it launches Ray, to learn what must be stopped; a file read half-written is taken at the next look)."""
+    state = exp_dir / "state.json"
+    if state.exists():
+        try:
+            sessions.update(h["session"] for h in json.loads(state.read_text())["hosts"])
+        except (ValueError, KeyError):
+            pass
+
+
+def end_run_process(proc: subprocess.Popen, conf_dir: Path, exp_dir: Path) -> None:
+    """A test's own `run` process gone, and the cluster of a run that failed half-way stopped (action=stop)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    if (exp_dir / "state.json").exists():
+        run_cli(conf_dir, "action=stop", timeout=300)
+
+
 def run_cli(
     conf_dir: Path, *overrides: str, timeout: float = 900, name: str = "serve", columns: int = 200
 ) -> CliResult:

@@ -25,14 +25,12 @@ def hosts_to_span(parallel: tuple[int, int, int], slots: list[int], args_where: 
             "data-parallel copies as replicas (resources.num_replicas)",
             args_where,
         )
-    for nnodes in range(2, len(slots) + 1):
-        if world % nnodes == 0 and sum(1 for n in slots if n >= world // nnodes) >= nnodes:
-            return nnodes
-    usable = [n for n in range(2, len(slots) + 1) if world % n == 0]
+    nnodes, tried = _fewest_hosts(world, 1, slots)
+    if nnodes:
+        return nnodes
     why = (
-        f"no host count from 2 to {len(slots)} divides it (vLLM runs the same number of ranks on each host)"
-        if not usable
-        else "; ".join(f"{n} hosts need {world // n} slots each" for n in usable)
+        "; ".join(f"{n} hosts need {world // n} slots each" for n in tried)
+        or f"no host count from 2 to {len(slots)} divides it (vLLM runs the same number of ranks on each host)"
     )
     raise ConfigError(
         f"TP x PP = {tp} x {pp} = {world} ranks do not split over the hosts (slots {', '.join(map(str, slots))}): "
@@ -52,17 +50,25 @@ def _hosts_for_dp(parallel: tuple[int, int, int], slots: list[int], args_where: 
             "slots: each DP rank's TP x PP stays on one host when data parallel spans hosts",
             args_where,
         )
-    for nnodes in range(2, len(slots) + 1):
-        if dp % nnodes == 0 and sum(1 for n in slots if n >= dp // nnodes * world) >= nnodes:
-            return nnodes
-    usable = [n for n in range(2, len(slots) + 1) if dp % n == 0]
+    nnodes, tried = _fewest_hosts(dp, world, slots)
+    if nnodes:
+        return nnodes
     why = (
-        f"no host count from 2 to {len(slots)} divides it (each host runs the same number of DP ranks)"
-        if not usable
-        else "; ".join(f"{n} hosts need {dp // n} x {world} = {dp // n * world} slots each" for n in usable)
+        "; ".join(f"{n} hosts need {dp // n} x {world} = {dp // n * world} slots each" for n in tried)
+        or f"no host count from 2 to {len(slots)} divides it (each host runs the same number of DP ranks)"
     )
     raise ConfigError(
         f"data_parallel_size={dp} (TP x PP = {world} each) does not split over the hosts (slots "
         f"{', '.join(map(str, slots))}): {why}",
         args_where,
     )
+
+
+def _fewest_hosts(units: int, unit_slots: int, slots: list[int]) -> tuple[int | None, list[int]]:
+    """The fewest hosts (from 2) that take an equal share of `units` (each `unit_slots` slots), each host with room
+    for its share; None if none does, with the host counts that divide `units` (for the error)."""
+    tried = [n for n in range(2, len(slots) + 1) if units % n == 0]
+    for nnodes in tried:
+        if sum(1 for free in slots if free >= units // nnodes * unit_slots) >= nnodes:
+            return nnodes, tried
+    return None, tried

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 from flagscale.cluster.processes import session_members
-from tests.conftest import REPO, demo_engine_args, llama_cpp_node, run_cli, wait_for, write_config
+from tests.conftest import REPO, demo_engine_args, llama_cpp_node, note_state_sessions, run_cli, wait_for, write_config
 
 PORT = 18611
 
@@ -69,12 +68,7 @@ def test_failed_run_leaves_no_process(tmp_path):
     sessions: set[int] = set()
 
     def exited_noting_sessions() -> bool:
-        state = exp_dir / "state.json"
-        if state.exists():
-            try:
-                sessions.update(h["session"] for h in json.loads(state.read_text())["hosts"])
-            except (ValueError, KeyError):
-                pass
+        note_state_sessions(exp_dir, sessions)
         return proc.poll() is not None
 
     wait_for(exited_noting_sessions, 300, "the failing run to exit")

@@ -10,7 +10,7 @@ import time
 import urllib.request
 
 from flagscale.cluster.processes import session_members
-from tests.conftest import REPO, llama_cpp_node, run_cli, write_config
+from tests.conftest import REPO, end_run_process, llama_cpp_node, write_config
 
 PORT = 18911
 
@@ -47,11 +47,7 @@ def test_ctrl_c_stops_everything(tmp_path):
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=300)[0]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if (exp_dir / "state.json").exists():  # failed half-way: don't leave the cluster behind
-            run_cli(conf, "action=stop", timeout=300)
+        end_run_process(proc, conf, exp_dir)
     assert proc.returncode == 0, "".join(lines) + rest
     assert "stopped" in rest
     assert not [p for s in sessions for p in session_members(s)]

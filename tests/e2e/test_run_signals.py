@@ -6,7 +6,6 @@ nobody`), Ray's own directories (0777) included: the exp_dir is short, so Ray's 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -20,7 +19,7 @@ import pytest
 
 from flagscale.cluster.processes import session_members
 from flagscale.net import port_open
-from tests.conftest import REPO, llama_cpp_node, run_cli, wait_for, write_config
+from tests.conftest import REPO, end_run_process, llama_cpp_node, note_state_sessions, wait_for, write_config
 
 PORT = 18655
 
@@ -88,12 +87,7 @@ def test_sigterm_while_a_run_starts_stops_everything_it_started(tmp_path, short_
     sessions: set[int] = set()
 
     def reached() -> bool:
-        state = exp_dir / "state.json"
-        if state.exists():
-            try:
-                sessions.update(h["session"] for h in json.loads(state.read_text())["hosts"])
-            except (ValueError, KeyError):
-                pass
+        note_state_sessions(exp_dir, sessions)
         return POINTS[point](exp_dir, out_path.read_text()) or proc.poll() is not None
 
     try:
@@ -110,11 +104,7 @@ def test_sigterm_while_a_run_starts_stops_everything_it_started(tmp_path, short_
                 time.sleep(0.5)
         proc.wait(timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if (exp_dir / "state.json").exists():  # failed half-way: don't leave the cluster behind
-            run_cli(conf, "action=stop", timeout=300)
+        end_run_process(proc, conf, exp_dir)
     output = out_path.read_text()
     assert sessions, output
     left = wait_for(
