@@ -116,6 +116,14 @@ def streamed_chat_chunks(client, model: str, max_tokens: int = 12) -> list:
     return [c for c in stream if c.choices and c.choices[0].delta.content]
 
 
+def default_sigint() -> None:
+    """preexec_fn: the child starts with Ctrl-C's default action. A test run in the background of a
+    non-interactive shell inherits SIGINT ignored, and a run started so keeps it ignored (flagscale/actions/
+    signals.py), as a user's `nohup`/`&` would want; a test that sends SIGINT must start its child as a terminal
+    would."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def note_state_sessions(exp_dir: Path, sessions: set[int]) -> None:
     """Add the Ray sessions that a starting run's state file names so far to `sessions` (the run writes the file as
     it launches Ray, to learn what must be stopped; a file read half-written is taken at the next look)."""

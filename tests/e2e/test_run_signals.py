@@ -19,7 +19,15 @@ import pytest
 
 from flagscale.cluster.processes import session_members
 from flagscale.net import port_open
-from tests.conftest import REPO, end_run_process, llama_cpp_node, note_state_sessions, wait_for, write_config
+from tests.conftest import (
+    REPO,
+    default_sigint,
+    end_run_process,
+    llama_cpp_node,
+    note_state_sessions,
+    wait_for,
+    write_config,
+)
 
 PORT = 18655
 
@@ -83,6 +91,7 @@ def test_sigterm_while_a_run_starts_stops_everything_it_started(tmp_path, short_
             stderr=subprocess.STDOUT,
             cwd=REPO,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=default_sigint,
         )
     sessions: set[int] = set()
 

@@ -17,7 +17,7 @@ from rich.console import Console
 from flagscale.cluster import state as state_module
 from flagscale.cluster.state import RunState
 from flagscale.errors import FlagScaleError, WriteError
-from tests.conftest import wait_for
+from tests.conftest import default_sigint, wait_for
 
 SCRIPT = textwrap.dedent(
     """
@@ -97,6 +97,7 @@ def test_a_second_sigterm_or_a_ctrl_c_during_the_teardown_is_noted_and_the_teard
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=default_sigint,
     )
     try:
         wait_for(lambda: (exp_dir / "started").exists() or proc.poll() is not None, 60, "the stand-in launch")
