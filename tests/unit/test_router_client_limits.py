@@ -111,7 +111,11 @@ def test_a_body_that_does_not_come_gets_408_and_bodies_read_at_once_are_bounded(
             async with router_listening(router) as url:
                 body = json.dumps({"model": "m", "prompt": "x" * 50_000}).encode()
                 slow_reader, slow = await raw_request(url, post_head("/v1/completions", body), body[:100])
-                await asyncio.sleep(0.3)  # its 50 kB are taken from the budget while it dribbles
+                for _ in range(500):  # its 50 kB are taken from the budget while it dribbles (bounded: 10 s)
+                    if router.frontend.bodies.taken >= len(body):
+                        break
+                    await asyncio.sleep(0.02)
+                assert router.frontend.bodies.taken >= len(body), "the dribbled body never took its bytes"
                 async with aiohttp.ClientSession() as client:
                     async with client.post(f"{url}/v1/completions", data=body) as r:
                         second = r.status, r.headers.get("Retry-After"), (await r.json())["error"]["message"]
