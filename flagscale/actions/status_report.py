@@ -59,6 +59,7 @@ class ReplicaRow:
     engine: dict[str, float] | None = None  # its engine's load (EngineKind.status_load); None: /metrics did not answer
     requests_served: int | None = None  # since the router started
     router: dict[str, Any] | None = None  # the router's view: in-flight, circuit, routing table (docs/routing.md)
+    asleep: bool = False  # its engine sleeps (resources.sleep_delay_s): GPU memory freed, woken by the next request
 
     @property
     def node(self) -> str:

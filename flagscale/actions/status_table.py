@@ -135,6 +135,8 @@ def _replica_table(replicas: list[ReplicaRow], wide: bool) -> Table:
     table = _table("engine replicas", columns)
     for r in replicas:
         state = r.state if r.state == "READY" else f"[red]{r.state}[/]"
+        if r.asleep and r.state == "READY":
+            state = "[dim]ASLEEP[/]"
         row = [r.node, r.replica_id, r.engine_kind, state, _hosts_of(r), _devices(r), _load(r.engine)]
         if wide:
             row += _wide_cells(r)

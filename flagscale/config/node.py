@@ -43,6 +43,13 @@ class Resources(Strict):
     )
     upscale_delay_s: float | None = Field(None, ge=0, description="Autoscaling: load must last this long to add.")
     downscale_delay_s: float | None = Field(None, ge=0, description="Autoscaling: idle this long to remove.")
+    sleep_delay_s: float | None = Field(
+        None,
+        gt=0,
+        description="Engines with a sleep mode, on GPUs: idle this long, a replica sleeps (weights to host memory, "
+        "KV cache freed) instead of holding its GPU memory; the router wakes it for the next request "
+        '(docs/operations.md, "Idle replicas asleep").',
+    )
     max_ongoing_requests: int | None = Field(
         None,
         ge=1,

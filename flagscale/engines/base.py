@@ -28,6 +28,23 @@ class Capabilities:
     parallel: tuple[str, ...] = ()  # which of "tp", "pp", "dp" a replica may have above 1
     expert_parallel: bool = False  # spreads a MoE model's experts over its DP x TP ranks (enable_expert_parallel)
     keeps_connections: bool = True  # its server keeps a connection open after a response (the router reuses it)
+    sleep_on_gpu: bool = False  # on a GPU, frees its memory while idle and takes it back (EngineKind.sleep_mode)
+
+
+@dataclass(frozen=True)
+class SleepMode:
+    """An engine's sleep and wake (resources.sleep_delay_s, flagscale/replica/sleep.py): the engine args and the
+    server env that turn it on, and its routes: POST `sleep_path` (in-flight requests finish first; new ones are
+    held until the wake), POST `wake_path`, GET `sleeping_path` (JSON with `sleeping_field` true or false); and the
+    counters of its /metrics that move with every request (with load_metrics at zero and these unchanged, it idles)."""
+
+    args: dict[str, Any]
+    env: dict[str, str]
+    sleep_path: str
+    wake_path: str
+    sleeping_path: str
+    sleeping_field: str
+    activity_metrics: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -131,6 +148,9 @@ class EngineKind(ABC):
     # variables of experiment.envs this engine's processes read, each with its check (raises ValueError naming it):
     # the schema runs them before anything starts
     env_checks: dict[str, Callable[[str], object]] = {}
+    # sleep mode (capabilities.sleep_on_gpu; resources.sleep_delay_s): how the replica's server is asked to sleep,
+    # wake, and whether it sleeps (paths on the engine's own port, never public), and what its start needs for it
+    sleep_mode: SleepMode | None = None
 
     # ---- before start (the planner) ----
 

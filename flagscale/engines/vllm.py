@@ -20,6 +20,7 @@ from flagscale.engines.base import (
     EngineKind,
     HostShare,
     ServerLaunch,
+    SleepMode,
 )
 from flagscale.engines.model_args import EXPERT_COUNT_KEYS, check_hf_model, positive_int
 from flagscale.engines.vllm_auth import KEY_ENV, MIDDLEWARE
@@ -194,6 +195,18 @@ class VLLM(EngineKind):
         multi_host=True,
         parallel=("tp", "pp", "dp"),
         expert_parallel=True,
+        sleep_on_gpu=True,
+    )
+    # vLLM's sleep mode (its CUDA memory pool: GPUs only). Level 1 moves the weights to host memory and frees the
+    # KV cache; mode=wait lets running requests finish first. Its routes exist only with VLLM_SERVER_DEV_MODE=1.
+    sleep_mode = SleepMode(
+        args={"enable_sleep_mode": True},
+        env={"VLLM_SERVER_DEV_MODE": "1"},
+        sleep_path="/sleep?level=1&mode=wait",
+        wake_path="/wake_up",
+        sleeping_path="/is_sleeping",
+        sleeping_field="is_sleeping",
+        activity_metrics=("vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total"),
     )
     status_gauges = {
         "vllm:num_requests_running": "running",

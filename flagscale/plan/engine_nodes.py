@@ -10,6 +10,7 @@ from flagscale.errors import ConfigError
 from flagscale.plan.engine_plan import node_args_ips, plan_engine
 from flagscale.plan.inputs import PlanInputs
 from flagscale.plan.pools import pools_of
+from flagscale.plan.sleep import sleep_note
 from flagscale.plan.types import EnginePlan
 
 
@@ -44,7 +45,7 @@ def plan_engine_nodes(inputs: PlanInputs) -> EngineNodes:
         engine_plans = [plan_engine(pool, node.serve_id, inputs, ips) for pool in pools]
         for engine in engine_plans:
             deployments.append((engine, node))
-            notes += _notes(engine, node)
+            notes += _notes(engine, node) + sleep_note(engine.serve_id, engine.sleep_delay_s, engine.kind)
         for name in engine_plans[0].model_names:
             if name in served_by:
                 raise ConfigError(

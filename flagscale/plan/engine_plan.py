@@ -17,6 +17,7 @@ from flagscale.errors import ConfigError
 from flagscale.plan.engine_args import checked_engine_args, engine_args_of, served_names
 from flagscale.plan.inputs import PlanInputs
 from flagscale.plan.pools import Pool
+from flagscale.plan.sleep import sleep_args
 from flagscale.plan.types import EnginePlan
 
 
@@ -29,6 +30,8 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
     model = args.get("model")
     args["model"] = kind.check_model(model, where)
     names = args["served_model_name"] = served_names(node, args)
+    sleep_delay_s = node.resources.sleep_delay_s
+    args.update(sleep_args(kind, sleep_delay_s, inputs.on_cpu, pool.role, f"{pool.where}.resources"))
     parallel = kind.parallel(args, where)
     experts = inputs.facts.experts_of(model)
     expert_parallel = kind.expert_parallel(args, parallel, inputs.on_cpu, experts, where)
@@ -69,6 +72,7 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
         gpu_memory_utilization=utilization if reservation.device == "gpu" else None,
         secret_env=secrets,
         engine=kind.name,
+        sleep_delay_s=sleep_delay_s,
         **vars(scaling),
     )
     return _pinned(engine, pool, inputs) if pool.host is not None else engine

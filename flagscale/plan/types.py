@@ -43,6 +43,7 @@ class EnginePlan(ReplicaSettings):
     # secret engine args (hf_token) as the env vars that carry them to the server, never in argv
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)
     engine: str = engines.DEFAULT_ENGINE  # the engine kind (flagscale/engines/)
+    sleep_delay_s: float | None = None  # resources.sleep_delay_s: idle this long, a replica sleeps (plan/sleep.py)
 
     @property
     def kind(self) -> EngineKind:

@@ -35,6 +35,7 @@ from flagscale.replica.process import (
     terminate_engine,
 )
 from flagscale.replica.ranks import ReplicaRanks
+from flagscale.replica.sleep import SleepController
 from flagscale.replica.startup_lock import gpu_start_lock
 
 
@@ -56,6 +57,7 @@ class EngineSpec:
     api_key: str | None = field(default=None, repr=False)  # engines require it on every path but health
     parallel: tuple[int, int, int] = (1, 1, 1)  # TP, PP, DP: above one rank, flagscale/replica/ranks.py places them
     expert_parallel: bool = False  # the DP x TP ranks share the experts: each rank's record names its EP index
+    sleep_delay_s: float | None = None  # resources.sleep_delay_s: idle this long, the engine sleeps (replica/sleep.py)
 
     @property
     def kind(self) -> engines.EngineKind:
@@ -157,6 +159,16 @@ class EngineReplica:
         )
         registry.publish(self.record)
         self._last_healthy = time.monotonic()
+        if spec.sleep_delay_s is not None:
+            self.sleeper = SleepController(
+                spec.kind, self.url, spec.api_key, spec.sleep_delay_s, self._publish_asleep, self._note
+            )
+            self.sleeper.start()
+
+    def _publish_asleep(self, asleep: bool) -> None:
+        self.record.asleep = asleep
+        self.record.sleeps += int(asleep)
+        registry.publish(self.record)
 
     def _note(self, line: str) -> None:
         with open(self.log_path, "a") as log:
@@ -241,6 +253,8 @@ class EngineReplica:
         return {ENGINE_REQUESTS: self.spec.kind.load(metrics)}
 
     def _terminate(self, grace_s: float = 10.0) -> None:
+        if getattr(self, "sleeper", None):
+            self.sleeper.stop()
         if hasattr(self, "proc"):
             terminate_engine(self.proc, grace_s)
         if getattr(self, "ranks", None):

@@ -42,6 +42,10 @@ class ReplicaRecord:
     # the replica's engine processes by rank: {"rank": int, "pid": int, "host": ip, "cpus": [...], "gpus": [...]};
     # [] for a one-process engine
     ranks: list[dict] = field(default_factory=list)
+    # sleep mode (resources.sleep_delay_s): the engine sleeps now (its GPU memory freed; the router wakes it), and
+    # how many times it went to sleep (the router's wake answers one of them: router/wake.py)
+    asleep: bool = False
+    sleeps: int = 0
 
     @property
     def stale(self) -> bool:

@@ -36,6 +36,7 @@ from flagscale.router.spec import RouterSpec
 from flagscale.router.state import Clients, Counters
 from flagscale.router.upstream_http import Answer, ConnectFailed, Disconnected, Stalled
 from flagscale.router.verdict import RETRIES_AFTER_ENGINE_DEATH, Verdict, judge
+from flagscale.router.wake import WakeFailed, Waker, prefer_awake
 
 log = logging.getLogger("flagscale.router")
 
@@ -79,7 +80,8 @@ class Failover:
 
     `spec` gives the router's current spec; `replicas`, the table and policies; `counters`, where the moves and
     resumes are counted; `admission`, the queue for a replica's free slot; `clients`, the connections to the
-    replicas; `peers`, where routing hints go; `prefill`, the prefill step; `refresh`, a read of the registry now."""
+    replicas; `peers`, where routing hints go; `prefill`, the prefill step; `refresh`, a read of the registry now;
+    `waker`, what wakes a sleeping replica (wake.py)."""
 
     def __init__(
         self,
@@ -91,10 +93,11 @@ class Failover:
         peers: PeerLink,
         prefill: Prefill,
         refresh: Callable[[], Awaitable[None]],
+        waker: Waker,
     ) -> None:
         self._spec, self._replicas, self._counters = spec, replicas, counters
         self._admission, self._clients, self._peers = admission, clients, peers
-        self._prefill, self._refresh = prefill, refresh
+        self._prefill, self._refresh, self._waker = prefill, refresh, waker
 
     async def route(self, exchange: Exchange, payload: dict) -> web.StreamResponse:
         """Prefill (disaggregated models), then replicas in the policy's order until one answers, bounded."""
@@ -149,7 +152,7 @@ class Failover:
 
     def _pick(self, exchange: Exchange) -> Upstream | str | None:
         upstreams = self._replicas.pool(exchange.model)
-        return first_untried(exchange.policy, upstreams, exchange.info, exchange.tried)
+        return prefer_awake(lambda pool: first_untried(exchange.policy, pool, exchange.info, exchange.tried), upstreams)
 
     async def _overloaded(self, exchange: Exchange, reason: str) -> web.StreamResponse:
         """503 with Retry-After (a stream already begun, waiting to go on elsewhere: a closing error event)."""
@@ -194,6 +197,11 @@ class Failover:
         upstream.sent += 1
         answer = None
         try:
+            try:
+                await self._waker.ready(upstream)
+            except WakeFailed as exc:
+                attempt.ok = False  # the caller trips the circuit
+                raise Unreachable(str(exc)) from None
             answer = await self._send(exchange, attempt, path, data)
             headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
             if not attempt.ok or "text/event-stream" not in answer.headers.get("Content-Type", ""):

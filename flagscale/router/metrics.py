@@ -55,6 +55,22 @@ class RouterMetrics:
         self.resumed = Counter(
             "flagscale_router_streams_resumed", "Streams resumed on another replica mid-way.", ["model"], registry=r
         )
+        self.wakes = Counter(
+            "flagscale_router_replica_wakes", "Sleeping replicas woken for a request.", ["model"], registry=r
+        )
+        self.wake_failures = Counter(
+            "flagscale_router_replica_wake_failures",
+            "Sleeping replicas that could not be woken.",
+            ["model"],
+            registry=r,
+        )
+        self.wake_seconds = Histogram(
+            "flagscale_router_replica_wake_seconds",
+            "From asking a sleeping replica to wake to its engine awake.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.scrape_failures = Counter(
             "flagscale_router_metrics_scrape_failures",
             "Engine replicas whose /metrics did not answer in time for a scrape of the endpoint's /metrics.",

@@ -42,6 +42,7 @@ class Upstream:
     migrations: int = 0  # requests that failed here and moved to another replica
     max_ongoing: int = DEFAULT_MAX_ONGOING_REQUESTS  # its deployment's max_ongoing_requests: more wait in the router
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    woken: int = -1  # the sleep of the replica (record.sleeps) this router woke it from (router/wake.py)
 
     @property
     def replica_id(self) -> str:

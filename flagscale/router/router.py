@@ -47,6 +47,7 @@ from flagscale.router.replicas import Replicas, Upstream, give_up_on_frozen, pro
 from flagscale.router.spec import RouterSpec
 from flagscale.router.state import Clients, Counters
 from flagscale.router.upstream_http import UpstreamClient
+from flagscale.router.wake import Waker
 
 try:  # the router's event loop: uvloop where installed (requirements/base.txt), asyncio's otherwise
     import uvloop
@@ -173,6 +174,7 @@ class Router:
         self._read_began = float("-inf")  # when the last registry read that completed began (monotonic)
         spec = self._current_spec
         self.peers = peers.PeerLink(spec, self.replicas, self.counters, self.metrics, self.collect_stats)
+        self.waker = Waker(lambda: self.clients.session, lambda: self.spec.api_key, self.metrics)
         self.prefill = Prefill(spec, self.replicas, self.counters, self.admission, self.clients, self.peers)
         self.failover = Failover(
             spec,
@@ -183,6 +185,7 @@ class Router:
             self.peers,
             self.prefill,
             self.refresh_on_miss,
+            self.waker,
         )
         self.frontend = Frontend(
             spec, self.replicas, self.counters, self.metrics, self.clients, self.peers, self.failover, self.graph
@@ -272,6 +275,7 @@ class Router:
         records = await asyncio.get_running_loop().run_in_executor(None, registry.list_replicas, self.spec.app)
         self._read_began = max(self._read_began, began)
         self.replicas.update(records, self._max_ongoing)
+        self.waker.wake_held(self.replicas.table.by_replica.values())
         if self._pinning is not None:
             self._pinning.update(records)
         for key in list(self.admission.waiting):  # replicas may have joined, limits changed: every waiter looks again

@@ -99,7 +99,7 @@ def engine_spec(plan: Plan, engine: EnginePlan) -> EngineSpec:
         log_dir=launcher.engine_log_dir(plan),
         # secret engine args (hf_token) travel in the env, as does the API key (the engine kind's launch puts it
         # where its server reads it): never in argv
-        env={**launcher.engine_env(plan), **engine.secret_env},
+        env={**launcher.engine_env(plan), **engine.secret_env, **_sleep_env(engine)},
         api_key=plan.api_key,
         engine=engine.engine,
         parallel=engine.parallel,
@@ -108,7 +108,14 @@ def engine_spec(plan: Plan, engine: EnginePlan) -> EngineSpec:
         pin_cpus=plan.pin_cpus,
         role=engine.role,
         drain_timeout_s=plan.drain_timeout_s,
+        sleep_delay_s=engine.sleep_delay_s,
     )
+
+
+def _sleep_env(engine: EnginePlan) -> dict[str, str]:
+    """What the engine's server needs for its sleep routes (plan/sleep.py), when the node's replicas sleep."""
+    mode = engine.kind.sleep_mode
+    return dict(mode.env) if engine.sleep_delay_s is not None and mode is not None else {}
 
 
 def _one_at_a_time(replicas: int, spare: bool) -> dict:

@@ -84,6 +84,8 @@ NOT_PUBLIC = [
     ("POST", "/collective_rpc"),
     ("POST", "/reset_prefix_cache"),
     ("POST", "/sleep"),
+    ("POST", "/wake_up"),  # vLLM's sleep mode: only the router wakes a replica (router/wake.py)
+    ("GET", "/is_sleeping"),
     ("POST", "/scale_elastic_ep"),
     ("POST", "/start_profile"),
     ("POST", "/v1/load_lora_adapter"),
