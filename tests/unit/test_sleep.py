@@ -277,3 +277,14 @@ def test_a_disaggregated_pool_refuses_sleep():
     with pytest.raises(ConfigError, match="decode pool cannot sleep"):
         sleep_args(VLLM, 30.0, on_cpu=False, role="decode", where="serve[0](llm).disaggregation.decode.resources")
     assert sleep_args(VLLM, None, on_cpu=True, role="decode", where="x") == {}
+
+
+def test_dryrun_on_this_cpu_machine_refuses_sleep_with_one_clear_error_and_exit_2(tmp_path):
+    from tests.conftest import demo_engine_args, run_cli, write_config
+
+    node = {"serve_id": "a", "engine_args": demo_engine_args(), "resources": {"sleep_delay_s": 30}}
+    conf = write_config(tmp_path / "conf", [node], tmp_path / "e", 18996)
+    result = run_cli(conf, "action=dryrun", timeout=300)
+    assert result.returncode == 2, result.output
+    assert "serve[0](a).resources.sleep_delay_s: vLLM sleeps on GPUs only" in result.output
+    assert "min_replicas: 0 with downscale_delay_s" in result.output

@@ -98,3 +98,14 @@ def test_wide_table_has_the_rest_and_each_rank():
     text = render(wide=True, width=260)
     for cell in ("http://10.77.0.12:45123", "41240", "17 prefix_blocks", "engine ranks", "51250", "10.77.0.13"):
         assert cell in text, (cell, text)
+
+
+def test_a_sleeping_replica_shows_asleep_in_the_state_column():
+    report = StatusReport(
+        **{**vars(REPORT), "replicas": [replica("m", "s1e2e3p4", asleep=True), replica("m", "a1w2k3e4")]}
+    )
+    out = io.StringIO()
+    render_report(Console(file=out, width=80, highlight=False, color_system=None), report, wide=False)
+    rows = {line.split()[1]: line for line in out.getvalue().splitlines() if line.startswith("m ")}
+    assert "ASLEEP" in rows["s1e2e3p4"] and "READY" not in rows["s1e2e3p4"]
+    assert "READY" in rows["a1w2k3e4"]
