@@ -101,7 +101,13 @@ class SleepController:
         if not self.judge.due(metrics, now) or self._stop.is_set():
             return
         began = time.monotonic()
-        self._call("POST", self.mode.sleep_path, SLEEP_TIMEOUT_S)
+        try:
+            self._call("POST", self.mode.sleep_path, SLEEP_TIMEOUT_S)
+        except OSError:
+            if not self._engine_sleeping():
+                raise
+            # the answer was lost or late, but the engine sleeps (or is going to): the router must know, or the
+            # requests it sends would wait in the engine for a wake no one asks for
         self.asleep = True
         self._publish(True)
         self._note(f"sleep: idle for {self.judge.delay_s:g}s; asleep after {time.monotonic() - began:.2f}s")

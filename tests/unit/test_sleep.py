@@ -61,6 +61,7 @@ class FakeSleepyEngine(http.server.ThreadingHTTPServer):
 
     def __init__(self):
         self.running, self.success, self.sleeping, self.calls = 0, 0, False, []
+        self.sleep_status = 200
         engine = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -74,6 +75,9 @@ class FakeSleepyEngine(http.server.ThreadingHTTPServer):
             def do_POST(self):
                 engine.calls.append((self.path, self.headers.get("Authorization")))
                 engine.sleeping = self.path.startswith("/sleep")
+                if engine.sleep_status != 200:
+                    self.send_error(engine.sleep_status)
+                    return
                 self._answer("")
 
             def _answer(self, body: str):
@@ -288,3 +292,17 @@ def test_dryrun_on_this_cpu_machine_refuses_sleep_with_one_clear_error_and_exit_
     assert result.returncode == 2, result.output
     assert "serve[0](a).resources.sleep_delay_s: vLLM sleeps on GPUs only" in result.output
     assert "min_replicas: 0 with downscale_delay_s" in result.output
+
+
+def test_a_sleep_whose_answer_fails_is_published_when_the_engine_sleeps_anyway():
+    engine = FakeSleepyEngine()
+    engine.sleep_status = 500
+    published = []
+    controller = SleepController(VLLM, engine.url, None, 1.0, published.append, lambda line: None)
+    try:
+        controller.tick(0)
+        controller.tick(1)
+        assert engine.calls == [("/sleep?level=1&mode=wait", None)]
+        assert published == [True] and controller.asleep
+    finally:
+        engine.shutdown()
