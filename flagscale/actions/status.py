@@ -137,6 +137,7 @@ def _replica_row(record) -> ReplicaRow:
         gpus=record.gpus,
         ranks=record.ranks,
         log=record.log_path,
+        kv_events=(record.kv_events or {}).get("endpoint", ""),
     )
 
 

@@ -43,6 +43,7 @@ class EnginePlan(ReplicaSettings):
     # secret engine args (hf_token) as the env vars that carry them to the server, never in argv
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)
     engine: str = engines.DEFAULT_ENGINE  # the engine kind (flagscale/engines/)
+    kv_events: bool = False  # its replicas publish KV-cache events for the router's index (routing_options.kv_events)
 
     @property
     def kind(self) -> EngineKind:

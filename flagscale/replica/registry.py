@@ -42,6 +42,8 @@ class ReplicaRecord:
     # the replica's engine processes by rank: {"rank": int, "pid": int, "host": ip, "cpus": [...], "gpus": [...]};
     # [] for a one-process engine
     ranks: list[dict] = field(default_factory=list)
+    # its engine's KV-cache events: endpoints and how to key blocks (EngineKind.kv_events_launch); {}: none
+    kv_events: dict = field(default_factory=dict)
 
     @property
     def stale(self) -> bool:

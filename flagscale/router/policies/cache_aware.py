@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from flagscale.router.policies.base import Policy, RequestInfo, Settings, rank_replicas, setting
 
@@ -43,6 +43,12 @@ class CacheAwareSettings(Settings):
         "only the first this many characters of a prompt are hashed into the prefix table (a longer prompt is "
         "keyed by its beginning).",
         ge=1,
+    )
+    kv_events: Literal["auto", True, False] = setting(
+        "auto",
+        "route on the engines' own KV-cache events (an index of the blocks each replica holds, keyed as the engine "
+        "keys them) rather than on the table of what was sent where: auto = where the engine kind publishes them "
+        "; true = required (an engine that cannot is a config error); false = the table only.",
     )
 
 
