@@ -18,6 +18,7 @@ CONFIG_FLAG = "--kv-events-config"
 # hash functions the router can compute as the engine does: the cryptographic ones, whose first parent is derived
 # from a fixed seed (xxhash's is random per process unless PYTHONHASHSEED is set)
 HASH_ALGOS = ("sha256", "sha256_cbor")
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # what the first block's parent is hashed from without PYTHONHASHSEED
 
 
 def _flags(argv: list[str]) -> dict[str, str | bool]:
@@ -63,6 +64,6 @@ def kv_events_launch(
         "trust_remote_code": flags.get("--trust-remote-code") is True,
         "chat_template": flags.get("--chat-template") or None,
         "hash_algo": algo,
-        "hash_seed": seed,
+        "hash_seed": seed if seed is not None else DEFAULT_NONE_HASH_SEED,
     }
     return [CONFIG_FLAG, json.dumps(config)], record

@@ -21,7 +21,7 @@ def test_vllm_publishes_on_the_ports_given_and_records_how_to_key_blocks():
     assert config["enable_kv_cache_events"] and config["publisher"] == "zmq" and config["topic"] == "kv@r1"
     assert record["endpoint"] == "tcp://10.0.0.5:31001" and record["replay_endpoint"] == "tcp://10.0.0.5:31002"
     assert (record["tokenizer"], record["chat_template"], record["hash_algo"]) == ("/m", "/t.jinja", "sha256_cbor")
-    assert record["hash_seed"] is None
+    assert record["hash_seed"] == "vllm-none-hash"  # the engine's own seed without PYTHONHASHSEED
 
 
 @pytest.mark.parametrize(
