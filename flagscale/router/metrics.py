@@ -55,6 +55,19 @@ class RouterMetrics:
         self.resumed = Counter(
             "flagscale_router_streams_resumed", "Streams resumed on another replica mid-way.", ["model"], registry=r
         )
+        self.kv_predicted_hits = Counter(
+            "flagscale_router_kv_predicted_hit_tokens",
+            "Prompt tokens the router predicted each replica's engine would find in its prefix cache, from the "
+            "engines' KV events (beside the engine's own prefix-cache hit counter of the same replica).",
+            ["model", "replica"],
+            registry=r,
+        )
+        self.kv_fallbacks = Counter(
+            "flagscale_router_kv_fallbacks",
+            "Requests of models routed on KV events that went by the approximate table instead, by why.",
+            ["model", "reason"],
+            registry=r,
+        )
         self.scrape_failures = Counter(
             "flagscale_router_metrics_scrape_failures",
             "Engine replicas whose /metrics did not answer in time for a scrape of the endpoint's /metrics.",

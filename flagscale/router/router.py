@@ -157,6 +157,7 @@ class Router:
         }
         self.replicas = Replicas(policies, prefill_policies)
         self.metrics = RouterMetrics()
+        self.replicas.kv_events.metrics = self.metrics
         self.counters = Counters()
         bounds = self.spec.admission
         self.clients = Clients(
