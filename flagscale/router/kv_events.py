@@ -13,6 +13,7 @@ sequence gap or a new publisher on the stream. A replica that leaves, or whose r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -101,6 +102,9 @@ class KVEvents:
                     task.cancel()
                 del self.tasks[replica_id]
                 self.index.forget(replica_id)
+                if self.metrics is not None:
+                    with contextlib.suppress(KeyError):  # no batch applied yet: no series
+                        self.metrics.kv_last_seq.remove(replica_id)
         for replica_id, info in wanted.items():
             if replica_id not in self.tasks:
                 self.index.follow(replica_id)
@@ -198,6 +202,8 @@ class KVEvents:
                     if not await self._replay(index, info):
                         await asyncio.sleep(RETRY_S)
                         continue
+                    if self.metrics is not None:
+                        self.metrics.kv_last_seq.labels(replica_id).set(index.last_seq)
                 if not await sub.poll(POLL_S * 1000):
                     continue
                 frames = await sub.recv_multipart()
@@ -205,6 +211,8 @@ class KVEvents:
                     seq = int.from_bytes(frames[1], "big", signed=True)
                     if index.apply(seq, _decoded(frames[2]), time.monotonic()) in (GAP, RESTARTED):
                         index.synced = False
+                    elif self.metrics is not None:
+                        self.metrics.kv_last_seq.labels(replica_id).set(index.last_seq)
         except asyncio.CancelledError:
             raise
         except Exception:  # never let a bad stream take the router down: this replica goes by the table

@@ -62,6 +62,12 @@ class RouterMetrics:
             ["model", "replica"],
             registry=r,
         )
+        self.kv_last_seq = Gauge(
+            "flagscale_router_kv_last_sequence",
+            "The last KV-event batch of each replica's engine this router process applied to its index.",
+            ["replica"],
+            registry=r,
+        )
         self.kv_fallbacks = Counter(
             "flagscale_router_kv_fallbacks",
             "Requests of models routed on KV events that went by the approximate table instead, by why.",

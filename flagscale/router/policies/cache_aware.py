@@ -48,8 +48,8 @@ class CacheAwareSettings(Settings):
     kv_events: Literal["auto", True, False] = setting(
         "auto",
         "route on the engines' own KV-cache events (an index of the blocks each replica holds, keyed as the engine "
-        "keys them) rather than on the table of what was sent where: auto = where the engine kind publishes them "
-        "; true = required (an engine that cannot is a config error); false = the table only.",
+        "keys them) rather than on the table of what was sent where: auto = where the engine kind publishes them; "
+        "true = required (an engine that cannot is a config error); false = the table only.",
     )
 
 
