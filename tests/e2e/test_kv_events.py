@@ -143,8 +143,11 @@ def predicted_and_reported(client: openai.OpenAI, requests: list[dict], sequence
 
 
 def live_replicas(conf, without: str | None = None) -> list[dict] | None:
+    """The two replicas once both are READY with a live index in the router, and `without` gone from status."""
     report = status_json(conf, while_replacing=True)
-    replicas = [r for r in report["replicas"] if r["state"] == "READY" and r["replica_id"] != without]
+    if without in {r["replica_id"] for r in report["replicas"]}:
+        return None
+    replicas = [r for r in report["replicas"] if r["state"] == "READY"]
     live = [r for r in replicas if ((r.get("router") or {}).get("kv_index") or {}).get("live")]
     return live if len(live) == 2 else None
 
@@ -195,8 +198,8 @@ def test_predicted_hits_equal_the_engines_and_a_replaced_replica_starts_clean(de
     replicas = wait_for(
         lambda: live_replicas(deployment, without=victim["replica_id"]), STATUS_WAIT_S, "a live replacement"
     )
-    report = status_json(deployment)
-    assert victim["replica_id"] not in {r["replica_id"] for r in report["replicas"]}
+    new = [r for r in replicas if r["replica_id"] not in indexed]
+    assert len(new) == 1 and new[0]["router"]["kv_index"]["blocks"] == 0, replicas  # it starts empty
     sequences = Sequences({r["replica_id"]: r["kv_events"] for r in replicas})
     try:
         time.sleep(1)
