@@ -52,7 +52,9 @@ def kv_events_launch(
         "enable_kv_cache_events": True,
         "publisher": "zmq",
         "endpoint": f"tcp://*:{pub_port}",
-        "replay_endpoint": f"tcp://*:{replay_port}",
+        # vLLM binds the replay socket to the address given, but its PUB socket only to a wildcard (any other
+        # address it connects to): the events listen on every interface of the host (docs/routing.md)
+        "replay_endpoint": f"tcp://{host}:{replay_port}",
         "topic": topic,
     }
     record = {

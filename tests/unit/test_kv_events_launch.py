@@ -17,7 +17,7 @@ def test_vllm_publishes_on_the_ports_given_and_records_how_to_key_blocks():
     extra, record = engines.get("vllm").kv_events_launch(argv, "10.0.0.5", 31001, 31002, "kv@r1", {})
     assert extra[0] == "--kv-events-config"
     config = json.loads(extra[1])
-    assert config["endpoint"] == "tcp://*:31001" and config["replay_endpoint"] == "tcp://*:31002"
+    assert config["endpoint"] == "tcp://*:31001" and config["replay_endpoint"] == "tcp://10.0.0.5:31002"
     assert config["enable_kv_cache_events"] and config["publisher"] == "zmq" and config["topic"] == "kv@r1"
     assert record["endpoint"] == "tcp://10.0.0.5:31001" and record["replay_endpoint"] == "tcp://10.0.0.5:31002"
     assert (record["tokenizer"], record["chat_template"], record["hash_algo"]) == ("/m", "/t.jinja", "sha256_cbor")
