@@ -78,10 +78,11 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
 def _kv_events(
     kind: engines.EngineKind, routing: RoutingSpec, parallel: tuple[int, int, int], role: str | None, where: str
 ) -> bool:
-    """Whether the node's replicas publish KV-cache events (docs/routing.md): cache_aware with kv_events auto or
-    true, an engine kind that publishes, one engine per replica (vLLM's DP ranks would publish on ports offset by
-    their rank) and a colocated node. `kv_events: true` where that cannot be is the config's error."""
-    wanted = getattr(routing.settings, "kv_events", False)
+    """Whether the node's replicas publish KV-cache events (docs/routing.md): unless its routing_options say
+    `kv_events: false`, where the engine kind publishes, with one engine per replica (vLLM's DP ranks would publish
+    on ports offset by their rank), colocated. Whatever the node's policy: switching it to cache_aware in place
+    then needs no restart of the engines. `kv_events: true` where that cannot be is the config's error."""
+    wanted = getattr(routing.settings, "kv_events", "auto")
     if not wanted:
         return False
     why = None

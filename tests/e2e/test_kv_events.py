@@ -11,6 +11,8 @@ kv_events auto (vLLM: on), one router process.
 - a replica killed and replaced: its entries leave the router's index with it, the new replica's index starts
   empty and live, and requests whose prefixes were on the dead replica are predicted exactly again (none is
   routed on stale blocks: a prediction of blocks the new engine lacks would exceed its hits).
+- the router process killed: Serve starts another, whose index is rebuilt from the engines' replay buffers (the
+  same blocks and sequences as before) before it routes on it, and its predictions are exact.
 """
 
 from __future__ import annotations
@@ -206,5 +208,48 @@ def test_predicted_hits_equal_the_engines_and_a_replaced_replica_starts_clean(de
         again = predicted_and_reported(client, workload(seed=53)[:12], sequences)
         print("after the replacement:", again)
         assert all(p == r for p, r in again), again
+    finally:
+        sequences.close()
+
+
+def indexes_rebuilt(conf, killed_pid: int, before: dict[str, dict]) -> dict | None:
+    """The replicas' indexes in a router process other than `killed_pid`, once each is live and holds what the
+    killed one held (no request in between: the engines' caches did not change)."""
+    result = status_cli(conf, "output=json")
+    try:
+        report = json.loads(result.stdout[result.stdout.index("{") :])
+        pids = {p["pid"] for p in report["router"]["processes"].values()}
+        now = {r["replica_id"]: r["router"]["kv_index"] for r in report["replicas"] if r["replica_id"] in before}
+    except (ValueError, KeyError, TypeError):  # the router is not back yet
+        return None
+    if not pids or killed_pid in pids or len(now) != len(before):
+        return None
+    same = all(
+        now[r]["live"] and (now[r]["blocks"], now[r]["last_seq"]) == (i["blocks"], i["last_seq"])
+        for r, i in before.items()
+    )
+    return now if same else None
+
+
+def test_a_restarted_router_rebuilds_its_index_by_replay(deployment):
+    """The router process is killed; Serve starts another, whose index (empty at its start) is rebuilt from the
+    engines' replay buffers before it routes on it, and its predictions are exact again."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
+    replicas = wait_for(lambda: live_replicas(deployment), STATUS_WAIT_S, "both replicas' KV indexes live")
+    before = {r["replica_id"]: r["router"]["kv_index"] for r in replicas}
+    assert any(i["blocks"] for i in before.values()), before  # the earlier test left blocks cached
+    (process,) = status_json(deployment)["router"]["processes"].values()
+    psutil.Process(process["pid"]).send_signal(signal.SIGKILL)
+    rebuilt = wait_for(
+        lambda: indexes_rebuilt(deployment, process["pid"], before), STATUS_WAIT_S, "a new router's index rebuilt"
+    )
+    assert all(i["replays"] >= 1 for i in rebuilt.values()), rebuilt
+    sequences = Sequences({r["replica_id"]: r["kv_events"] for r in replicas})
+    try:
+        time.sleep(1)
+        again = predicted_and_reported(client, workload(seed=53)[12:], sequences)
+        print("after the router's restart:", again)
+        assert all(p == r for p, r in again), again
+        assert sum(r for _, r in again) > 0, again  # prefixes cached before the restart were found
     finally:
         sequences.close()
