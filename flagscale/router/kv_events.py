@@ -31,6 +31,7 @@ REPLAY_TIMEOUT_S = 3.0  # the replay endpoint's silence between two replies that
 RETRY_S = 2.0  # after a failed replay, before the next try
 POLL_S = 1.0  # the subscription is read in waits of this length (a cancelled task ends within it)
 CPU_TIER_WEIGHT = 0.5  # a block on the CPU tier counts this much of one on the GPU (it is copied back first)
+OFF_LOOP_CHARS = 8_192  # prompts longer than this are keyed in a thread (prepare), shorter ones when routed
 MAX_KEYED_CHARS = 65_536  # only the prompt's first this many characters are tokenized (an 8k-token prompt fits)
 END_OF_REPLAY = -1
 
@@ -74,6 +75,7 @@ class KVEvents:
         self.tasks: dict[str, tuple[str, asyncio.Task | None]] = {}  # replica id -> (its publisher, follower)
         self.keys: dict[str, ModelKeys] = {}  # by the tokenizer source of the records
         self.model_keys: dict[str, ModelKeys] = {}  # model -> its keys
+        self.model_replicas: dict[str, set[str]] = {}  # model -> its replicas followed
         self.fallbacks: Counter[tuple[str, str]] = Counter()  # (model, why) -> requests routed on the table
         self.metrics: Any = None  # RouterMetrics, set by the router (predicted hits, fallbacks)
 
@@ -91,10 +93,12 @@ class KVEvents:
             if not getattr(policy, "uses_kv_events", False):
                 continue
             policy.exact = self
+            self.model_replicas[model] = set()
             for record in records_by_model.get(model, ()):
                 info = record.kv_events
                 if info:
                     wanted[record.replica_id] = info
+                    self.model_replicas[model].add(record.replica_id)
                     self._keys_of(model, info, loop)
         for replica_id, (endpoint, task) in list(self.tasks.items()):
             if wanted.get(replica_id, {}).get("endpoint") != endpoint:
@@ -139,28 +143,33 @@ class KVEvents:
         return Match(depths, block_tokens, tokens)
 
     def _keys(self, request: Any, followed: list[Any], now: float) -> str | None:
-        """The request's block keys into its memo; else why not."""
+        """The request's block keys into its memo (unless prepare put them there); else why not."""
         if any(not self.index.replicas[u.replica_id].live(now) for u in followed):
             return "index not live"
         keys = self.model_keys.get(request.model)
         if keys is None or keys.tokens is None:
             return "no tokenizer" if keys is not None and keys.failed else "tokenizer loading"
-        block = next((self.index.replicas[u.replica_id].block_size for u in followed), None)
-        block = block or next((i.block_size for i in self.index.replicas.values() if i.block_size), None)
-        if "kv_keys" not in request.memo:
-            made = keys.tokens.of(request.body, MAX_KEYED_CHARS)
-            if made is None:
-                return "not tokenizable"
-            tokens, cut = made
-            request.memo["kv_tokens"] = len(tokens)
-            if block is None:  # no block stored anywhere yet: nothing can be reused
-                request.memo.update(kv_keys=[], kv_block=1)
-                return None
-            full = keys.hasher.keys(
-                tokens, block, cache_salt=_salt(request.body), max_blocks=len(tokens) // block - (1 if cut else 0)
-            )
-            request.memo.update(kv_keys=full, kv_block=block)
-        return None
+        if "kv_keys" not in request.memo and not request.memo.get("kv_unkeyable"):
+            made = _keyed(keys, request.body, self._block_size(u.replica_id for u in followed))
+            request.memo.update(made or {"kv_unkeyable": True})
+        return "not tokenizable" if request.memo.get("kv_unkeyable") else None
+
+    def _block_size(self, replica_ids: Iterable[str]) -> int | None:
+        """The block size the engines of these replicas store blocks of (from their events), None before any."""
+        sizes = (self.index.replicas[r].block_size for r in replica_ids if r in self.index.replicas)
+        return next((size for size in sizes if size), None)
+
+    async def prepare(self, request: Any, policy: Any) -> None:
+        """A long prompt of a model routed on events is keyed in a thread before it is routed, so the router's
+        loop goes on meanwhile (a short one is keyed when routed: the thread's hop would cost more)."""
+        if getattr(policy, "exact", None) is not self or _chars(request.body) < OFF_LOOP_CHARS:
+            return
+        keys = self.model_keys.get(request.model)
+        if keys is None or keys.tokens is None:
+            return
+        block = self._block_size(self.model_replicas.get(request.model, ()))
+        made = await asyncio.get_running_loop().run_in_executor(None, _keyed, keys, request.body, block)
+        request.memo.update(made or {"kv_unkeyable": True})
 
     def _fell_back(self, model: str, why: str) -> None:
         self.fallbacks[(model, why)] += 1
@@ -246,6 +255,32 @@ class KVEvents:
             return True
         finally:
             dealer.close(linger=0)
+
+
+def _keyed(keys: ModelKeys, body: dict[str, Any], block: int | None) -> dict[str, Any] | None:
+    """A request's memo entries: its prompt's length in tokens and its block keys (none before the engines stored
+    any block: nothing can be reused then); None when it cannot be tokenized as the engine would."""
+    assert keys.tokens is not None
+    made = keys.tokens.of(body, MAX_KEYED_CHARS)
+    if made is None:
+        return None
+    tokens, cut = made
+    if block is None:
+        return {"kv_tokens": len(tokens), "kv_keys": [], "kv_block": 1}
+    most = len(tokens) // block - (1 if cut else 0)  # a prompt cut short: its last block may tokenize otherwise
+    full = keys.hasher.keys(tokens, block, cache_salt=_salt(body), max_blocks=most)
+    return {"kv_tokens": len(tokens), "kv_keys": full, "kv_block": block}
+
+
+def _chars(body: dict[str, Any]) -> int:
+    """About how many characters a request's prompt has (its messages' or prompt's text)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return sum(
+            len(m.get("content") or "") for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)
+        )
+    prompt = body.get("prompt")
+    return len(prompt) if isinstance(prompt, str) else 0
 
 
 def _decoded(payload: bytes) -> Any:

@@ -181,3 +181,24 @@ def test_the_cost_counts_gpu_blocks_above_cpu_tier_ones_and_keeps_the_load_bound
     assert request.memo["kv_depths"] == {"r1": len(keys) / 2, "r2": len(keys) // 2 + 1}
     r2.inflight = policy.settings.balance_abs_threshold + 1  # the warm replica saturated: the load decides
     assert policy.select([r1, r2], RequestInfo("m", body), time.monotonic())[0] is r1
+
+
+def test_a_long_prompt_is_keyed_in_a_thread_before_it_is_routed(demo_model_path):
+    policy, (r1, r2) = cache_aware_over("r1", "r2")
+    hub = KVEvents()
+    for up in (r1, r2):
+        up.record.kv_events = {"endpoint": f"tcp://127.0.0.1:1/{up.replica_id}", "tokenizer": str(demo_model_path)}
+    hub.sync({"m": [r1.record, r2.record]}, {"m": policy})
+    for up in (r1, r2):
+        index = hub.index.replicas[up.replica_id]
+        index.synced, index.block_size = True, 16
+    long_body = {"model": "m", "prompt": "A long document to key off the loop. " * 400}
+    early = RequestInfo("m", long_body)
+    asyncio.run(hub.prepare(early, policy))
+    assert len(early.memo["kv_keys"]) > 100
+    late = RequestInfo("m", long_body)  # keyed when routed instead: the same keys
+    policy.select([r1, r2], late, time.monotonic())
+    assert late.memo["kv_keys"] == early.memo["kv_keys"]
+    short = RequestInfo("m", {"model": "m", "prompt": "short"})
+    asyncio.run(hub.prepare(short, policy))
+    assert "kv_keys" not in short.memo  # keyed when routed: a thread's hop would cost more
