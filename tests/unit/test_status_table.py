@@ -98,3 +98,16 @@ def test_wide_table_has_the_rest_and_each_rank():
     text = render(wide=True, width=260)
     for cell in ("http://10.77.0.12:45123", "41240", "17 prefix_blocks", "engine ranks", "51250", "10.77.0.13"):
         assert cell in text, (cell, text)
+
+
+def test_wide_table_says_which_cache_knowledge_each_replica_is_routed_on():
+    from flagscale.actions.status_table import _kv_events
+
+    live = {"blocks": 40, "events_per_s": 2.5, "last_seq": 17, "replays": 1, "live": True, "state": "live"}
+    events = "tcp://10.77.0.12:31001"
+    assert _kv_events(replica("m", "a")) == "approximate"  # llama.cpp, kv_events: false
+    assert _kv_events(replica("m", "a", kv_events=events)) == "10.77.0.12:31001"  # published, not followed yet
+    cell = _kv_events(replica("m", "a", kv_events=events, router={"kv_index": live}))
+    assert cell == "live 40 blocks 2.5/s seq 17 replays 1"
+    silent = {**live, "live": False, "state": "silent"}
+    assert "silent" in _kv_events(replica("m", "a", kv_events=events, router={"kv_index": silent}))
