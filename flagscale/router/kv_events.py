@@ -76,6 +76,9 @@ class KVEvents:
         self.keys: dict[str, ModelKeys] = {}  # by the tokenizer source of the records
         self.model_keys: dict[str, ModelKeys] = {}  # model -> its keys
         self.model_replicas: dict[str, set[str]] = {}  # model -> its replicas followed
+        # a LoRA adapter's served name -> (name, path), as the records list them (`loras` of their kv_events): a
+        # request for it is keyed with the adapter, as the engine keys its blocks
+        self.loras: dict[str, tuple[str, str]] = {}
         self.fallbacks: Counter[tuple[str, str]] = Counter()  # (model, why) -> requests routed on the table
         self.metrics: Any = None  # RouterMetrics, set by the router (predicted hits, fallbacks)
 
@@ -99,6 +102,7 @@ class KVEvents:
                 if info:
                     wanted[record.replica_id] = info
                     self.model_replicas[model].add(record.replica_id)
+                    self.loras.update({name: (name, path) for name, path in (info.get("loras") or {}).items()})
                     self._keys_of(model, info, loop)
         for replica_id, (endpoint, task) in list(self.tasks.items()):
             if wanted.get(replica_id, {}).get("endpoint") != endpoint:
@@ -150,7 +154,8 @@ class KVEvents:
         if keys is None or keys.tokens is None:
             return "no tokenizer" if keys is not None and keys.failed else "tokenizer loading"
         if "kv_keys" not in request.memo and not request.memo.get("kv_unkeyable"):
-            made = _keyed(keys, request.body, self._block_size(u.replica_id for u in followed))
+            block = self._block_size(u.replica_id for u in followed)
+            made = _keyed(keys, request.body, block, self.loras.get(request.model))
             request.memo.update(made or {"kv_unkeyable": True})
         return "not tokenizable" if request.memo.get("kv_unkeyable") else None
 
@@ -168,7 +173,8 @@ class KVEvents:
         if keys is None or keys.tokens is None:
             return
         block = self._block_size(self.model_replicas.get(request.model, ()))
-        made = await asyncio.get_running_loop().run_in_executor(None, _keyed, keys, request.body, block)
+        lora = self.loras.get(request.model)
+        made = await asyncio.get_running_loop().run_in_executor(None, _keyed, keys, request.body, block, lora)
         request.memo.update(made or {"kv_unkeyable": True})
 
     def _fell_back(self, model: str, why: str) -> None:
@@ -257,9 +263,12 @@ class KVEvents:
             dealer.close(linger=0)
 
 
-def _keyed(keys: ModelKeys, body: dict[str, Any], block: int | None) -> dict[str, Any] | None:
+def _keyed(
+    keys: ModelKeys, body: dict[str, Any], block: int | None, lora: tuple[str, str] | None = None
+) -> dict[str, Any] | None:
     """A request's memo entries: its prompt's length in tokens and its block keys (none before the engines stored
-    any block: nothing can be reused then); None when it cannot be tokenized as the engine would."""
+    any block: nothing can be reused then), `lora` the adapter (name, path) it runs with; None when it cannot be
+    tokenized as the engine would."""
     assert keys.tokens is not None
     made = keys.tokens.of(body, MAX_KEYED_CHARS)
     if made is None:
@@ -268,7 +277,7 @@ def _keyed(keys: ModelKeys, body: dict[str, Any], block: int | None) -> dict[str
     if block is None:
         return {"kv_tokens": len(tokens), "kv_keys": [], "kv_block": 1}
     most = len(tokens) // block - (1 if cut else 0)  # a prompt cut short: its last block may tokenize otherwise
-    full = keys.hasher.keys(tokens, block, cache_salt=_salt(body), max_blocks=most)
+    full = keys.hasher.keys(tokens, block, lora=lora, cache_salt=_salt(body), max_blocks=most)
     return {"kv_tokens": len(tokens), "kv_keys": full, "kv_block": block}
 
 

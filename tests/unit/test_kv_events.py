@@ -202,3 +202,23 @@ def test_a_long_prompt_is_keyed_in_a_thread_before_it_is_routed(demo_model_path)
     short = RequestInfo("m", {"model": "m", "prompt": "short"})
     asyncio.run(hub.prepare(short, policy))
     assert "kv_keys" not in short.memo  # keyed when routed: a thread's hop would cost more
+
+
+def test_a_lora_adapters_request_is_keyed_with_the_adapter(demo_model_path):
+    policy, (r1,) = cache_aware_over("r1")
+    r1.record.models = ["m", "sql"]
+    r1.record.kv_events = {
+        "endpoint": "tcp://127.0.0.1:1",
+        "tokenizer": str(demo_model_path),
+        "loras": {"sql": "/adapters/sql"},
+    }
+    hub = KVEvents()
+    hub.sync({"m": [r1.record], "sql": [r1.record]}, {"m": policy, "sql": policy})
+    index = hub.index.replicas["r1"]
+    index.synced, index.block_size = True, 16
+    body = {"model": "sql", "prompt": "Select the rows of a table, many times over. " * 10}
+    request = RequestInfo("sql", body)
+    assert hub.match(request, [r1], time.monotonic()) is not None
+    tokens, _ = PromptTokens(str(demo_model_path)).of(body, 65536)
+    assert request.memo["kv_keys"] == hub.model_keys["sql"].hasher.keys(tokens, 16, lora=("sql", "/adapters/sql"))
+    assert request.memo["kv_keys"] != hub.model_keys["sql"].hasher.keys(tokens, 16)
