@@ -18,6 +18,7 @@ CONFIG_FLAG = "--kv-events-config"
 # hash functions the router can compute as the engine does: the cryptographic ones, whose first parent is derived
 # from a fixed seed (xxhash's is random per process unless PYTHONHASHSEED is set)
 HASH_ALGOS = ("sha256", "sha256_cbor")
+TOKENIZER_MODES = ("auto", "hf")  # the fast tokenizer (tokenizer.json) the router loads too
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # what the first block's parent is hashed from without PYTHONHASHSEED
 
 
@@ -47,6 +48,8 @@ def kv_events_launch(
     algo = str(flags.get("--prefix-caching-hash-algo", "sha256"))
     seed = env.get("PYTHONHASHSEED")
     if CONFIG_FLAG in flags or "--no-enable-prefix-caching" in flags or (algo not in HASH_ALGOS and seed is None):
+        return None
+    if str(flags.get("--tokenizer-mode", "auto")) not in TOKENIZER_MODES:  # e.g. mistral's own tokenizer
         return None
     config = {
         "enable_kv_cache_events": True,

@@ -30,6 +30,7 @@ def test_vllm_publishes_on_the_ports_given_and_records_how_to_key_blocks():
         (["--model", "/m", "--no-enable-prefix-caching"], {}),  # no prefix cache: nothing to route on
         (["--model", "/m", "--kv-events-config", "{}"], {}),  # the user's own publisher: left alone
         (["--model", "/m", "--prefix-caching-hash-algo", "xxhash"], {}),  # a random seed per process
+        (["--model", "/m", "--tokenizer-mode", "mistral"], {}),  # a tokenizer the router does not load
     ],
 )
 def test_vllm_publishes_nothing_the_router_cannot_use(argv, env):
