@@ -40,6 +40,8 @@ def dryrun(
     for engine in plan.engines:
         args = engine.kind.shown_args(engine.argv)
         replicas = f"{engine.describe_replicas()}\nrouting: {engine.routing.policy}"
+        if engine.kv_events:  # the engines publish their KV-cache events (docs/routing.md)
+            replicas += "\n(KV events)"
         resources = ", ".join(f"{k}={v}" for k, v in engine.ray_actor_options.items())
         name = f"{engine.serve_id}\n({engine.role} pool of {engine.group})" if engine.role else engine.serve_id
         if engine.pinned_host:

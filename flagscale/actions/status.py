@@ -138,6 +138,7 @@ def _replica_row(record) -> ReplicaRow:
         ranks=record.ranks,
         log=record.log_path,
         asleep=record.asleep,
+        kv_events=(record.kv_events or {}).get("endpoint", ""),
     )
 
 

@@ -56,6 +56,7 @@ class ReplicaRow:
         default_factory=list
     )  # an engine of several processes: each rank's pid, host, ...
     log: str = ""
+    kv_events: str = ""  # where its engine publishes KV-cache events ("" none: the router's approximate table)
     engine: dict[str, float] | None = None  # its engine's load (EngineKind.status_load); None: /metrics did not answer
     requests_served: int | None = None  # since the router started
     router: dict[str, Any] | None = None  # the router's view: in-flight, circuit, routing table (docs/routing.md)

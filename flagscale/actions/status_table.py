@@ -122,6 +122,21 @@ def _load(engine: dict[str, float] | None) -> str:
     return " ".join(cells) or "-"
 
 
+def _kv_events(r: ReplicaRow) -> str:
+    """Which cache knowledge the router routes this replica on: its engine's KV events (the index: blocks, events/s,
+    last sequence, replays, live or not) or the approximate table."""
+    index = (r.router or {}).get("kv_index")
+    if not r.kv_events:
+        return "approximate"
+    if not index:
+        return r.kv_events.rpartition("/")[2]
+    state = "live" if index.get("live") else f"[red]{index.get('state', 'not live')}[/]"
+    return (
+        f"{state} {index.get('blocks', 0)} blocks {index.get('events_per_s', 0):g}/s "
+        f"seq {index.get('last_seq', '-')} replays {index.get('replays', 0)}"
+    )
+
+
 def _kv_pulled(engine: dict[str, float] | None) -> str:
     pulled = (engine or {}).get("kv_transfers")
     return f"{pulled:g} ({engine['kv_transfer_failures']:g} failed)" if pulled is not None else "-"
@@ -131,7 +146,7 @@ def _replica_table(replicas: list[ReplicaRow], wide: bool) -> Table:
     columns = ["node", "replica", "engine", "state", "host", "devices", "load"]
     if wide:
         columns += ["pid", "engine pid", "url", "heartbeat", "served", "in-flight", "circuit", "moved off"]
-        columns += ["routing table", "KV pulled"]
+        columns += ["routing table", "KV events", "KV pulled"]
     table = _table("engine replicas", columns)
     for r in replicas:
         state = r.state if r.state == "READY" else f"[red]{r.state}[/]"
@@ -157,6 +172,7 @@ def _wide_cells(r: ReplicaRow) -> list[str]:
         routing.get("circuit", "-"),
         str(routing.get("migrations", "-")),
         table_size,
+        _kv_events(r),
         _kv_pulled(r.engine),
     ]
 

@@ -29,6 +29,7 @@ class Capabilities:
     expert_parallel: bool = False  # spreads a MoE model's experts over its DP x TP ranks (enable_expert_parallel)
     keeps_connections: bool = True  # its server keeps a connection open after a response (the router reuses it)
     sleep_on_gpu: bool = False  # on a GPU, frees its memory while idle and takes it back (EngineKind.sleep_mode)
+    kv_events: bool = False  # publishes its KV cache's block events (the router's exact prefix index: kv_events)
 
 
 @dataclass(frozen=True)
@@ -273,6 +274,14 @@ class EngineKind(ABC):
         """The command that serves `argv` on host:port. With `api_key`, every path but the health path must
         require it; it goes to the server in ServerLaunch.env, never in argv. `role`: "prefill" / "decode" in a
         disaggregated node (only engines with kv_transfer)."""
+
+    def kv_events_launch(
+        self, argv: list[str], host: str, pub_port: int, replay_port: int, topic: str, env: dict[str, str]
+    ) -> tuple[list[str], dict[str, Any]] | None:
+        """Engines with capabilities.kv_events: the args that make the server publish its KV cache's block events
+        on host:pub_port (replays on replay_port) under `topic`, and what the replica's record tells the router of
+        them (flagscale/router/kv_events.py); None when this server cannot publish events the router can use."""
+        return None
 
     def bind_ranks(self, launch: ServerLaunch, share: HostShare) -> ServerLaunch:
         """The server's `launch` made to run the ranks of `share` (node rank 0) on what they were given. Only

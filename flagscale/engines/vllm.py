@@ -24,6 +24,7 @@ from flagscale.engines.base import (
 )
 from flagscale.engines.model_args import EXPERT_COUNT_KEYS, check_hf_model, positive_int
 from flagscale.engines.vllm_auth import KEY_ENV, MIDDLEWARE
+from flagscale.engines.vllm_kv_events import kv_events_launch
 from flagscale.engines.vllm_server import PAUSE_ENV, parse_pause_us
 from flagscale.errors import ConfigError
 from flagscale.net import free_port
@@ -196,6 +197,7 @@ class VLLM(EngineKind):
         parallel=("tp", "pp", "dp"),
         expert_parallel=True,
         sleep_on_gpu=True,
+        kv_events=True,
     )
     # vLLM's sleep mode (its CUDA memory pool: GPUs only). Level 1 moves the weights to host memory and frees the
     # KV cache; mode=wait lets running requests finish first. Its routes exist only with VLLM_SERVER_DEV_MODE=1.
@@ -352,6 +354,9 @@ class VLLM(EngineKind):
         if api_key:
             command += ["--middleware", MIDDLEWARE]
         return ServerLaunch(command, env=env, env_defaults=defaults, secret_env=secret)
+
+    def kv_events_launch(self, argv, host, pub_port, replay_port, topic, env):
+        return kv_events_launch(argv, host, pub_port, replay_port, topic, env)
 
     def bind_ranks(self, launch: ServerLaunch, share: HostShare) -> ServerLaunch:
         env = {**launch.env, **rank_env(share)}

@@ -73,9 +73,32 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
         secret_env=secrets,
         engine=kind.name,
         sleep_delay_s=sleep_delay_s,
+        kv_events=_kv_events(kind, RoutingSpec.of_node(node), parallel, pool.role, pool.where),
         **vars(scaling),
     )
     return _pinned(engine, pool, inputs) if pool.host is not None else engine
+
+
+def _kv_events(
+    kind: engines.EngineKind, routing: RoutingSpec, parallel: tuple[int, int, int], role: str | None, where: str
+) -> bool:
+    """Whether the node's replicas publish KV-cache events (docs/routing.md): unless its routing_options say
+    `kv_events: false`, where the engine kind publishes, with one engine per replica (vLLM's DP ranks would publish
+    on ports offset by their rank), colocated. Whatever the node's policy: switching it to cache_aware in place
+    then needs no restart of the engines. `kv_events: true` where that cannot be is the config's error."""
+    wanted = getattr(routing.settings, "kv_events", "auto")
+    if not wanted:
+        return False
+    why = None
+    if not kind.capabilities.kv_events:
+        why = f"{kind.display} publishes no KV-cache events"
+    elif parallel[2] > 1:
+        why = "a replica of several data-parallel engines is routed on the approximate table"
+    elif role is not None:
+        why = "a disaggregated node's pools are routed on the approximate table"
+    if why and wanted is True:
+        raise ConfigError(f"routing_options.kv_events: true, but {why} (set it to auto or false)", where)
+    return why is None
 
 
 def _check_expert_parallel_gpus(

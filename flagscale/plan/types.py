@@ -44,6 +44,7 @@ class EnginePlan(ReplicaSettings):
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)
     engine: str = engines.DEFAULT_ENGINE  # the engine kind (flagscale/engines/)
     sleep_delay_s: float | None = None  # resources.sleep_delay_s: idle this long, a replica sleeps (plan/sleep.py)
+    kv_events: bool = False  # its replicas publish KV-cache events for the router's index (routing_options.kv_events)
 
     @property
     def kind(self) -> EngineKind:

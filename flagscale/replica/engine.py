@@ -9,6 +9,7 @@ so the router streams bytes to it directly (see docs/design.md for why this is t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import time
@@ -58,6 +59,7 @@ class EngineSpec:
     parallel: tuple[int, int, int] = (1, 1, 1)  # TP, PP, DP: above one rank, flagscale/replica/ranks.py places them
     expert_parallel: bool = False  # the DP x TP ranks share the experts: each rank's record names its EP index
     sleep_delay_s: float | None = None  # resources.sleep_delay_s: idle this long, the engine sleeps (replica/sleep.py)
+    kv_events: bool = False  # the server publishes KV-cache events on ports of its own (router/kv_events.py)
 
     @property
     def kind(self) -> engines.EngineKind:
@@ -126,8 +128,25 @@ class EngineReplica:
                 self._note(f"ranks {list(share.ranks)} here (node rank 0 of {share.nnodes}), cores {share.rank_cpus}")
                 launch = spec.kind.bind_ranks(launch, share)
             env = {**engine_env({**launch.env_defaults, **spec.env}), **launch.env, **launch.secret_env}
+            launch = self._with_kv_events(spec, launch, host, env)
             self.proc = start_watched(launch.argv, env, launch.env, self.log_path)
             self._wait_healthy(spec.startup_timeout_s)
+
+    def _with_kv_events(self, spec: EngineSpec, launch: engines.ServerLaunch, host: str, env: dict[str, str]):
+        """The launch with the engine publishing its KV-cache events on two ports of this host planned like its
+        others (free_port: reserved host-wide), when the node routes on them; self.kv_events: what the record
+        tells the router of them ({}: none)."""
+        self.kv_events: dict = {}
+        if not spec.kv_events:
+            return launch
+        topic = f"kv@{self.replica_id}"
+        made = spec.kind.kv_events_launch(launch.argv, host, free_port(host), free_port(host), topic, env)
+        if made is None:
+            self._note("publishes no KV-cache events (its args rule them out): routed on the approximate table")
+            return launch
+        extra_argv, self.kv_events = made
+        self._note(f"KV-cache events on {self.kv_events['endpoint']} (replays {self.kv_events['replay_endpoint']})")
+        return dataclasses.replace(launch, argv=[*launch.argv, *extra_argv])
 
     def _after_start(self, spec: EngineSpec) -> None:
         layout = pin_engine(self.proc.pid) if spec.pin_cpus and spec.kind.capabilities.cpu_worker_binding else None
@@ -156,6 +175,7 @@ class EngineReplica:
             version=spec.version,
             engine=spec.engine,
             ranks=self.ranks.records(self.proc.pid) if self.ranks else [],
+            kv_events=self.kv_events,
         )
         registry.publish(self.record)
         self._last_healthy = time.monotonic()

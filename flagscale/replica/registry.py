@@ -46,6 +46,8 @@ class ReplicaRecord:
     # how many times it went to sleep (the router's wake answers one of them: router/wake.py)
     asleep: bool = False
     sleeps: int = 0
+    # its engine's KV-cache events: endpoints and how to key blocks (EngineKind.kv_events_launch); {}: none
+    kv_events: dict = field(default_factory=dict)
 
     @property
     def stale(self) -> bool:

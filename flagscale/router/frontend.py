@@ -262,6 +262,7 @@ class Frontend:
         self._metrics.inflight.inc()
         status = 499  # the client went away (the handler was cancelled)
         try:
+            await self._replicas.kv_events.prepare(exchange.info, exchange.policy)  # a long prompt's KV keys
             response = await self._failover.route(exchange, payload)
             status = response.status
             return response

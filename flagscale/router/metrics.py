@@ -55,6 +55,16 @@ class RouterMetrics:
         self.resumed = Counter(
             "flagscale_router_streams_resumed", "Streams resumed on another replica mid-way.", ["model"], registry=r
         )
+        self.scrape_failures = Counter(
+            "flagscale_router_metrics_scrape_failures",
+            "Engine replicas whose /metrics did not answer in time for a scrape of the endpoint's /metrics.",
+            registry=r,
+        )
+        self._add_wake_series(r)
+        self._add_kv_series(r)
+
+    def _add_wake_series(self, r: CollectorRegistry) -> None:
+        """Sleeping replicas woken for requests (router/wake.py)."""
         self.wakes = Counter(
             "flagscale_router_replica_wakes", "Sleeping replicas woken for a request.", ["model"], registry=r
         )
@@ -71,9 +81,26 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.scrape_failures = Counter(
-            "flagscale_router_metrics_scrape_failures",
-            "Engine replicas whose /metrics did not answer in time for a scrape of the endpoint's /metrics.",
+
+    def _add_kv_series(self, r: CollectorRegistry) -> None:
+        """The KV-event index that cache_aware routes on (router/kv_events.py)."""
+        self.kv_predicted_hits = Counter(
+            "flagscale_router_kv_predicted_hit_tokens",
+            "Prompt tokens the router predicted each replica's engine would find in its prefix cache, from the "
+            "engines' KV events (beside the engine's own prefix-cache hit counter of the same replica).",
+            ["model", "replica"],
+            registry=r,
+        )
+        self.kv_last_seq = Gauge(
+            "flagscale_router_kv_last_sequence",
+            "The last KV-event batch of each replica's engine this router process applied to its index.",
+            ["replica"],
+            registry=r,
+        )
+        self.kv_fallbacks = Counter(
+            "flagscale_router_kv_fallbacks",
+            "Requests of models routed on KV events that went by the approximate table instead, by why.",
+            ["model", "reason"],
             registry=r,
         )
 

@@ -17,6 +17,7 @@ from flagscale import engines
 from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS
 from flagscale.replica import registry
 from flagscale.router.circuit_breaker import CircuitBreaker, CircuitState
+from flagscale.router.kv_events import KVEvents
 from flagscale.router.policies import Policy
 from flagscale.router.state import Clients
 from flagscale.router.verdict import Verdict
@@ -82,6 +83,7 @@ class Replicas:
         self.table = ReplicaTable()
         self.policies = policies
         self.prefill_policies = prefill_policies
+        self.kv_events = KVEvents()  # the engines' own KV events, for the policies that route on them
 
     def pool(self, model: str, prefill: bool = False) -> list[Upstream]:
         """The replicas of `model` that answer, or (`prefill`) its prefill replicas."""
@@ -108,6 +110,7 @@ class Replicas:
             upstream.max_ongoing = max_ongoing(upstream)
         tell_policies(self.policies, old.by_model, table.by_model)
         tell_policies(self.prefill_policies, old.prefill_by_model, table.prefill_by_model)
+        self.kv_events.sync({m: [u.record for u in ups] for m, ups in table.by_model.items()}, self.policies)
 
     def stats(self) -> dict[str, dict]:
         """Per replica: served, in flight, circuit, moves, and its policy's table (Router.stats)."""

@@ -12,6 +12,7 @@ stats, health) and the state its parts share. The parts, one module each:
   connection to the client's, with no task woken per piece;
 - pd.py: the prefill step of disaggregated models;
 - replicas.py + circuit_breaker.py: the replicas as read from the registry, their load and circuits;
+- kv_events.py + kv_index.py + kv_keys.py: the engines' own KV events, for the cache_aware policies routing on them;
 - peers.py: what the router processes of one deployment share (reports, drains, routing hints);
 - state.py: the process's counters and its clients to the replicas;
 - metrics.py: /metrics.
@@ -158,6 +159,7 @@ class Router:
         }
         self.replicas = Replicas(policies, prefill_policies)
         self.metrics = RouterMetrics()
+        self.replicas.kv_events.metrics = self.metrics
         self.counters = Counters()
         bounds = self.spec.admission
         self.clients = Clients(

@@ -104,6 +104,7 @@ def engine_spec(plan: Plan, engine: EnginePlan) -> EngineSpec:
         engine=engine.engine,
         parallel=engine.parallel,
         expert_parallel=engine.expert_parallel,
+        kv_events=engine.kv_events,
         startup_timeout_s=plan.startup_timeout_s,
         pin_cpus=plan.pin_cpus,
         role=engine.role,

@@ -109,3 +109,16 @@ def test_a_sleeping_replica_shows_asleep_in_the_state_column():
     rows = {line.split()[1]: line for line in out.getvalue().splitlines() if line.startswith("m ")}
     assert "ASLEEP" in rows["s1e2e3p4"] and "READY" not in rows["s1e2e3p4"]
     assert "READY" in rows["a1w2k3e4"]
+
+
+def test_wide_table_says_which_cache_knowledge_each_replica_is_routed_on():
+    from flagscale.actions.status_table import _kv_events
+
+    live = {"blocks": 40, "events_per_s": 2.5, "last_seq": 17, "replays": 1, "live": True, "state": "live"}
+    events = "tcp://10.77.0.12:31001"
+    assert _kv_events(replica("m", "a")) == "approximate"  # llama.cpp, kv_events: false
+    assert _kv_events(replica("m", "a", kv_events=events)) == "10.77.0.12:31001"  # published, not followed yet
+    cell = _kv_events(replica("m", "a", kv_events=events, router={"kv_index": live}))
+    assert cell == "live 40 blocks 2.5/s seq 17 replays 1"
+    silent = {**live, "live": False, "state": "silent"}
+    assert "silent" in _kv_events(replica("m", "a", kv_events=events, router={"kv_index": silent}))

@@ -7,9 +7,10 @@ it was sent, so sending a conversation's next turn where its earlier turns went 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from flagscale.router.policies.base import Policy, RequestInfo, Settings, rank_replicas, setting
 
@@ -43,6 +44,12 @@ class CacheAwareSettings(Settings):
         "only the first this many characters of a prompt are hashed into the prefix table (a longer prompt is "
         "keyed by its beginning).",
         ge=1,
+    )
+    kv_events: Literal["auto", True, False] = setting(
+        "auto",
+        "route on the engines' own KV-cache events (an index of the blocks each replica holds, keyed as the engine "
+        "keys them) rather than on the table of what was sent where: auto = where the engine kind publishes them; "
+        "true = required (an engine that cannot is a config error); false = the table only.",
     )
 
 
@@ -156,14 +163,22 @@ class CacheAware(Policy):
             request.memo["prompt_chars"] = len(text)
         return request.memo["prefix_keys"]
 
+    exact: Any = None  # the engines' own KV events (flagscale/router/kv_events.py), handed over by the router
+
+    @property
+    def uses_kv_events(self) -> bool:
+        return self.settings.kv_events is not False
+
     def select(self, upstreams, request, now):
         ranked = rank_replicas(upstreams, self.next_turn(), now)
         keys = self._prompt_keys(request)
         if len(ranked) < 2:
             return ranked
-        matched = self.table.match(keys)
-        if not matched:
-            return ranked
+        found = self.exact.match(request, ranked, now) if self.exact is not None else None
+        if found is not None:  # blocks each replica's engine holds, in tokens
+            matched, unit, size = found.depths, found.block_tokens, found.prompt_tokens
+        else:  # the table of what was sent where, in characters
+            matched, unit, size = self.table.match(keys), self.table.block_chars, request.memo["prompt_chars"]
         least = min(u.inflight for u in ranked)
         best = None
         for upstream in ranked:  # ranked order breaks ties between equally long matches
@@ -172,13 +187,14 @@ class CacheAware(Policy):
                 best = upstream
         if best is None or best.inflight > least + self.settings.balance_abs_threshold:
             return ranked
-        matched_chars = matched[best.replica_id] * self.table.block_chars
-        if matched_chars < self.settings.cache_threshold * request.memo["prompt_chars"]:
+        if matched[best.replica_id] * unit < self.settings.cache_threshold * size:
             return ranked  # only a small part is cached (say a shared system prompt): spread by load
         return [best] + [u for u in ranked if u is not best]
 
     def before_request(self, upstream, request):
         self.table.insert(self._prompt_keys(request), upstream.replica_id)
+        if self.exact is not None:
+            self.exact.sent(upstream, request, time.monotonic())
 
     def learn(self, replica_id, prefix_keys):
         self.table.insert(prefix_keys, replica_id)
@@ -187,4 +203,5 @@ class CacheAware(Policy):
         self.table.remove_replica(replica_id)
 
     def stats(self, replica_id):
-        return {"prefix_blocks": self.table.size(replica_id)}
+        exact = self.exact.stats(replica_id) if self.exact is not None else {}
+        return {"prefix_blocks": self.table.size(replica_id), **exact}

@@ -1,0 +1,122 @@
+"""KV-event routing (issue 53): the parts measurable without engines. A sketch; the issue's full comparison
+(KV events vs the approximate table vs round_robin vs vllm-router on live engines, workloads (a)-(e)) is not
+written yet.
+
+- `keying`: the router's CPU per request to key a prompt as the engine does (tokenize with the model's
+  tokenizer.json + chat template, hash the blocks: flagscale/router/kv_keys.py), p50/p99 over --repeats, for
+  completions and chats of --tokens tokens. The issue's target: <= 1 ms of CPU at p99 for an 8k-token prompt.
+- `oracle`: the hit rate a router with perfect knowledge of every engine's cache would reach on a shared-prefix
+  trace (workload (a): --customers long system prompts, Zipf popularity), simulated from the trace and the cache
+  sizes (--cache-blocks per replica, LRU, --replicas): the bound the issue compares the real hit rate with.
+
+  .venv/bin/python benchmarks/kv_events_bench.py keying --tokens 1024 8192
+  .venv/bin/python benchmarks/kv_events_bench.py oracle --replicas 2 --cache-blocks 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections import OrderedDict
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def keying(tokenizer: str, tokens: list[int], block_size: int, repeats: int) -> dict:
+    from flagscale.router.kv_keys import BlockHasher, PromptTokens  # the project's, on first use
+
+    prompts = PromptTokens(tokenizer)
+    hasher = BlockHasher("sha256", "vllm-none-hash")
+    words = "serve engine prefix cache block token router replica event index keys hash chat model".split()
+    report = {}
+    rng = random.Random(7)
+    sample = " ".join(rng.choice(words) for _ in range(2000))
+    tokens_per_word = len(prompts.of({"prompt": sample}, 1 << 20)[0]) / 2000
+    for target in tokens:
+        text = " ".join(rng.choice(words) for _ in range(int(target / tokens_per_word)))
+        for kind, body in (
+            ("completion", {"prompt": text}),
+            ("chat", {"messages": [{"role": "user", "content": text}]}),
+        ):
+            cpu = []
+            for _ in range(repeats):
+                began = time.process_time()
+                ids, _ = prompts.of(body, 1 << 20)
+                hasher.keys(ids, block_size)
+                cpu.append((time.process_time() - began) * 1000)
+            report[f"{kind} {len(ids)} tokens"] = {
+                "cpu_ms_p50": round(statistics.median(cpu), 3),
+                "cpu_ms_p99": round(_percentile(cpu, 0.99), 3),
+            }
+    return report
+
+
+def oracle(replicas: int, cache_blocks: int, customers: int, prefix_blocks: int, requests: int, seed: int) -> dict:
+    """Each request: a customer's prefix (Zipf), then one new block. The oracle sends it to the replica holding
+    the most of its prefix (least-used replica on ties), and counts the blocks it reuses."""
+    rng = random.Random(seed)
+    weights = [1 / (rank + 1) for rank in range(customers)]
+    caches = [OrderedDict() for _ in range(replicas)]
+    load = [0] * replicas
+    hits = queries = 0
+    for n in range(requests):
+        customer = rng.choices(range(customers), weights)[0]
+        blocks = [(customer, i) for i in range(prefix_blocks)] + [("question", n)]
+        held = [sum(1 for _ in _leading(blocks, cache)) for cache in caches]
+        best = max(range(replicas), key=lambda r: (held[r], -load[r]))
+        hits += held[best]
+        queries += len(blocks)
+        load[best] += 1
+        cache = caches[best]
+        for block in blocks:
+            cache.pop(block, None)
+            cache[block] = None
+            while len(cache) > cache_blocks:
+                cache.popitem(last=False)
+    return {"oracle_hit_rate": round(hits / queries, 4), "requests_per_replica": load}
+
+
+def _leading(blocks, cache):
+    for block in blocks:
+        if block not in cache:
+            return
+        yield block
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    keys = sub.add_parser("keying")
+    keys.add_argument("--tokenizer", default=None, help="a model directory (default: the demo model)")
+    keys.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
+    keys.add_argument("--block-size", type=int, default=16)
+    keys.add_argument("--repeats", type=int, default=200)
+    sim = sub.add_parser("oracle")
+    sim.add_argument("--replicas", type=int, default=2)
+    sim.add_argument("--cache-blocks", type=int, default=64)
+    sim.add_argument("--customers", type=int, default=32)
+    sim.add_argument("--prefix-blocks", type=int, default=8)
+    sim.add_argument("--requests", type=int, default=2000)
+    sim.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.what == "keying":
+        from flagscale.demo_model import ensure_demo_model  # the project's, on first use
+
+        tokenizer = args.tokenizer or str(ensure_demo_model())
+        print(json.dumps(keying(tokenizer, args.tokens, args.block_size, args.repeats), indent=1))
+    else:
+        print(
+            json.dumps(
+                oracle(args.replicas, args.cache_blocks, args.customers, args.prefix_blocks, args.requests, args.seed)
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""The engines' own KV-cache events, followed by this router process (docs/routing.md, "The engines' own KV
+events"): one subscription per replica whose record names a publisher (EngineKind.kv_events_launch), feeding
+that replica's index (kv_index.py); the `cache_aware` policies of models routed on them ask `match` for each
+request and tell `sent` where it went.
+
+Each router process subscribes itself (ZMQ PUB/SUB; the engine's PUB socket serves any number of subscribers), so
+KV state needs no gossip between router processes. A new subscription first asks the replica's replay endpoint
+for every batch it still buffers (a router that restarts rebuilds its index before routing on it), and so does a
+sequence gap or a new publisher on the stream. A replica that leaves, or whose record names another publisher
+(its engine restarted), has its entries dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from flagscale.adaptors import msgspec_msgpack, zmq, zmq_asyncio
+from flagscale.router.kv_index import GAP, RESTARTED, KVIndex, ReplicaIndex
+from flagscale.router.kv_keys import BlockHasher, PromptTokens
+
+log = logging.getLogger("flagscale.router")
+
+REPLAY_TIMEOUT_S = 3.0  # the replay endpoint's silence between two replies that gives up on a replay
+RETRY_S = 2.0  # after a failed replay, before the next try
+POLL_S = 1.0  # the subscription is read in waits of this length (a cancelled task ends within it)
+CPU_TIER_WEIGHT = 0.5  # a block on the CPU tier counts this much of one on the GPU (it is copied back first)
+OFF_LOOP_CHARS = 8_192  # prompts longer than this are keyed in a thread (prepare), shorter ones when routed
+MAX_KEYED_CHARS = 65_536  # only the prompt's first this many characters are tokenized (an 8k-token prompt fits)
+END_OF_REPLAY = -1
+
+
+@dataclass
+class Match:
+    """What the index says of a request: each replica's reusable depth in blocks (CPU tier weighted), the block
+    size in tokens, and the prompt's length in tokens."""
+
+    depths: dict[str, float]
+    block_tokens: int
+    prompt_tokens: int
+
+
+class ModelKeys:
+    """One model's tokenizer (loaded in a thread: the router's loop never waits for it) and block hasher."""
+
+    def __init__(self, info: dict[str, Any], loop: asyncio.AbstractEventLoop | None):
+        self.hasher = BlockHasher(info.get("hash_algo", "sha256"), str(info.get("hash_seed", "")))
+        self.tokens: PromptTokens | None = None
+        self.failed: str | None = None
+        args = (info.get("tokenizer", ""), info.get("tokenizer_revision"), info.get("chat_template"))
+        if loop is not None:
+            loop.run_in_executor(None, self._load, *args)
+        else:
+            self._load(*args)
+
+    def _load(self, source: str, revision: str | None, template: str | None) -> None:
+        try:
+            self.tokens = PromptTokens(source, revision, template)
+        except Exception as exc:  # no tokenizer.json (a slow-only tokenizer), the hub unreachable, ...
+            self.failed = f"{source}: {exc}"
+            log.warning("KV-event routing: cannot load the tokenizer %s; routing on the approximate table", self.failed)
+
+
+class KVEvents:
+    """This router process's subscriptions to the engines' KV events, their index, and the keys of each model."""
+
+    def __init__(self) -> None:
+        self.index = KVIndex()
+        self.tasks: dict[str, tuple[str, asyncio.Task | None]] = {}  # replica id -> (its publisher, follower)
+        self.keys: dict[str, ModelKeys] = {}  # by the tokenizer source of the records
+        self.model_keys: dict[str, ModelKeys] = {}  # model -> its keys
+        self.model_replicas: dict[str, set[str]] = {}  # model -> its replicas followed
+        # a LoRA adapter's served name -> (name, path), as the records list them (`loras` of their kv_events): a
+        # request for it is keyed with the adapter, as the engine keys its blocks
+        self.loras: dict[str, tuple[str, str]] = {}
+        self.fallbacks: Counter[tuple[str, str]] = Counter()  # (model, why) -> requests routed on the table
+        self.metrics: Any = None  # RouterMetrics, set by the router (predicted hits, fallbacks)
+
+    # ---- which replicas are followed -----------------------------------------------------------------------
+
+    def sync(self, records_by_model: dict[str, Iterable[Any]], policies: dict[str, Any]) -> None:
+        """The replica table changed: follow the publishers of the replicas of models whose policy routes on KV
+        events (and hand those policies this), stop following the rest and drop their entries."""
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # a router built without its loop (unit tests): no subscriptions
+            loop = None
+        wanted: dict[str, dict] = {}
+        for model, policy in policies.items():
+            if not getattr(policy, "uses_kv_events", False):
+                continue
+            policy.exact = self
+            self.model_replicas[model] = set()
+            for record in records_by_model.get(model, ()):
+                info = record.kv_events
+                if info:
+                    wanted[record.replica_id] = info
+                    self.model_replicas[model].add(record.replica_id)
+                    self.loras.update({name: (name, path) for name, path in (info.get("loras") or {}).items()})
+                    self._keys_of(model, info, loop)
+        for replica_id, (endpoint, task) in list(self.tasks.items()):
+            if wanted.get(replica_id, {}).get("endpoint") != endpoint:
+                if task is not None:
+                    task.cancel()
+                del self.tasks[replica_id]
+                self.index.forget(replica_id)
+                if self.metrics is not None:
+                    with contextlib.suppress(KeyError):  # no batch applied yet: no series
+                        self.metrics.kv_last_seq.remove(replica_id)
+        for replica_id, info in wanted.items():
+            if replica_id not in self.tasks:
+                self.index.follow(replica_id)
+                task = loop.create_task(self._follow(replica_id, info)) if loop is not None else None
+                self.tasks[replica_id] = (info["endpoint"], task)
+
+    def _keys_of(self, model: str, info: dict, loop: asyncio.AbstractEventLoop | None) -> None:
+        source = repr((info.get("tokenizer"), info.get("chat_template"), info.get("hash_algo"), info.get("hash_seed")))
+        keys = self.keys.get(source)
+        if keys is None:
+            keys = self.keys[source] = ModelKeys(info, loop)
+        self.model_keys[model] = keys
+
+    # ---- the policy's questions ------------------------------------------------------------------------------
+
+    def match(self, request: Any, replicas: list[Any], now: float) -> Match | None:
+        """How much of the request's prompt each replica holds, by the engines' own events; None when the
+        request goes by the approximate table instead (counted by reason)."""
+        followed = [u for u in replicas if u.replica_id in self.index.replicas]
+        if not followed:
+            return None  # replicas that publish nothing (llama.cpp, a user's own publisher): the table, always
+        why = self._keys(request, followed, now)
+        if why is not None:
+            self._fell_back(request.model, why)
+            return None
+        keys, block_tokens, tokens = request.memo["kv_keys"], request.memo["kv_block"], request.memo["kv_tokens"]
+        depths = {}
+        for upstream in followed:
+            on_gpu, anywhere = self.index.replicas[upstream.replica_id].depth(keys)
+            depths[upstream.replica_id] = on_gpu + CPU_TIER_WEIGHT * (anywhere - on_gpu)
+        request.memo["kv_depths"] = depths
+        return Match(depths, block_tokens, tokens)
+
+    def _keys(self, request: Any, followed: list[Any], now: float) -> str | None:
+        """The request's block keys into its memo (unless prepare put them there); else why not."""
+        if any(not self.index.replicas[u.replica_id].live(now) for u in followed):
+            return "index not live"
+        keys = self.model_keys.get(request.model)
+        if keys is None or keys.tokens is None:
+            return "no tokenizer" if keys is not None and keys.failed else "tokenizer loading"
+        if "kv_keys" not in request.memo and not request.memo.get("kv_unkeyable"):
+            block = self._block_size(u.replica_id for u in followed)
+            made = _keyed(keys, request.body, block, self.loras.get(request.model))
+            request.memo.update(made or {"kv_unkeyable": True})
+        return "not tokenizable" if request.memo.get("kv_unkeyable") else None
+
+    def _block_size(self, replica_ids: Iterable[str]) -> int | None:
+        """The block size the engines of these replicas store blocks of (from their events), None before any."""
+        sizes = (self.index.replicas[r].block_size for r in replica_ids if r in self.index.replicas)
+        return next((size for size in sizes if size), None)
+
+    async def prepare(self, request: Any, policy: Any) -> None:
+        """A long prompt of a model routed on events is keyed in a thread before it is routed, so the router's
+        loop goes on meanwhile (a short one is keyed when routed: the thread's hop would cost more)."""
+        if getattr(policy, "exact", None) is not self or _chars(request.body) < OFF_LOOP_CHARS:
+            return
+        keys = self.model_keys.get(request.model)
+        if keys is None or keys.tokens is None:
+            return
+        block = self._block_size(self.model_replicas.get(request.model, ()))
+        lora = self.loras.get(request.model)
+        made = await asyncio.get_running_loop().run_in_executor(None, _keyed, keys, request.body, block, lora)
+        request.memo.update(made or {"kv_unkeyable": True})
+
+    def _fell_back(self, model: str, why: str) -> None:
+        self.fallbacks[(model, why)] += 1
+        if self.metrics is not None:
+            self.metrics.kv_fallbacks.labels(model, why).inc()
+
+    def sent(self, upstream: Any, request: Any, now: float) -> None:
+        """The request went to `upstream`: the prefix tokens the engine should find cached (the router's
+        prediction, beside the engine's own prefix-cache counters on /metrics), and an event to expect if it
+        stores new blocks."""
+        index = self.index.replicas.get(upstream.replica_id)
+        keys = request.memo.get("kv_keys")
+        if index is None or keys is None:
+            return
+        block = request.memo["kv_block"]
+        on_gpu, _ = index.depth(keys)
+        # the engine computes at least the prompt's last token: a prompt of whole blocks reuses one block less
+        hits = min(on_gpu, (request.memo["kv_tokens"] - 1) // block) * block
+        if self.metrics is not None:
+            self.metrics.kv_predicted_hits.labels(request.model, upstream.replica_id).inc(hits)
+        if len(keys) > on_gpu:
+            index.expect(now)
+
+    def stats(self, replica_id: str) -> dict[str, Any]:
+        index = self.index.replicas.get(replica_id)
+        return {} if index is None else {"kv_index": index.stats(time.monotonic())}
+
+    # ---- one replica's stream ------------------------------------------------------------------------------
+
+    async def _follow(self, replica_id: str, info: dict) -> None:
+        index = self.index.replicas[replica_id]
+        sub = zmq_asyncio.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(info["endpoint"])
+        sub.setsockopt(zmq.SUBSCRIBE, info.get("topic", "").encode())
+        try:
+            while True:
+                if not index.synced:  # subscribed first: what the replay misses, the subscription has
+                    if not await self._replay(index, info):
+                        await asyncio.sleep(RETRY_S)
+                        continue
+                    if self.metrics is not None:
+                        self.metrics.kv_last_seq.labels(replica_id).set(index.last_seq)
+                if not await sub.poll(POLL_S * 1000):
+                    continue
+                frames = await sub.recv_multipart()
+                if len(frames) == 3:
+                    seq = int.from_bytes(frames[1], "big", signed=True)
+                    if index.apply(seq, _decoded(frames[2]), time.monotonic()) in (GAP, RESTARTED):
+                        index.synced = False
+                    elif self.metrics is not None:
+                        self.metrics.kv_last_seq.labels(replica_id).set(index.last_seq)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # never let a bad stream take the router down: this replica goes by the table
+            log.exception(
+                "following the KV events of replica %s failed; it is routed on the approximate table", replica_id
+            )
+        finally:
+            sub.close(linger=0)
+
+    @staticmethod
+    async def _replay(index: ReplicaIndex, info: dict) -> bool:
+        """Every batch the engine still buffers from the index's next sequence on; False when its replay endpoint
+        does not answer (bounded by REPLAY_TIMEOUT_S between replies)."""
+        dealer = zmq_asyncio.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(info["replay_endpoint"])
+        try:
+            await dealer.send_multipart([b"", (index.last_seq + 1).to_bytes(8, "big")])
+            while True:
+                if not await dealer.poll(REPLAY_TIMEOUT_S * 1000):
+                    return False
+                frames = await dealer.recv_multipart()  # empty delimiter, topic, sequence, batch
+                if len(frames) != 4:
+                    continue
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq == END_OF_REPLAY:
+                    break
+                index.apply(seq, _decoded(frames[3]), time.monotonic(), replaying=True)
+            index.synced = True
+            index.replays += 1
+            return True
+        finally:
+            dealer.close(linger=0)
+
+
+def _keyed(
+    keys: ModelKeys, body: dict[str, Any], block: int | None, lora: tuple[str, str] | None = None
+) -> dict[str, Any] | None:
+    """A request's memo entries: its prompt's length in tokens and its block keys (none before the engines stored
+    any block: nothing can be reused then), `lora` the adapter (name, path) it runs with; None when it cannot be
+    tokenized as the engine would."""
+    assert keys.tokens is not None
+    made = keys.tokens.of(body, MAX_KEYED_CHARS)
+    if made is None:
+        return None
+    tokens, cut = made
+    if block is None:
+        return {"kv_tokens": len(tokens), "kv_keys": [], "kv_block": 1}
+    most = len(tokens) // block - (1 if cut else 0)  # a prompt cut short: its last block may tokenize otherwise
+    full = keys.hasher.keys(tokens, block, lora=lora, cache_salt=_salt(body), max_blocks=most)
+    return {"kv_tokens": len(tokens), "kv_keys": full, "kv_block": block}
+
+
+def _chars(body: dict[str, Any]) -> int:
+    """About how many characters a request's prompt has (its messages' or prompt's text)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return sum(
+            len(m.get("content") or "") for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)
+        )
+    prompt = body.get("prompt")
+    return len(prompt) if isinstance(prompt, str) else 0
+
+
+def _decoded(payload: bytes) -> Any:
+    try:
+        return msgspec_msgpack.decode(payload)
+    except Exception:  # a batch we cannot read counts as an empty one: the sequence still advances
+        return []
+
+
+def _salt(body: dict[str, Any]) -> str | None:
+    salt = body.get("cache_salt")
+    return salt if isinstance(salt, str) and salt else None

@@ -1,0 +1,187 @@
+"""A request's KV-cache block keys, computed as its engine computes them (docs/routing.md, "The same keys as the
+engine"), so the router can look them up in the engines' own block index (kv_index.py).
+
+Two steps, each as the engine does it, from what the replica's record says (EngineKind.kv_events_launch):
+- tokens: the model's own tokenizer (`tokenizer.json`, through the `tokenizers` library: no transformers, no
+  torch in the router) and its chat template (rendered with Jinja2's sandbox as transformers renders it: trimmed
+  blocks, the special tokens as variables); completions' prompt with the special tokens, chat's rendered
+  conversation without (the OpenAI server's `add_special_tokens` defaults);
+- keys: the engine's prefix-cache hash chained over full blocks of `block_size` tokens: hash((parent, the block's
+  tokens, extra keys)), the first block's parent the hash of the seed; the extra keys are the LoRA adapter
+  (every block) and the request's `cache_salt` (the first block); each hash cut to 64 bits as the events carry it.
+
+A request it cannot key exactly (content parts, tools, a template of the request's own, a batch of prompts, ...)
+gets None: the policy then routes it on the approximate table (counted).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from flagscale.adaptors import cbor2, huggingface_hub, jinja2_sandbox, tokenizers
+from flagscale.router.kv_index import block_key
+
+# request fields that change what the engine's template renders or tokenizes in ways not repeated here
+CHAT_FIELDS_NOT_KEYED = ("tools", "documents", "chat_template", "chat_template_kwargs", "mm_processor_kwargs")
+COMPLETION_FIELDS_NOT_KEYED = ("truncate_prompt_tokens", "prompt_embeds", "suffix")
+
+
+def _pickle_sha256(value: Any) -> bytes:
+    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def _cbor_sha256(value: Any) -> bytes:
+    return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+
+HASHES: dict[str, Callable[[Any], bytes]] = {"sha256": _pickle_sha256, "sha256_cbor": _cbor_sha256}
+
+
+class BlockHasher:
+    """The engine's block hash chain for one hash function and seed."""
+
+    def __init__(self, algo: str, seed: str):
+        if algo not in HASHES:
+            raise ValueError(f"block hash {algo!r} is not one the router computes ({', '.join(HASHES)})")
+        self.hash = HASHES[algo]
+        self.none_hash = self.hash(seed)
+
+    def keys(
+        self,
+        tokens: list[int],
+        block_size: int,
+        lora: tuple[str, str] | None = None,
+        cache_salt: str | None = None,
+        max_blocks: int | None = None,
+    ) -> list[int]:
+        """The keys of every full block of `tokens` (at most `max_blocks`), as the index holds them."""
+        lora_keys = [("lora", *lora)] if lora else []
+        keys, parent = [], self.none_hash
+        count = len(tokens) // block_size if max_blocks is None else min(max_blocks, len(tokens) // block_size)
+        for i in range(count):
+            extra = lora_keys + ([("cache_salt", cache_salt)] if i == 0 and cache_salt else [])
+            block = tuple(tokens[i * block_size : (i + 1) * block_size])
+            parent = self.hash((parent, block, tuple(extra) if extra else None))
+            keys.append(block_key(parent))
+        return keys
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an added token's {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class PromptTokens:
+    """A model's tokenizer and chat template, loaded from its directory (or the hub's cache of it)."""
+
+    def __init__(self, source: str, revision: str | None = None, chat_template: str | None = None):
+        self.source = source
+        self.tokenizer = tokenizers.Tokenizer.from_file(str(self._file("tokenizer.json", revision)))
+        config_path = self._file("tokenizer_config.json", revision, required=False)
+        config = json.loads(config_path.read_text()) if config_path else {}
+        self.special = {
+            name: text
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+            if (text := _token_text(config.get(name))) is not None
+        }
+        template = self._template(chat_template, config, revision)
+        self.template = self._environment().from_string(template) if template else None
+
+    def _file(self, name: str, revision: str | None, required: bool = True) -> Path | None:
+        local = Path(self.source) / name
+        if local.exists():
+            return local
+        if Path(self.source).is_dir():
+            if required:
+                raise FileNotFoundError(f"{local} does not exist")
+            return None
+        try:
+            return Path(huggingface_hub.hf_hub_download(self.source, name, revision=revision))
+        except Exception:
+            if required:
+                raise
+            return None
+
+    def _template(self, given: str | None, config: dict, revision: str | None) -> str | None:
+        if given:  # the engine's --chat-template: a file, or the template itself
+            return Path(given).read_text() if os.path.exists(given) else given
+        own = self._file("chat_template.jinja", revision, required=False)
+        if own is not None:
+            return own.read_text()
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        return template if isinstance(template, str) else None
+
+    @staticmethod
+    def _environment():
+        def raise_exception(message: str) -> None:
+            raise ValueError(message)
+
+        env = jinja2_sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, indent=indent, ensure_ascii=False)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        return env
+
+    def of(self, body: dict[str, Any], max_chars: int) -> tuple[list[int], bool] | None:
+        """The request's prompt tokens (of at most its first `max_chars` characters) and whether they were cut
+        there; None when this request cannot be tokenized as the engine would."""
+        messages = body.get("messages")
+        if messages is not None:
+            text = self._rendered(body, messages)
+            special = body.get("add_special_tokens", False)
+        else:
+            text, special = self._prompt(body), body.get("add_special_tokens", True)
+            if isinstance(text, list):
+                return text[: max_chars // 2], False  # token ids, as sent
+        if text is None or not isinstance(special, bool):
+            return None
+        cut = len(text) > max_chars
+        return self.tokenizer.encode(text[:max_chars], add_special_tokens=special).ids, cut
+
+    def _rendered(self, body: dict[str, Any], messages: Any) -> str | None:
+        if self.template is None or any(body.get(name) is not None for name in CHAT_FIELDS_NOT_KEYED):
+            return None
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            return None  # content parts, tool calls, ...: the engine's own message parsing decides those
+        generation = body.get("add_generation_prompt", True)
+        if not isinstance(generation, bool) or body.get("continue_final_message"):
+            return None
+        try:
+            return self.template.render(
+                messages=[{"role": m["role"], "content": m["content"]} for m in messages],
+                add_generation_prompt=generation,
+                tools=None,
+                documents=None,
+                **self.special,
+            )
+        except Exception:  # a template that refuses the conversation: the engine answers it, the table routes it
+            return None
+
+    @staticmethod
+    def _prompt(body: dict[str, Any]) -> str | list[int] | None:
+        if any(body.get(name) is not None for name in COMPLETION_FIELDS_NOT_KEYED):
+            return None
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return prompt
+        return None

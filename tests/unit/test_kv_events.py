@@ -1,0 +1,224 @@
+"""Following the engines' KV events (flagscale/router/kv_events.py) against a fake publisher that speaks vLLM's
+protocol on real loopback sockets (PUB: topic, sequence, msgpack batch; ROUTER replays from a sequence, then -1),
+and cache_aware routing on the index they feed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from flagscale.config.routing import RoutingSpec
+from flagscale.net import free_port
+from flagscale.router.kv_events import KVEvents
+from flagscale.router.kv_index import GPU
+from flagscale.router.kv_keys import PromptTokens
+from flagscale.router.policies import RequestInfo, make_policy
+from tests.unit.fakes import upstream
+
+
+class FakePublisher:
+    """The engine side: every batch published is buffered for replays; `drop` leaves one off the stream."""
+
+    def __init__(self, topic: str = "kv@r1"):
+        self.topic = topic.encode()
+        self.pub_port, self.replay_port = free_port(), free_port()
+        ctx = zmq.asyncio.Context.instance()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.bind(f"tcp://127.0.0.1:{self.pub_port}")
+        self.replay = ctx.socket(zmq.ROUTER)
+        self.replay.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        self.buffer: list[tuple[int, bytes]] = []
+        self.task = asyncio.get_running_loop().create_task(self._serve_replays())
+
+    @property
+    def info(self) -> dict:
+        return {
+            "endpoint": f"tcp://127.0.0.1:{self.pub_port}",
+            "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}",
+            "topic": self.topic.decode(),
+        }
+
+    async def publish(self, *hashes_per_event: list[int], drop: bool = False) -> None:
+        seq = len(self.buffer)
+        events = [
+            {"type": "BlockStored", "block_hashes": h, "block_size": 4, "medium": "GPU"} for h in hashes_per_event
+        ]
+        payload = msgspec.msgpack.encode([time.time(), events])
+        self.buffer.append((seq, payload))
+        if not drop:
+            await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+
+    async def _serve_replays(self) -> None:
+        while True:
+            client, _, start = await self.replay.recv_multipart()
+            for seq, payload in self.buffer:
+                if seq >= int.from_bytes(start, "big"):
+                    await self.replay.send_multipart([client, b"", self.topic, seq.to_bytes(8, "big"), payload])
+            await self.replay.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    def close(self) -> None:
+        self.task.cancel()
+        self.pub.close(0)
+        self.replay.close(0)
+
+
+async def wait_until(predicate, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
+        await asyncio.sleep(0.05)
+
+
+def cache_aware_over(*names: str):
+    policy = make_policy(RoutingSpec.of("cache_aware"))
+    return policy, [upstream(name, 0, sent=i) for i, name in enumerate(names)]
+
+
+def test_a_subscription_replays_what_came_before_then_follows_and_fills_gaps():
+    async def run():
+        publisher = FakePublisher()
+        try:
+            await publisher.publish([1, 2])  # before the router follows: only a replay has it
+            policy, ups = cache_aware_over("r1")
+            ups[0].record.kv_events = publisher.info
+            hub = KVEvents()
+            hub.sync({"m": [ups[0].record]}, {"m": policy})
+            assert policy.exact is hub
+            index = hub.index.replicas["r1"]
+            await wait_until(lambda: index.synced and index.depth([1, 2]) == (2, 2), "the replay applied")
+            await asyncio.sleep(0.3)  # the subscription is joined (a PUB drops what no subscriber is joined for)
+            await publisher.publish([3])
+            await wait_until(lambda: index.depth([1, 2, 3]) == (3, 3), "the stream applied")
+            await publisher.publish([4], drop=True)  # lost on the stream
+            await publisher.publish([5])  # the gap shows: a replay brings 4 and 5
+            await wait_until(lambda: index.depth([1, 2, 3, 4, 5]) == (5, 5), "the gap filled by a replay")
+            assert index.gaps == 1 and index.replays == 2 and index.last_seq == 3 and index.lost == 0
+
+            restarted = KVEvents()  # a router process started afresh rebuilds its index from the replay
+            restarted.sync({"m": [ups[0].record]}, {"m": policy})
+            again = restarted.index.replicas["r1"]
+            await wait_until(lambda: again.synced and again.depth([1, 2, 3, 4, 5]) == (5, 5), "rebuilt by replay")
+
+            hub.sync({"m": []}, {"m": policy})  # the replica left: its entries go, its subscription ends
+            assert "r1" not in hub.index.replicas and not hub.tasks
+            for other in (hub, restarted):
+                for _, task in other.tasks.values():
+                    task.cancel()
+        finally:
+            publisher.close()
+
+    asyncio.run(run())
+
+
+def test_cache_aware_goes_by_the_engines_blocks_over_its_table(demo_model_path):
+    policy, (r1, r2) = cache_aware_over("r1", "r2")
+    hub = KVEvents()
+    for up in (r1, r2):
+        up.record.kv_events = {"endpoint": f"tcp://127.0.0.1:1/{up.replica_id}", "tokenizer": str(demo_model_path)}
+    hub.sync({"m": [r1.record, r2.record]}, {"m": policy})  # no loop: the tokenizer loads here, no subscriptions
+    assert hub.model_keys["m"].tokens is not None
+    prompt = "A long shared system prompt about the weather in many places. " * 20
+    body = {"model": "m", "prompt": prompt, "max_tokens": 1}
+    tokens, _ = PromptTokens(str(demo_model_path)).of(body, 65536)
+    keys = hub.model_keys["m"].hasher.keys(tokens, 16)
+    policy.before_request(r1, RequestInfo("m", body))  # the table says: r1 was sent it
+    for up in (r1, r2):
+        hub.index.replicas[up.replica_id].synced = True
+    hub.index.replicas["r2"].media[GPU] = dict.fromkeys(keys)  # the engines say: r2 holds it (r1 evicted it)
+    hub.index.replicas["r2"].block_size = 16
+    request = RequestInfo("m", body)
+    assert policy.select([r1, r2], request, time.monotonic())[0] is r2
+    assert request.memo["kv_depths"] == {"r1": 0, "r2": len(keys)}
+
+    untokenizable = RequestInfo("m", {"model": "m", "prompt": prompt, "suffix": "x"})
+    assert policy.select([r1, r2], untokenizable, time.monotonic())[0] is r1  # the table's answer
+    hub.index.replicas["r2"].expect(time.monotonic() - 60)  # sent work, no event since: silent
+    assert policy.select([r1, r2], RequestInfo("m", body), time.monotonic())[0] is r1
+    assert hub.fallbacks == {("m", "not tokenizable"): 1, ("m", "index not live"): 1}
+    assert policy.stats("r2")["kv_index"]["state"] == "silent"
+
+
+def test_replicas_that_publish_nothing_stay_on_the_table():
+    policy, (r1, r2) = cache_aware_over("r1", "r2")  # llama.cpp: records without kv_events
+    hub = KVEvents()
+    hub.sync({"m": [r1.record, r2.record]}, {"m": policy})
+    body = {"model": "m", "prompt": "x" * 400}
+    policy.before_request(r2, RequestInfo("m", body))
+    assert policy.select([r1, r2], RequestInfo("m", body), time.monotonic())[0] is r2
+    assert not hub.fallbacks and "kv_index" not in policy.stats("r1")
+
+
+def test_a_node_with_kv_events_off_is_not_followed():
+    policy = make_policy(RoutingSpec.of("cache_aware", kv_events=False))
+    hub = KVEvents()
+    up = upstream("r1", 0, sent=0)
+    up.record.kv_events = {"endpoint": "tcp://127.0.0.1:1", "tokenizer": "/nowhere"}
+    hub.sync({"m": [up.record]}, {"m": policy})
+    assert policy.exact is None and not hub.tasks
+
+
+def test_the_cost_counts_gpu_blocks_above_cpu_tier_ones_and_keeps_the_load_bound(demo_model_path):
+    policy, (r1, r2) = cache_aware_over("r1", "r2")
+    hub = KVEvents()
+    for up in (r1, r2):
+        up.record.kv_events = {"endpoint": f"tcp://127.0.0.1:1/{up.replica_id}", "tokenizer": str(demo_model_path)}
+    hub.sync({"m": [r1.record, r2.record]}, {"m": policy})
+    body = {"model": "m", "prompt": "Shared context for the cost test, long enough for some blocks. " * 12}
+    tokens, _ = PromptTokens(str(demo_model_path)).of(body, 65536)
+    keys = hub.model_keys["m"].hasher.keys(tokens, 16)
+    assert len(keys) >= 8
+    for up in (r1, r2):
+        index = hub.index.replicas[up.replica_id]
+        index.synced, index.block_size = True, 16
+    hub.index.replicas["r1"].media["CPU"] = dict.fromkeys(keys)  # all of it, on the CPU tier: worth half
+    hub.index.replicas["r2"].media[GPU] = dict.fromkeys(keys[: len(keys) // 2 + 1])  # over half, on the GPU
+    request = RequestInfo("m", body)
+    assert policy.select([r1, r2], request, time.monotonic())[0] is r2
+    assert request.memo["kv_depths"] == {"r1": len(keys) / 2, "r2": len(keys) // 2 + 1}
+    r2.inflight = policy.settings.balance_abs_threshold + 1  # the warm replica saturated: the load decides
+    assert policy.select([r1, r2], RequestInfo("m", body), time.monotonic())[0] is r1
+
+
+def test_a_long_prompt_is_keyed_in_a_thread_before_it_is_routed(demo_model_path):
+    policy, (r1, r2) = cache_aware_over("r1", "r2")
+    hub = KVEvents()
+    for up in (r1, r2):
+        up.record.kv_events = {"endpoint": f"tcp://127.0.0.1:1/{up.replica_id}", "tokenizer": str(demo_model_path)}
+    hub.sync({"m": [r1.record, r2.record]}, {"m": policy})
+    for up in (r1, r2):
+        index = hub.index.replicas[up.replica_id]
+        index.synced, index.block_size = True, 16
+    long_body = {"model": "m", "prompt": "A long document to key off the loop. " * 400}
+    early = RequestInfo("m", long_body)
+    asyncio.run(hub.prepare(early, policy))
+    assert len(early.memo["kv_keys"]) > 100
+    late = RequestInfo("m", long_body)  # keyed when routed instead: the same keys
+    policy.select([r1, r2], late, time.monotonic())
+    assert late.memo["kv_keys"] == early.memo["kv_keys"]
+    short = RequestInfo("m", {"model": "m", "prompt": "short"})
+    asyncio.run(hub.prepare(short, policy))
+    assert "kv_keys" not in short.memo  # keyed when routed: a thread's hop would cost more
+
+
+def test_a_lora_adapters_request_is_keyed_with_the_adapter(demo_model_path):
+    policy, (r1,) = cache_aware_over("r1")
+    r1.record.models = ["m", "sql"]
+    r1.record.kv_events = {
+        "endpoint": "tcp://127.0.0.1:1",
+        "tokenizer": str(demo_model_path),
+        "loras": {"sql": "/adapters/sql"},
+    }
+    hub = KVEvents()
+    hub.sync({"m": [r1.record], "sql": [r1.record]}, {"m": policy, "sql": policy})
+    index = hub.index.replicas["r1"]
+    index.synced, index.block_size = True, 16
+    body = {"model": "sql", "prompt": "Select the rows of a table, many times over. " * 10}
+    request = RequestInfo("sql", body)
+    assert hub.match(request, [r1], time.monotonic()) is not None
+    tokens, _ = PromptTokens(str(demo_model_path)).of(body, 65536)
+    assert request.memo["kv_keys"] == hub.model_keys["sql"].hasher.keys(tokens, 16, lora=("sql", "/adapters/sql"))
+    assert request.memo["kv_keys"] != hub.model_keys["sql"].hasher.keys(tokens, 16)

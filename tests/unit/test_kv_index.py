@@ -1,0 +1,183 @@
+"""The router's index of the engines' KV-cache blocks (flagscale/router/kv_index.py) and the block keys it is
+looked up with (flagscale/router/kv_keys.py): the keys equal the engine's own, computed by vLLM's code."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from flagscale.router.kv_index import APPLIED, DUPLICATE, GAP, RESTARTED, KVIndex, ReplicaIndex, block_key
+from flagscale.router.kv_keys import BlockHasher, PromptTokens
+
+
+def stored(hashes, medium=None, block_size=4):
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+    }
+
+
+def removed(hashes, medium=None):
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+
+
+def batch(ts, *events):
+    return [ts, list(events), 0]
+
+
+def test_store_remove_clear_and_depth_by_medium():
+    index = ReplicaIndex()
+    assert index.apply(0, batch(1.0, stored([1, 2, 3])), now=0) == APPLIED
+    assert index.depth([1, 2, 3, 4]) == (3, 3) and index.block_size == 4
+    index.apply(1, batch(2.0, removed([2]), stored([2], medium="CPU")), now=0)
+    assert index.depth([1, 2, 3]) == (1, 3)  # block 2 moved to the CPU tier; 3 is held past it
+    index.apply(2, batch(3.0, {"type": "AllBlocksCleared"}), now=0)
+    assert index.blocks == 0 and index.depth([1]) == (0, 0) and index.cleared == 1
+
+
+def test_a_gap_asks_a_replay_and_the_replay_fills_it_without_doubles():
+    index = ReplicaIndex()
+    index.apply(0, batch(1.0, stored([1])), now=0)
+    assert index.apply(3, batch(4.0, stored([4])), now=0) == GAP  # 1 and 2 missed: nothing applied
+    assert index.last_seq == 0 and index.gaps == 1
+    results = [
+        index.apply(seq, b, now=0, replaying=True)
+        for seq, b in [
+            (0, batch(1.0, stored([1]))),
+            (1, batch(2.0, stored([2]))),
+            (2, batch(3.0, stored([3]))),
+            (3, batch(4.0, stored([4]))),
+        ]
+    ]
+    assert results == [DUPLICATE, APPLIED, APPLIED, APPLIED]
+    assert index.apply(3, batch(4.0, stored([4])), now=0) == DUPLICATE  # the stream's copy after the replay
+    assert index.depth([1, 2, 3, 4]) == (4, 4) and index.lost == 0
+
+
+def test_a_replay_that_no_longer_has_the_missing_batches_counts_them_lost():
+    index = ReplicaIndex()
+    index.apply(0, batch(1.0, stored([1])), now=0)
+    assert index.apply(5, batch(6.0, stored([6])), now=0, replaying=True) == APPLIED
+    assert index.lost == 4
+
+
+def test_a_new_publisher_restarts_the_index():
+    index = ReplicaIndex()
+    for seq in range(3):
+        index.apply(seq, batch(1.0 + seq, stored([seq])), now=0)
+    assert index.apply(0, batch(1.0, stored([0])), now=0) == DUPLICATE  # an old batch again, not a restart
+    assert index.apply(0, batch(10.0, stored([9])), now=0) == RESTARTED  # sequence 0, later stamp: new engine
+    assert index.blocks == 0 and index.last_seq == -1 and index.restarts == 1
+    assert index.apply(0, batch(10.0, stored([9])), now=0, replaying=True) == APPLIED
+    assert index.depth([9]) == (1, 1)
+
+
+def test_memory_is_bounded_by_blocks_oldest_first():
+    index = ReplicaIndex(max_blocks=3)
+    index.apply(0, batch(1.0, stored([1, 2, 3, 4, 5])), now=0)
+    assert index.blocks == 3 and index.evicted == 2 and index.depth([3, 4, 5]) == (3, 3)
+    assert 0 < index.memory_bytes() < 10_000
+
+
+def test_a_replica_sent_work_that_publishes_nothing_is_not_live():
+    index = ReplicaIndex()
+    index.synced = True
+    index.expect(now=100.0)
+    assert index.live(now=110.0) and not index.live(now=120.0)
+    assert index.stats(120.0)["state"] == "silent"
+    index.apply(0, batch(1.0, stored([1])), now=121.0)
+    assert index.live(now=121.0)
+
+
+def test_a_replica_that_leaves_is_forgotten():
+    index = KVIndex()
+    index.follow("r1").apply(0, batch(1.0, stored([1])), now=0)
+    index.follow("r2")
+    assert index.depths([1], ["r1", "r2"]) == {"r1": (1, 1), "r2": (0, 0)}
+    index.forget("r1")
+    assert index.depths([1], ["r1", "r2"]) == {"r2": (0, 0)}
+
+
+def test_byte_hashes_are_cut_as_the_engine_cuts_them():
+    digest = bytes(range(32))
+    assert block_key(digest) == int.from_bytes(digest, "big") & (2**64 - 1) == int.from_bytes(digest[-8:], "big")
+
+
+# ---- the keys: equal to vLLM's own ----------------------------------------------------------------------------
+
+
+def _vllm_keys(algo, tokens, block_size, lora=None, salt=None):
+    """vLLM's own block hashes of a request (its get_request_block_hasher over a request with these fields), cut
+    as its events carry them."""
+    from vllm.utils.hashing import get_hash_fn_by_name  # the engine's code is what the router must agree with
+    from vllm.v1.core import kv_cache_utils
+
+    fn = get_hash_fn_by_name(algo)
+    kv_cache_utils.init_none_hash(fn)
+    request = types.SimpleNamespace(
+        block_hashes=[],
+        num_tokens=len(tokens),
+        all_token_ids=tokens,
+        mm_features=[],
+        prompt_embeds=None,
+        lora_request=types.SimpleNamespace(lora_name=lora[0], lora_path=lora[1]) if lora else None,
+        cache_salt=salt,
+    )
+    hashes = kv_cache_utils.get_request_block_hasher(block_size, fn)(request)
+    return [block_key(h) for h in hashes]
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+@pytest.mark.parametrize(
+    "lora, salt",
+    [(None, None), (("sql", "/adapters/sql"), None), (None, "tenant-7"), (("sql", "/adapters/sql"), "tenant-7")],
+)
+def test_block_keys_equal_vllms_own(algo, lora, salt, monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    tokens = list(range(1000, 1000 + 70))
+    ours = BlockHasher(algo, "vllm-none-hash").keys(tokens, 16, lora=lora, cache_salt=salt)
+    assert len(ours) == 4 and ours == _vllm_keys(algo, tokens, 16, lora, salt)
+    assert ours != BlockHasher(algo, "vllm-none-hash").keys(tokens, 16, lora=("other", "/x"), cache_salt="other")
+
+
+def test_a_shared_seed_gives_the_engines_keys(monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", "12345")
+    tokens = list(range(64))
+    assert BlockHasher("sha256", "12345").keys(tokens, 16) == _vllm_keys("sha256", tokens, 16)
+
+
+def test_demo_tokens_as_the_engine_tokenizes_them(demo_model_path):
+    """Completion and chat prompts tokenized by the router equal what vLLM's server tokenizes: transformers'
+    tokenizer and chat template, which vLLM applies (add_special_tokens: true for completions, false for chat)."""
+    from transformers import AutoTokenizer  # the reference: what vLLM's server tokenizes with
+
+    reference = AutoTokenizer.from_pretrained(str(demo_model_path))
+    ours = PromptTokens(str(demo_model_path))
+    prompt = "The quick brown fox jumps over the lazy dog. " * 20
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
+    assert ours.of({"prompt": prompt}, 32768) == (reference.encode(prompt), False)
+    rendered = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.of({"messages": messages}, 32768) == (reference.encode(rendered, add_special_tokens=False), False)
+    assert ours.of({"prompt": [5, 6, 7]}, 32768) == ([5, 6, 7], False)
+    assert ours.of({"prompt": prompt}, 100)[1] is True  # cut: the caller drops its last block
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+        {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
+        {"prompt": ["a", "b"]},
+        {"prompt": "a", "suffix": "b"},
+    ],
+)
+def test_requests_not_keyed_exactly_are_left_to_the_table(body, demo_model_path):
+    assert PromptTokens(str(demo_model_path)).of(body, 32768) is None
