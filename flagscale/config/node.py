@@ -30,6 +30,21 @@ UNSAFE_ARGS = "; ".join(
 )
 
 
+class Slo(Strict):
+    """A pool's latency objective (docs/autoscaling.md): the SLO planner sizes the pool so that the given
+    percentile of time to first token and of inter-token latency stays under these bounds."""
+
+    ttft_ms: float | None = Field(None, gt=0, description="Time to first token, milliseconds, at the percentile.")
+    itl_ms: float | None = Field(None, gt=0, description="Inter-token latency, milliseconds, at the percentile.")
+    percentile: float = Field(90, gt=0, lt=100, description="The percentile both bounds hold at (default 90).")
+
+    @model_validator(mode="after")
+    def _some_bound(self) -> Slo:
+        if self.ttft_ms is None and self.itl_ms is None:
+            raise ValueError("slo needs ttft_ms, itl_ms or both")
+        return self
+
+
 class Resources(Strict):
     """Replicas and what each replica reserves. Engine nodes reserve devices for TP x PP x DP themselves."""
 
@@ -43,6 +58,9 @@ class Resources(Strict):
     )
     upscale_delay_s: float | None = Field(None, ge=0, description="Autoscaling: load must last this long to add.")
     downscale_delay_s: float | None = Field(None, ge=0, description="Autoscaling: idle this long to remove.")
+    slo: Slo | None = Field(
+        None, description="Autoscaling on latency (docs/autoscaling.md): the SLO planner sizes the replicas for it."
+    )
     max_ongoing_requests: int | None = Field(
         None,
         ge=1,
@@ -77,6 +95,10 @@ class Resources(Strict):
             raise ValueError("give either num_replicas or min_replicas/max_replicas, not both")
         if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        if self.slo is not None and (self.min_replicas is None or self.max_replicas is None):
+            raise ValueError("slo needs min_replicas and max_replicas beside it (the bounds the planner keeps to)")
+        if self.slo is not None and self.target_ongoing_requests is not None:
+            raise ValueError("give either slo or target_ongoing_requests, not both")
         return self
 
     @property
