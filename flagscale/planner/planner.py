@@ -2,7 +2,8 @@
 
 How it decides (docs/autoscaling.md):
 1. demand: per dimension the pool is sized on (prefill: prompt tokens against TTFT; decode: output tokens against
-   ITL; colocated: both), the tokens/s it carries now plus its engines' queue, and the forecast (forecast.py)
+   ITL; colocated: both bounds against its work, prompt tokens + output tokens weighted by what one costs), the
+   tokens/s it carries now plus its engines' queue, and the forecast (forecast.py)
    `start_s + upscale_delay_s` ahead, whichever is more: a replica asked for now serves only then;
 2. size: demand / (what one replica sustains within the SLO, capacity.py, x headroom), the largest over the
    dimensions; no capacity known yet: one more replica while the SLO is broken with requests queued;
@@ -31,17 +32,21 @@ class Dimension:
     """One thing a pool is sized on: a latency bound against a token rate."""
 
     name: str  # "ttft" / "itl"
-    tokens: str  # "prompt_tps" / "output_tps"
+    tokens: str  # "prompt_tps" / "output_tps" / "work_tps" (colocated: prompt + weighted output)
     curve: CapacityCurve
     trend: Trend
 
 
 def dimensions_of(settings: PlannerSettings) -> list[Dimension]:
     slo, role = settings.slo, settings.role
+    if role is None:
+        seed = settings.seed_prompt_tps  # a colocated replica's seed: its work tokens/s
+        bounds = [("ttft", slo.ttft_ms), ("itl", slo.itl_ms)]
+        return [Dimension(name, "work_tps", CapacityCurve(ms, seed), Trend()) for name, ms in bounds if ms]
     found = []
-    if slo.ttft_ms is not None and role != DECODE:
+    if slo.ttft_ms is not None and role == PREFILL:
         found.append(Dimension("ttft", "prompt_tps", CapacityCurve(slo.ttft_ms, settings.seed_prompt_tps), Trend()))
-    if slo.itl_ms is not None and role != PREFILL:
+    if slo.itl_ms is not None and role == DECODE:
         found.append(Dimension("itl", "output_tps", CapacityCurve(slo.itl_ms, settings.seed_output_tps), Trend()))
     return found
 
@@ -74,10 +79,16 @@ class Planner:
             self.last_reason = why
         return Decision(obs.time_s, current, desired, target, why, self._measured(obs), self._forecast())
 
+    def load(self, dim: Dimension, obs: Observation) -> float:
+        if dim.tokens != "work_tps":
+            return getattr(obs, dim.tokens)
+        cost = obs.output_token_cost if obs.output_token_cost is not None else self.settings.output_token_cost
+        return obs.prompt_tps + cost * obs.output_tps
+
     def _learn(self, obs: Observation) -> None:
         self.arrivals.update(obs.time_s, obs.arrival_rps)
         for dim in self.dimensions:
-            demand = getattr(obs, dim.tokens)
+            demand = self.load(dim, obs)
             dim.trend.update(obs.time_s, demand)
             if obs.replicas > 0:
                 dim.curve.update(demand / obs.replicas, getattr(obs, f"{dim.name}_ms"))
@@ -111,7 +122,7 @@ class Planner:
             return None, f"{dim.name} {floor:.0f} ms at the lightest load seen > SLO {dim.curve.bound_ms:.0f} ms"
         if not per_replica:
             return None, f"{dim.name}: capacity not fitted yet"
-        now = getattr(obs, dim.tokens)
+        now = self.load(dim, obs)
         per_request = now / obs.arrival_rps if obs.arrival_rps > 0 else 0.0
         demand = max(now + obs.queue * per_request / BACKLOG_DRAIN_S, dim.trend.forecast(self.horizon_s))
         grow = math.ceil(demand / (per_replica * self.settings.headroom) - 1e-9)
@@ -125,7 +136,7 @@ class Planner:
         slo, role = self.settings.slo, self.settings.role
         if obs.queue > 0:
             pct = f"p{slo.percentile:g}"
-            if slo.ttft_ms and role != DECODE and obs.ttft_ms and obs.ttft_ms > slo.ttft_ms:
+            if slo.ttft_ms and obs.ttft_ms and obs.ttft_ms > slo.ttft_ms:  # decode: requests wait for a slot
                 return f"TTFT {pct} {obs.ttft_ms:.0f} ms > {slo.ttft_ms:.0f} ms, {obs.queue:.0f} queued: +1"
             if slo.itl_ms and role != PREFILL and obs.itl_ms and obs.itl_ms > slo.itl_ms:
                 return f"ITL {pct} {obs.itl_ms:.0f} ms > {slo.itl_ms:.0f} ms, {obs.queue:.0f} queued: +1"

@@ -35,6 +35,9 @@ class PlannerSettings:
     headroom: float = 0.85  # size so each replica runs at this share of what it sustains within the SLO
     release_below: float = 0.6  # remove a replica only when the rest would run below this share
     kv_high: float = 0.9  # KV cache usage past which a decode pool grows whatever its latency
+    # a colocated pool's load is prompt tokens + this x output tokens (what one output token costs a replica, in
+    # prompt tokens), where the observation brings no measured figure
+    output_token_cost: float = 4.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Observation:
     output_tps: float = 0.0
     arrival_rps: float = 0.0
     held: int = 0  # requests the router holds because the pool has no replica
+    output_token_cost: float | None = None  # measured: an output token's cost in prompt tokens (colocated load)
 
 
 @dataclass(frozen=True)
