@@ -40,6 +40,10 @@ def dryrun(
     for engine in plan.engines:
         args = engine.kind.shown_args(engine.argv)
         replicas = f"{engine.describe_replicas()}\nrouting: {engine.routing.policy}"
+        if (engine.autoscaling or {}).get("min_replicas") == 0:  # sleep mode: GPU engines only (issue 51, item 3)
+            on_cpu = engine.device == "cpu"
+            why = f"{engine.kind.display} on CPU cannot sleep" if on_cpu else "engines' sleep modes are not used yet"
+            replicas += f"\nidle: stops at zero, starts on the next request ({why})"
         resources = ", ".join(f"{k}={v}" for k, v in engine.ray_actor_options.items())
         name = f"{engine.serve_id}\n({engine.role} pool of {engine.group})" if engine.role else engine.serve_id
         if engine.pinned_host:
