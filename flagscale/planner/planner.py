@@ -11,7 +11,8 @@ How it decides (docs/autoscaling.md):
    replica asked for is serving; requests held at zero replicas ask for one at once; a pool with no request
    in flight and none forecast wants zero;
 4. hysteresis: grow past `headroom`, shrink only when the rest would run below `release_below`, and only after
-   the wish has lasted `upscale_delay_s` / `downscale_delay_s` (0 -> n at once); never outside min/max.
+   the wish has lasted `upscale_delay_s` / `downscale_delay_s` (0 -> n at once); never outside min/max; never
+   below the count asked for while a replica of it is still starting (it is judged once it serves).
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class Planner:
         current = obs.replicas if current is None else current
         self._learn(obs)
         desired, why = self._desired(obs, current)
+        if desired < current and obs.replicas < current:  # a replica asked for has not served yet: judge it then
+            desired, why = current, f"{why}; not below {current} while {current - obs.replicas} still start(s)"
         desired = min(max(desired, settings.min_replicas), settings.max_replicas)
         target, why = self._delayed(obs.time_s, current, desired, why)
         self.target = target

@@ -180,3 +180,11 @@ def test_simulated_day_planner_keeps_the_slo_on_fewer_gpus_than_static_max():
     assert planned.gpu_s <= 0.6 * static.gpu_s
     assert any(before == 0 and after >= 1 and "held" in why for _, _, before, after, why in planned.changes)
     assert any(after == 0 for _, _, _, after, _ in planned.changes)  # back to zero at night
+
+
+def test_no_shrinking_while_a_replica_asked_for_still_starts():
+    """Serve's target is 1 while the replica starts (0 serving): idle or not, the planner waits for it to serve."""
+    planner = Planner(settings(min_replicas=0, downscale_delay_s=10))
+    targets = [planner.decide(Observation(t, 0), target_now=1).target for t in range(0, 60, 5)]
+    assert set(targets) == {1} and "still start" in planner.decide(Observation(60, 0), target_now=1).reason
+    assert 0 in [planner.decide(Observation(t, 1), target_now=1).target for t in range(65, 90, 5)]
