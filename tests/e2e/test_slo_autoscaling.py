@@ -19,7 +19,7 @@ from tests.conftest import demo_engine_args, run_cli, status_cli, wait_for, writ
 
 PORT = 18471
 MODEL = "zero"
-DOWNSCALE_DELAY_S = 15
+DOWNSCALE_DELAY_S = 30
 SLO = {"ttft_ms": 5000, "itl_ms": 1000, "percentile": 90}
 ZERO_WAIT_S = 240  # the delay, the planner's idle forecast decaying (about a minute), a status on a busy machine
 

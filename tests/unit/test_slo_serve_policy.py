@@ -145,3 +145,43 @@ def test_planner_series_on_metrics():
     assert 'flagscale_router_planner_changes_total{serve_id="demo"} 3' in text
     assert 'flagscale_router_held_requests{model="m"} 1' in text
     assert planner_text({}, {}, 0) == ""
+
+
+def test_the_router_holds_a_request_at_zero_replicas_and_serves_it_once_one_joins(monkeypatch):
+    """A real router (no Ray): model "m" has no replica; with scale_from_zero it wakes the deployment once and
+    serves the request when the (fake) replica joins the table; without, the old immediate 503."""
+    import aiohttp
+
+    from flagscale.router.replicas import ReplicaTable
+    from tests.conftest import bare_router, router_listening
+    from tests.unit.fakes import FakeEngine, started_upstreams
+
+    monkeypatch.setattr(cold_start, "POLL_S", 0.01)
+    body = {"model": "m", "prompt": "hi", "max_tokens": 3}
+
+    async def scenario(scale_from_zero):
+        engine = FakeEngine("late")
+        (joined,) = await started_upstreams([engine])
+        router = bare_router([], "least_load")
+        router.spec.scale_from_zero = scale_from_zero
+        handle = FakeHandle()
+        router.failover.cold_start = cold_start.ColdStart({"s": handle}, lambda serve_id: None)
+        reads = []
+
+        async def refresh():  # the registry read: the replica is listed from the third read on
+            reads.append(1)
+            if len(reads) >= 3:
+                router.replicas.table = ReplicaTable(by_model={"m": [joined]}, by_replica={"late": joined})
+
+        router.failover._refresh = refresh
+        try:
+            async with router_listening(router) as url, aiohttp.ClientSession() as client:
+                async with client.post(f"{url}/v1/completions", json=body) as resp:
+                    return resp.status, await resp.read(), handle.wakes, router.failover.cold_start.held
+        finally:
+            await engine.runner.cleanup()
+
+    status, answer, wakes, held = asyncio.run(scenario({"m": 5.0}))
+    assert status == 200 and answer and wakes == 1 and held == {"m": 0}
+    status, answer, wakes, _ = asyncio.run(scenario({}))
+    assert status == 503 and b"no ready replica" in answer and wakes == 0
