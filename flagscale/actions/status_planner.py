@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -37,12 +38,13 @@ def planner_table(records: dict[str, dict[str, Any]], table: Table) -> Table:
         low, high = record.get("bounds", ["?", "?"])
         replicas = f"{record.get('replicas')} -> {record.get('target')} ({low}..{high})"
         last = record.get("last_change") or ""
-        table.add_row(
+        cells = (
             serve_id + (f" ({record['role']})" if record.get("role") else ""),
             slo_text(record.get("slo", {})),
             measured_text(record.get("measured", {})),
             forecast_text(record.get("forecast", {})),
             replicas,
-            f"{last} [now: {record.get('reason', '')}]" if record.get("reason") != last else last,
+            f"{last} (now: {record.get('reason', '')})" if record.get("reason") != last else last,
         )
+        table.add_row(*(escape(cell) for cell in cells))
     return table

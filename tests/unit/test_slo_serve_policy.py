@@ -185,3 +185,31 @@ def test_the_router_holds_a_request_at_zero_replicas_and_serves_it_once_one_join
     assert status == 200 and answer and wakes == 1 and held == {"m": 0}
     status, answer, wakes, _ = asyncio.run(scenario({}))
     assert status == 503 and b"no ready replica" in answer and wakes == 0
+
+
+def test_status_planner_table_shows_slo_measured_forecast_target_and_reason():
+    from rich.console import Console
+    from rich.table import Table
+
+    from flagscale.actions.status_planner import planner_table
+
+    record = {
+        "slo": {"ttft_ms": 500, "itl_ms": 50, "percentile": 90},
+        "bounds": [0, 4],
+        "replicas": 1,
+        "target": 2,
+        "reason": "work 900 tok/s / 500 per replica within ttft SLO -> 2",
+        "last_change": "work 900 tok/s / 500 per replica within ttft SLO -> 2",
+        "measured": {"ttft_ms": 620.0, "queue": 3, "arrival_rps": 1.5, "prompt_tps": 700, "output_tps": 50},
+        "forecast": {"horizon_s": 45, "arrival_rps": 2.0, "work_tps_per_replica": 500},
+    }
+    table = Table(*["pool", "SLO", "measured", "forecast", "replicas", "last change"])
+    console = Console(width=400, record=True)
+    console.print(planner_table({"chat": record}, table))
+    text = console.export_text()
+    for shown in ("p90 TTFT 500 ms, ITL 50 ms", "TTFT 620 ms", "3 queued", "in 45 s: 2 req/s", "1 -> 2 (0..4)"):
+        assert shown in text, text
+    assert "within ttft SLO -> 2" in text and "(now:" not in text
+    record["reason"] = "idle [in 10 s if it lasts]"
+    console.print(planner_table({"chat": record}, Table(*["pool", "SLO", "measured", "forecast", "r", "last"])))
+    assert "(now: idle [in 10 s if it lasts])" in console.export_text()
