@@ -257,6 +257,11 @@ class NodeConfig(Strict):
             raise ValueError("`allow_engine_args` is for engine nodes; a custom node has no engine args")
         if self.module is not None and self.routing is not None:
             raise ValueError("`routing` is for engine nodes; a custom node is called by the graph, not routed")
+        if self.module is not None and self.resources.slo is not None:
+            raise ValueError(
+                "`resources.slo` is for engine nodes (their engines measure the latency); a custom node "
+                "autoscales on Serve's request count"
+            )
         if self.module is not None and not self.name:
             raise ValueError("a custom node with `module` also needs `name` (the class)")
         if self.module is None:

@@ -160,6 +160,9 @@ def test_the_slo_block_is_validated_naming_the_key():
     assert "slo needs min_replicas and max_replicas" in message and "resources" in message
     assert "percentile" in with_resources(bounds | {"slo": {"ttft_ms": 500, "percentile": 100}})
     assert "slo needs ttft_ms, itl_ms or both" in with_resources(bounds | {"slo": {}})
+    custom = base()
+    custom["serve"][0] = {"serve_id": "c", "module": "m.py", "name": "C", "resources": bounds | {"slo": {"itl_ms": 9}}}
+    assert "`resources.slo` is for engine nodes" in error_of(custom)
 
 
 def test_simulated_day_planner_keeps_the_slo_on_fewer_gpus_than_static_max():
