@@ -148,7 +148,7 @@ def _replaces(change: Change) -> bool:
     key = change.path.split(".", 2)[2]
     if key == "resources.num_replicas":
         return _fixed_count(change.old) != _fixed_count(change.new)
-    return key not in SCALE_ONLY
+    return key not in SCALE_ONLY and not key.startswith("resources.slo")  # the SLO planner's: scale only
 
 
 def _fixed_count(value: Any) -> bool:

@@ -39,9 +39,7 @@ def dryrun(
         table.add_column(column)
     for engine in plan.engines:
         args = engine.kind.shown_args(engine.argv)
-        replicas = f"{engine.describe_replicas()}\nrouting: {engine.routing.policy}"
-        if engine.kv_events:  # the engines publish their KV-cache events (docs/routing.md)
-            replicas += "\n(KV events)"
+        replicas = _replicas_cell(engine)
         resources = ", ".join(f"{k}={v}" for k, v in engine.ray_actor_options.items())
         name = f"{engine.serve_id}\n({engine.role} pool of {engine.group})" if engine.role else engine.serve_id
         if engine.pinned_host:
@@ -76,6 +74,18 @@ def dryrun(
         _print_update(running_config, snapshot, console)
     console.print("dryrun: nothing was started")
     return 0
+
+
+def _replicas_cell(engine) -> str:
+    """The plan table's replicas column: how many, routed how, and what an idle replica does."""
+    cell = f"{engine.describe_replicas()}\nrouting: {engine.routing.policy}"
+    if engine.kv_events:  # the engines publish their KV-cache events (docs/routing.md)
+        cell += "\n(KV events)"
+    if (engine.autoscaling or {}).get("min_replicas") == 0:  # sleep mode: GPU engines only (issue 51, item 3)
+        on_cpu = engine.device == "cpu"
+        why = f"{engine.kind.display} on CPU cannot sleep" if on_cpu else "with resources.sleep_delay_s it sleeps first"
+        cell += f"\nidle: stops at zero, starts on the next request ({why})"
+    return cell
 
 
 def _print_exposure(plan: Plan, console: Console) -> None:

@@ -38,6 +38,7 @@ from flagscale.errors import ConfigError
 from flagscale.net import health_problem
 from flagscale.plan import ROUTER_DEPLOYMENT
 from flagscale.replica import registry
+from flagscale.replica.slo_policy import planner_records
 from flagscale.router import peers
 
 # The most a status may take (FLAGSCALE_STATUS_TIMEOUT_S sets another); past it, status says which step did not
@@ -78,6 +79,8 @@ def collect(state: RunState, api_key: str | None = None, note: bounded.Note = _q
     for replica in report.replicas:
         note(f"reading the engine metrics of {replica.url}")
         replica.engine = engine_load(engines.get(replica.engine_kind), replica.url, api_key=api_key)
+    note("reading the SLO planners' decisions from the cluster's KV store")
+    report.planner = planner_records(state.app_name)
     note("asking the router for its counters")
     router = _router_stats(state)
     routed = router.pop("replicas", {})

@@ -127,6 +127,7 @@ class StatusReport:
     replicas: list[ReplicaRow] = field(default_factory=list)
     router: RouterTotals | None = None
     hosts: list[HostRow] | None = None  # None: the launcher has no host table
+    planner: dict[str, dict[str, Any]] = field(default_factory=dict)  # serve_id -> its SLO planner's last decision
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -141,6 +142,7 @@ class StatusReport:
             "replicas": [asdict(r) for r in self.replicas],
             "router": asdict(self.router) if self.router else None,
             "http_health": self.http_health,
+            "planner": self.planner,
         }
         if self.hosts is not None:
             out["hosts"] = [asdict(h) for h in self.hosts]

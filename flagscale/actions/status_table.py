@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from flagscale.actions.status_planner import planner_table
 from flagscale.actions.status_report import HostRow, ReplicaRow, RouterProcess, RouterTotals, StatusReport
 
 LOAD_LEGEND = "load: requests running+waiting, KV cache used"
@@ -21,6 +22,9 @@ def render(console: Console, report: StatusReport, wide: bool = False) -> None:
     )
     console.print(f"models: {', '.join(report.models)}")
     _deployments(console, report)
+    if report.planner:
+        columns = ["pool", "SLO", "measured", "forecast", "replicas", "last change"]
+        console.print(planner_table(report.planner, _table("SLO planner", columns)))
     console.print(_replica_table(report.replicas, wide))
     console.print(f"[dim]({LOAD_LEGEND})[/]")
     ranks = [(r, rank) for r in report.replicas for rank in r.ranks or ()]

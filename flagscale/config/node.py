@@ -30,6 +30,21 @@ UNSAFE_ARGS = "; ".join(
 )
 
 
+class Slo(Strict):
+    """A pool's latency objective (docs/autoscaling.md): the SLO planner sizes the pool so that the given
+    percentile of time to first token and of inter-token latency stays under these bounds."""
+
+    ttft_ms: float | None = Field(None, gt=0, description="Time to first token, milliseconds, at the percentile.")
+    itl_ms: float | None = Field(None, gt=0, description="Inter-token latency, milliseconds, at the percentile.")
+    percentile: float = Field(90, gt=0, lt=100, description="The percentile both bounds hold at (default 90).")
+
+    @model_validator(mode="after")
+    def _some_bound(self) -> Slo:
+        if self.ttft_ms is None and self.itl_ms is None:
+            raise ValueError("slo needs ttft_ms, itl_ms or both")
+        return self
+
+
 class Resources(Strict):
     """Replicas and what each replica reserves. Engine nodes reserve devices for TP x PP x DP themselves."""
 
@@ -49,6 +64,9 @@ class Resources(Strict):
         description="Engines with a sleep mode, on GPUs: idle this long, a replica sleeps (weights to host memory, "
         "KV cache freed) instead of holding its GPU memory; the router wakes it for the next request "
         '(docs/operations.md, "Idle replicas asleep").',
+    )
+    slo: Slo | None = Field(
+        None, description="Autoscaling on latency (docs/autoscaling.md): the SLO planner sizes the replicas for it."
     )
     max_ongoing_requests: int | None = Field(
         None,
@@ -84,6 +102,10 @@ class Resources(Strict):
             raise ValueError("give either num_replicas or min_replicas/max_replicas, not both")
         if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        if self.slo is not None and (self.min_replicas is None or self.max_replicas is None):
+            raise ValueError("slo needs min_replicas and max_replicas beside it (the bounds the planner keeps to)")
+        if self.slo is not None and self.target_ongoing_requests is not None:
+            raise ValueError("give either slo or target_ongoing_requests, not both")
         return self
 
     @property
@@ -242,6 +264,11 @@ class NodeConfig(Strict):
             raise ValueError("`allow_engine_args` is for engine nodes; a custom node has no engine args")
         if self.module is not None and self.routing is not None:
             raise ValueError("`routing` is for engine nodes; a custom node is called by the graph, not routed")
+        if self.module is not None and self.resources.slo is not None:
+            raise ValueError(
+                "`resources.slo` is for engine nodes (their engines measure the latency); a custom node "
+                "autoscales on Serve's request count"
+            )
         if self.module is not None and not self.name:
             raise ValueError("a custom node with `module` also needs `name` (the class)")
         if self.module is None:

@@ -34,8 +34,9 @@ class ReplicaSettings:
 
     def serve_scaling(self, default_max_ongoing: int | None = None) -> dict[str, Any]:
         """The replica keywords of `serve.deployment`: count or autoscaling, and requests per replica."""
+        autoscaling = {key: value for key, value in (self.autoscaling or {}).items() if key != "slo"}
         scaling: dict[str, Any] = (
-            {"autoscaling_config": self.autoscaling} if self.autoscaling else {"num_replicas": self.num_replicas or 1}
+            {"autoscaling_config": autoscaling} if self.autoscaling else {"num_replicas": self.num_replicas or 1}
         )
         max_ongoing = self.max_ongoing_requests or default_max_ongoing
         if max_ongoing:
@@ -46,10 +47,12 @@ class ReplicaSettings:
         if self.num_replicas is not None:
             return str(self.num_replicas)
         scaling = self.autoscaling or {}
-        target = scaling.get("target_ongoing_requests")
-        return f"autoscale {scaling.get('min_replicas', 1)}..{scaling.get('max_replicas', '?')}" + (
-            f" (target {target:g} in flight)" if target is not None else ""
-        )
+        target, slo = scaling.get("target_ongoing_requests"), scaling.get("slo")
+        on = f" (target {target:g} in flight)" if target is not None else ""
+        if slo:
+            bounds = [f"{key[:-3].upper()} {slo[key]:g} ms" for key in ("ttft_ms", "itl_ms") if slo.get(key)]
+            on = f" (SLO p{slo['percentile']:g} {', '.join(bounds)})"
+        return f"autoscale {scaling.get('min_replicas', 1)}..{scaling.get('max_replicas', '?')}{on}"
 
 
 AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s")
@@ -79,4 +82,6 @@ def replica_settings(
         assert count != "auto", "num_replicas: auto needs the caller's device count"
         return ReplicaSettings(count or 1, None, options, res.max_ongoing_requests)
     autoscaling = {key: getattr(res, key) for key in AUTOSCALING_KEYS if getattr(res, key) is not None}
+    if res.slo is not None:  # the SLO planner's (engine nodes: replica/slo_policy.py); never Serve's own key
+        autoscaling["slo"] = res.slo.model_dump()
     return ReplicaSettings(None, autoscaling, options, res.max_ongoing_requests)

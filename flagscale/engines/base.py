@@ -102,6 +102,9 @@ class EngineKind(ABC):
     status_gauges: dict[str, str] = {}
     # the metric samples whose sum is the requests a replica holds (running + queued): autoscaling, drain, status
     load_metrics: tuple[str, ...] = ()
+    # the SLO planner's inputs (flagscale/replica/slo_signals.py): signal -> the sample (a histogram family for
+    # "ttft" / "itl", read bucket by bucket; counters and gauges summed over their label sets)
+    slo_samples: dict[str, str] = {}
     # engine args that size a replica's reservation (TP, PP, DP): the same on every host, never per host
     sizing_args: tuple[str, ...] = ()
     secret_args: tuple[str, ...] = ()  # engine args whose values are secrets (secret_env carries them)

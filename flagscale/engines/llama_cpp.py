@@ -156,6 +156,12 @@ class LlamaCpp(EngineKind):
     capabilities = Capabilities(prefix_caching=True, keeps_connections=False)
     status_gauges = {"llamacpp:requests_processing": "running", "llamacpp:requests_deferred": "waiting"}
     load_metrics = ("llamacpp:requests_processing", "llamacpp:requests_deferred")
+    slo_samples = {  # no latency histograms: sized on its queue and token rates alone
+        "prompt_tokens": "llamacpp:prompt_tokens_total",
+        "output_tokens": "llamacpp:tokens_predicted_total",
+        "running": "llamacpp:requests_processing",
+        "waiting": "llamacpp:requests_deferred",
+    }
     common_args = COMMON_ARGS
     ignored_args = IGNORED_ARGS
     checked_only_args = PARALLEL_ARGS  # `parallel` refuses any but 1

@@ -216,6 +216,16 @@ class VLLM(EngineKind):
         "vllm:kv_cache_usage_perc": "kv_cache_usage",
     }
     load_metrics = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    slo_samples = {
+        "ttft": "vllm:time_to_first_token_seconds",
+        "itl": "vllm:inter_token_latency_seconds",
+        "prompt_tokens": "vllm:prompt_tokens_total",
+        "output_tokens": "vllm:generation_tokens_total",
+        "finished": "vllm:request_success_total",
+        "running": "vllm:num_requests_running",
+        "waiting": "vllm:num_requests_waiting",
+        "kv_usage": "vllm:kv_cache_usage_perc",
+    }
     # the KV connector's handshake listener could not bind its port: its thread died, and the engine waits for it
     start_failure_lines = ("ZMQError: Address already in use",)
     sizing_args = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")

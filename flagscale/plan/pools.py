@@ -14,7 +14,14 @@ from flagscale.plan.engine_args import engine_args_of, served_names
 PD_ROLES = ("prefill", "decode")
 # FlagScale's prefill_decode_strategy -> the routing policy that picks the prefill replica (None: the node's).
 PD_STRATEGY_POLICY = {"robin": "round_robin", "random": "random", "slo": None}
-AUTOSCALING_FIELDS = ("min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s")
+AUTOSCALING_FIELDS = (
+    "min_replicas",
+    "max_replicas",
+    "target_ongoing_requests",
+    "upscale_delay_s",
+    "downscale_delay_s",
+    "slo",
+)
 
 
 @dataclass(frozen=True)

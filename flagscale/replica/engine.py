@@ -20,7 +20,7 @@ from flagscale import engines
 from flagscale.adaptors import ray, serve
 from flagscale.cluster.node_logs import engine_log_dir
 from flagscale.cluster.tempdirs import UnsafeDirectory
-from flagscale.engines.metrics import engine_metrics
+from flagscale.engines.metrics import engine_metrics, engine_metrics_and_buckets
 from flagscale.net import free_port, health_ok
 from flagscale.replica import registry
 from flagscale.replica.autoscaling import ENGINE_REQUESTS
@@ -37,6 +37,7 @@ from flagscale.replica.process import (
 )
 from flagscale.replica.ranks import ReplicaRanks
 from flagscale.replica.sleep import SleepController
+from flagscale.replica.slo_signals import replica_stats
 from flagscale.replica.startup_lock import gpu_start_lock
 
 
@@ -103,6 +104,7 @@ class EngineReplica:
         self.log_path = log_dir / f"engine-{spec.serve_id}-{self.replica_id}.log"
         self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
         self.ranks: ReplicaRanks | None = None
+        began = time.monotonic()
         try:
             self._start(spec, host, self.gpu_ids)
         except (TimeoutError, UnsafeDirectory, RankStartError) as exc:  # GPU start-up lock, cores, other hosts
@@ -111,6 +113,7 @@ class EngineReplica:
         except BaseException:
             self._terminate()
             raise
+        self.start_s = time.monotonic() - began  # the SLO planner's horizon, the router's hold bound at zero
         self._after_start(spec)
 
     def _start(self, spec: EngineSpec, host: str, gpu_ids: list[str]) -> None:
@@ -266,11 +269,17 @@ class EngineReplica:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Called by Serve when the node autoscales: this replica's load as its engine counts it
-        (flagscale/replica/autoscaling.py)."""
-        metrics = await asyncio.get_running_loop().run_in_executor(
-            None, engine_metrics, self.url, 2.0, self.spec.api_key
+        (flagscale/replica/autoscaling.py), and what the SLO planner reads (slo_signals.py)."""
+        metrics, buckets = await asyncio.get_running_loop().run_in_executor(
+            None, engine_metrics_and_buckets, self.url, 2.0, self.spec.api_key
         )
-        return {ENGINE_REQUESTS: self.spec.kind.load(metrics)}
+        stats = replica_stats(self.spec.kind, metrics, buckets, self.start_s)
+        return {ENGINE_REQUESTS: self.spec.kind.load(metrics), **stats}
+
+    async def wake(self) -> str:
+        """The router's call for a pool at zero replicas that holds a request (flagscale/router/cold_start.py):
+        queued at Serve's handle, it is what makes Serve start this replica; it answers once the replica serves."""
+        return self.url
 
     def _terminate(self, grace_s: float = 10.0) -> None:
         if getattr(self, "sleeper", None):

@@ -27,6 +27,7 @@ from aiohttp import web
 from flagscale import engines
 from flagscale.router.admission import AdmissionQueue, Overloaded, first_untried, overloaded_answer, overloaded_message
 from flagscale.router.client_request import HOP_BY_HOP, error_response
+from flagscale.router.cold_start import ColdStart
 from flagscale.router.exchange import Exchange
 from flagscale.router.pd import Prefill
 from flagscale.router.peers import PeerLink
@@ -98,6 +99,7 @@ class Failover:
         self._spec, self._replicas, self._counters = spec, replicas, counters
         self._admission, self._clients, self._peers = admission, clients, peers
         self._prefill, self._refresh, self._waker = prefill, refresh, waker
+        self.cold_start: ColdStart | None = None  # the Router's, where it has engine handles (scale from zero)
 
     async def route(self, exchange: Exchange, payload: dict) -> web.StreamResponse:
         """Prefill (disaggregated models), then replicas in the policy's order until one answers, bounded."""
@@ -107,6 +109,7 @@ class Failover:
             if not isinstance(kv, dict):
                 return kv  # the prefill pool's answer (a 4xx) or why none could take the prompt
             exchange.with_kv(payload, kv)
+        held = False
         while True:
             try:
                 upstream = await self._admission.admitted(("serve", model), lambda: self._pick(exchange), self._spec())
@@ -117,6 +120,12 @@ class Failover:
                     exchange.refreshed = True
                     await self._refresh()
                     continue
+                if not held and self._scales_from_zero(exchange):
+                    held = True
+                    refused = await self._hold(exchange)
+                    if refused is None:
+                        continue
+                    return refused
                 return await self._give_up(exchange)
             try:
                 return await self.forward(exchange, upstream)
@@ -128,6 +137,18 @@ class Failover:
                     return await self._give_up(exchange)
                 upstream.migrations += 1
                 self._counters.moved += 1
+
+    def _scales_from_zero(self, exchange: Exchange) -> bool:
+        """A request no replica has seen, for a model whose node is at zero replicas and may start one."""
+        fresh = exchange.response is None and exchange.last_answer is None
+        fresh = fresh and not exchange.failure and not exchange.unreachable
+        model = exchange.model
+        return self.cold_start is not None and fresh and model in self._spec().scale_from_zero
+
+    async def _hold(self, exchange: Exchange) -> web.StreamResponse | None:
+        spec, model = self._spec(), exchange.model
+        ready = lambda: bool(self._replicas.pool(model))  # noqa: E731
+        return await self.cold_start.hold(model, spec.models[model], spec.scale_from_zero[model], ready, self._refresh)
 
     def _moves_on(self, exchange: Exchange, failure: Failed) -> bool:
         """May the request a replica failed go to another one? (Counts the move.)"""

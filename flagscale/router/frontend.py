@@ -42,6 +42,7 @@ from flagscale.router.guard import (
 )
 from flagscale.router.metrics import SCRAPE_TIMEOUT_S, RouterMetrics, merge_replica_metrics
 from flagscale.router.peers import PeerLink
+from flagscale.router.planner_metrics import planner_series
 from flagscale.router.policies import RequestInfo, rank_replicas
 from flagscale.router.replicas import Replicas, Upstream
 from flagscale.router.resume import CHAT, COMPLETIONS, ClientStream, dumps
@@ -184,13 +185,15 @@ class Frontend:
         scraped = await asyncio.gather(*(scrape(u) for u in list(self._replicas.table.by_replica.values())))
         routers = self._peers.router_series()
         text = merge_replica_metrics([s for s in scraped if s is not None]) + merge_replica_metrics(routers)
+        text += await planner_series(self._spec().app, self._failover.cold_start)
         return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def health(self, request: web.Request | None) -> web.Response:
         """ok, or why not: with the key (or without one configured), which models lack a replica; without it,
         only "unhealthy" (the models' names are not the public's)."""
         spec = self._spec()
-        missing = self._replicas.missing(spec.models)
+        # a model at zero replicas that starts one on its next request is ready (flagscale/router/cold_start.py)
+        missing = [m for m in self._replicas.missing(spec.models) if m not in spec.scale_from_zero]
         if self._counters.draining:
             return web.Response(status=503, text="draining\n")
         if missing:

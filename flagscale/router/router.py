@@ -15,7 +15,8 @@ stats, health) and the state its parts share. The parts, one module each:
 - kv_events.py + kv_index.py + kv_keys.py: the engines' own KV events, for the cache_aware policies routing on them;
 - peers.py: what the router processes of one deployment share (reports, drains, routing hints);
 - state.py: the process's counters and its clients to the replicas;
-- metrics.py: /metrics.
+- metrics.py: /metrics (planner_metrics.py: the SLO planners' series);
+- cold_start.py: requests for a model at zero replicas, held (bounded) while Serve starts one.
 
 Each part is handed the few collaborators it uses (the current spec, the replicas and policies, the counters, ...),
 never the Router.
@@ -37,8 +38,10 @@ from flagscale.adaptors import ray
 from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS, RoutingSpec
 from flagscale.replica import registry
 from flagscale.replica.cpu_layout import RouterPinning
+from flagscale.replica.slo_policy import recorded_start_s
 from flagscale.router import own_port, peers
 from flagscale.router.admission import AdmissionQueue
+from flagscale.router.cold_start import ColdStart
 from flagscale.router.failover import Failover
 from flagscale.router.frontend import Frontend
 from flagscale.router.metrics import RouterMetrics
@@ -189,6 +192,8 @@ class Router:
             self.refresh_on_miss,
             self.waker,
         )
+        handles = {getattr(h, "deployment_name", ""): h for h in getattr(self, "_engines", ())}  # none: tests
+        self.failover.cold_start = ColdStart(handles, lambda serve_id: recorded_start_s(self.spec.app, serve_id))
         self.frontend = Frontend(
             spec, self.replicas, self.counters, self.metrics, self.clients, self.peers, self.failover, self.graph
         )

@@ -52,6 +52,9 @@ class RouterSpec:
     # replica's max_ongoing, the queue, the graph route's): N processes together admit what one would
     processes: int = 1
     graph_max_ongoing: int = GRAPH_MAX_ONGOING  # graph requests in flight at once, all processes together
+    # served model name -> the most seconds a request waits for the first replica of its node at zero replicas
+    # (min_replicas 0, colocated; flagscale/router/cold_start.py) where no start time was measured yet
+    scale_from_zero: dict[str, float] = field(default_factory=dict)
 
     def share(self, limit: int) -> int:
         """This process's share of a deployment-wide limit (at least 1)."""

@@ -37,7 +37,9 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
     replica: the old one stops first)."""
     engines = []
     for engine in plan.engines:
-        scaling = with_engine_load_policy(engine.serve_scaling(default_max_ongoing=DEFAULT_MAX_ONGOING_REQUESTS))
+        slo = (engine.autoscaling or {}).get("slo")
+        scaling = engine.serve_scaling(default_max_ongoing=DEFAULT_MAX_ONGOING_REQUESTS)
+        scaling = with_engine_load_policy(scaling, slo, engine.role)
         deployment = serve.deployment(
             EngineReplica,
             name=engine.serve_id,
@@ -166,6 +168,13 @@ def router_spec(plan: Plan) -> RouterSpec:
         # the same for every router process Serve starts for this deployment, in its init args only
         peer_secret=peers.secret_of(plan.exp_dir),
         processes=plan.router_processes,
+        # colocated nodes that may scale to zero: their requests wait (bounded) for a replica to start
+        scale_from_zero={
+            name: plan.startup_timeout_s
+            for e in plan.engines
+            if e.role is None and (e.autoscaling or {}).get("min_replicas") == 0
+            for name in e.model_names
+        },
     )
 
 

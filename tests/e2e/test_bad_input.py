@@ -105,3 +105,18 @@ def test_gpu_requested_on_a_machine_without_one(tmp_path):
 def test_out_of_range_port(tmp_path, override):
     out = fails(tmp_path, [node()], override)
     assert "experiment.runner.deploy.port" in out
+
+
+@pytest.mark.parametrize(
+    "resources, expected",
+    [
+        ({"min_replicas": 0, "max_replicas": 2, "slo": {"ttft_ms": -1}}, "ttft_ms"),
+        ({"min_replicas": 0, "max_replicas": 2, "slo": {"ttft": 500}}, "unknown key 'ttft'"),
+        ({"slo": {"ttft_ms": 500}}, "slo needs min_replicas and max_replicas"),
+    ],
+)
+def test_bad_slo_block(tmp_path, resources, expected):
+    bad = node()
+    bad["resources"] = resources
+    out = fails(tmp_path, [bad])
+    assert "serve[0](a).resources" in out and expected in out

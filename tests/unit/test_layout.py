@@ -26,7 +26,7 @@ FLOORS = [
         "flagscale.secrets",
         "=flagscale.actions",
     ],
-    ["flagscale.engines", "flagscale.router.policies", "flagscale.router.circuit_breaker"],
+    ["flagscale.engines", "flagscale.planner", "flagscale.router.policies", "flagscale.router.circuit_breaker"],
     ["flagscale.demo_model"],
     ["flagscale.config"],
     ["flagscale.cluster"],

@@ -1,0 +1,67 @@
+"""The SLO planners' and the scale-from-zero series on the endpoint's /metrics (docs/autoscaling.md): per pool
+with `resources.slo`, the replica count changes its planner made and its target (from the records the planners
+publish, flagscale/replica/slo_policy.py), and this router process's requests held for a model at zero replicas.
+
+The planners' series are the same on every router process (one record per pool in the KV store): they are
+written once, after the router processes' own series, without a router_process label."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from flagscale.replica.slo_policy import planner_records
+from flagscale.router.metrics import _escape
+
+log = logging.getLogger("flagscale.router")
+
+
+def _family(name: str, kind: str, help_text: str, samples: list[tuple[dict[str, str], float]]) -> list[str]:
+    if not samples:
+        return []
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    for labels, value in samples:
+        inner = ",".join(f'{key}="{_escape(str(v))}"' for key, v in labels.items())
+        lines.append(f"{name}{{{inner}}} {value:g}")
+    return lines
+
+
+def planner_text(records: dict[str, dict[str, Any]], held: dict[str, int], timeouts: int) -> str:
+    pools = sorted(records.items())
+    lines = _family(
+        "flagscale_router_planner_changes_total",
+        "counter",
+        "Replica count changes the SLO planner made, per pool (each logged with its reason; status shows the last).",
+        [({"serve_id": serve_id}, record.get("changes", 0)) for serve_id, record in pools],
+    )
+    lines += _family(
+        "flagscale_router_planner_target_replicas",
+        "gauge",
+        "The replica count the SLO planner asks for, per pool.",
+        [({"serve_id": serve_id}, record.get("target", 0)) for serve_id, record in pools],
+    )
+    lines += _family(
+        "flagscale_router_held_requests",
+        "gauge",
+        "Requests this router process holds for a model at zero replicas while one starts.",
+        [({"model": model}, count) for model, count in sorted(held.items())],
+    )
+    lines += _family(
+        "flagscale_router_held_requests_timed_out_total",
+        "counter",
+        "Held requests answered 503 because no replica started within the bound.",
+        [({}, timeouts)] if held or timeouts else [],
+    )
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+async def planner_series(app: str, cold_start: Any) -> str:
+    """The series for /metrics ('' when no pool has a planner and nothing was held)."""
+    try:
+        records = await asyncio.get_running_loop().run_in_executor(None, planner_records, app)
+    except Exception as exc:  # no GCS (a router run without Ray) or no answer: the rest of /metrics stands
+        log.debug("no SLO planner records: %r", exc)
+        records = {}
+    held = dict(cold_start.held) if cold_start is not None else {}
+    return planner_text(records, held, cold_start.timeouts if cold_start is not None else 0)

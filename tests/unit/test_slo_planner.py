@@ -1,0 +1,193 @@
+"""The SLO planner (flagscale/planner/): its decisions on recorded metric series (table tests), the predictor,
+the capacity fit, the histogram percentile, hysteresis and delays, and the `slo` block's validation."""
+
+import math
+
+import pytest
+
+from flagscale.planner.capacity import CapacityCurve
+from flagscale.planner.forecast import Trend
+from flagscale.planner.histogram import bucket_delta, merge, percentile
+from flagscale.planner.planner import Planner
+from flagscale.planner.types import DECODE, PREFILL, Observation, PlannerSettings, Slo
+from tests.unit.test_config import base, error_of
+
+SLO = Slo(ttft_ms=500, itl_ms=50)
+
+
+def settings(**overrides):
+    values = dict(slo=SLO, min_replicas=1, max_replicas=8, upscale_delay_s=10, downscale_delay_s=60, start_s=20)
+    return PlannerSettings(**(values | overrides))
+
+
+def replica_latency(load, floor, saturation):
+    """The latency a replica of the given saturation throughput shows at `load` tokens/s (queueing shape)."""
+    return floor / (1 - min(load / saturation, 0.99))
+
+
+def replay(planner, series, replicas=1):
+    """Feed a recorded series (time, prompt tok/s, extra observation fields) through the planner as the cluster
+    would: a replica asked for serves `start_s` later, one let go stops at once. Returns the decisions."""
+    decisions, asked, starting = [], replicas, []
+    for time_s, prompt_tps, extra in series:
+        replicas = min(asked, replicas + sum(1 for ready in starting if ready <= time_s))
+        starting = [ready for ready in starting if ready > time_s]
+        ttft = replica_latency(prompt_tps / max(replicas, 1), 100, 1000) if replicas else None
+        fields = dict(ttft_ms=ttft, itl_ms=20.0, prompt_tps=prompt_tps, output_tps=prompt_tps / 4)
+        fields |= dict(arrival_rps=prompt_tps / 500) | extra
+        decision = planner.decide(Observation(time_s, replicas, **fields))
+        decisions.append(decision)
+        starting += [time_s + planner.settings.start_s] * max(0, decision.target - replicas - len(starting))
+        asked = decision.target
+        replicas = min(replicas, asked)
+    return decisions
+
+
+def test_percentile_interpolates_inside_the_bucket_and_merges_replicas():
+    one = {0.1: 10, 0.5: 90, 1.0: 100, math.inf: 100}
+    assert percentile(one, 50) == pytest.approx(0.1 + 0.4 * 40 / 80)
+    assert percentile(one, 100) == 1.0
+    assert percentile({0.1: 0, math.inf: 0}, 90) is None
+    assert percentile({0.1: 0, 1.0: 0, math.inf: 5}, 90) == 1.0  # past the last bound: that bound
+    window = bucket_delta({0.1: 15, math.inf: 20}, {0.1: 10, math.inf: 10})
+    assert window == {0.1: 5, math.inf: 10}
+    assert bucket_delta({0.1: 1, math.inf: 1}, {0.1: 10, math.inf: 10}) == {0.1: 1, math.inf: 1}  # a restart
+    assert merge([window, window]) == {0.1: 10, math.inf: 20}
+
+
+def test_trend_forecasts_a_ramp_ahead_and_never_below_zero():
+    trend = Trend()
+    for t in range(0, 600, 5):
+        trend.update(t, 2.0 * t)
+    assert trend.forecast(60) == pytest.approx(2.0 * 595 + 120, rel=0.1)
+    falling = Trend()
+    for t in range(0, 600, 5):
+        falling.update(t, max(0.0, 1000 - 2.0 * t))
+    assert falling.forecast(600) == 0.0
+    assert "in 60 s" in trend.describe(60, "req/s")
+
+
+def test_capacity_fits_the_load_one_replica_sustains_within_the_bound():
+    curve = CapacityCurve(bound_ms=500)
+    curve.update(50, 100.0)  # light load: its floor, and no fit yet
+    assert curve.sustainable() is None
+    for load in (300, 500, 700, 800):
+        curve.update(load, replica_latency(load, 100, 1000))
+    assert curve.sustainable() == pytest.approx(800, rel=0.05)  # 1000 x (1 - 100 / 500)
+    seeded = CapacityCurve(bound_ms=500, seed=640)
+    assert seeded.sustainable() == 640
+    slow = CapacityCurve(bound_ms=50)
+    slow.update(10, 80)
+    assert slow.unreachable()
+
+
+RAMP = [(t, 200 + 15 * t, {}) for t in range(0, 300, 5)]
+FLAT = [(t, 600 + (40 if (t // 5) % 2 else -40), {}) for t in range(0, 900, 5)]
+
+
+@pytest.mark.parametrize(
+    "name, series, check",
+    [
+        # a ramp: the count follows it up, sized ahead: TTFT over its SLO in few windows
+        ("ramp", RAMP, lambda ds: ds[-1].target >= 6 and sum(d.measured["ttft_ms"] > 500 for d in ds) <= 10),
+        # load wobbling inside the band: no change after the first fit
+        ("no flapping", FLAT, lambda ds: len({d.target for d in ds[20:]}) == 1),
+        # idle from the start: down to min (1), never below it
+        ("idle keeps min", [(t, 0, {"arrival_rps": 0}) for t in range(0, 300, 5)], lambda ds: ds[-1].target == 1),
+    ],
+)
+def test_recorded_series(name, series, check):
+    decisions = replay(Planner(settings()), series)
+    assert check(decisions), [(d.time_s, d.target, d.reason) for d in decisions if d.changed]
+
+
+def test_upscale_waits_upscale_delay_and_downscale_waits_downscale_delay():
+    planner = Planner(settings(upscale_delay_s=20, downscale_delay_s=60))
+    decisions = replay(planner, [(t, 200 + 20 * t, {}) for t in range(0, 100, 5)])
+    first_wish = next(d for d in decisions if d.desired > d.current)
+    first_change = next(d for d in decisions if d.changed)
+    assert first_change.time_s - first_wish.time_s >= 20 and "if it lasts" in first_wish.reason
+    quiet = replay(planner, [(t, 100, {}) for t in range(100, 300, 5)], replicas=planner.target)
+    wish = next(d for d in quiet if d.desired < d.current)
+    down = next(d for d in quiet if d.changed)
+    assert down.time_s - wish.time_s >= 60
+
+
+def test_never_outside_min_and_max():
+    decisions = replay(
+        Planner(settings(min_replicas=2, max_replicas=3)), [(t, 5000, {"queue": 10}) for t in range(0, 200, 5)]
+    )
+    assert {d.target for d in decisions} <= {2, 3} and decisions[-1].target == 3
+
+
+def test_slo_broken_with_a_queue_adds_one_before_any_fit():
+    planner = Planner(settings())
+    obs = Observation(0, 1, ttft_ms=900, itl_ms=20, queue=6, prompt_tps=100, arrival_rps=1)
+    decision = planner.decide(obs)
+    assert decision.desired == 2 and "TTFT p90 900 ms > 500 ms, 6 queued" in decision.reason
+
+
+def test_decode_pool_grows_on_a_full_kv_cache_and_a_prefill_pool_ignores_itl():
+    planner = Planner(settings(role=DECODE))
+    decision = planner.decide(Observation(0, 2, ttft_ms=90, itl_ms=20, kv_usage=0.95, output_tps=10, running=4))
+    assert decision.desired == 3 and "KV cache 95%" in decision.reason
+    prefill = Planner(settings(role=PREFILL))
+    calm = prefill.decide(Observation(0, 2, ttft_ms=100, itl_ms=900, queue=3, kv_usage=0.99, running=2))
+    assert calm.desired == 2  # a prefill pool is sized on TTFT alone
+
+
+def test_zero_replicas_start_one_at_once_and_idle_goes_back_to_zero_after_the_delay():
+    planner = Planner(settings(min_replicas=0, downscale_delay_s=30))
+    assert planner.decide(Observation(0, 0)).target == 0
+    woken = planner.decide(Observation(1, 0, held=1))
+    assert woken.target == 1 and "1 request(s) held" in woken.reason  # no upscale delay from zero
+    busy = planner.decide(Observation(2, 1, ttft_ms=100, running=1, arrival_rps=0.5, prompt_tps=10))
+    assert busy.target == 1
+    targets = [planner.decide(Observation(t, 1)).target for t in range(200, 260, 5)]
+    assert targets[0] == 1 and targets[-1] == 0 and "idle" in planner.last_reason
+
+
+def test_the_slo_block_is_validated_naming_the_key():
+    def with_resources(resources):
+        cfg = base()
+        cfg["serve"][0]["resources"] = resources
+        return error_of(cfg)
+
+    bounds = {"min_replicas": 1, "max_replicas": 2}
+    assert "ttft_ms" in with_resources(bounds | {"slo": {"ttft_ms": -5}})
+    assert "unknown key 'ttft'" in with_resources(bounds | {"slo": {"ttft": 500}})
+    message = with_resources({"slo": {"ttft_ms": 500}})
+    assert "slo needs min_replicas and max_replicas" in message and "resources" in message
+    assert "percentile" in with_resources(bounds | {"slo": {"ttft_ms": 500, "percentile": 100}})
+    assert "slo needs ttft_ms, itl_ms or both" in with_resources(bounds | {"slo": {}})
+    custom = base()
+    custom["serve"][0] = {"serve_id": "c", "module": "m.py", "name": "C", "resources": bounds | {"slo": {"itl_ms": 9}}}
+    assert "`resources.slo` is for engine nodes" in error_of(custom)
+
+
+def test_simulated_day_planner_keeps_the_slo_on_fewer_gpus_than_static_max():
+    """The simulator replays the seeded trace with the same Planner: same seed, same result; the planner's SLO
+    attainment near static max's on far fewer GPU-hours, nothing failed, and 0 -> n at once from zero."""
+    from flagscale.planner.replay import Static, planner_pools, replay
+    from flagscale.planner.simulate import ReplicaModel, SimPool
+    from flagscale.planner.trace import bursty_day
+
+    model, slo = ReplicaModel(), Slo(500, 50)
+    ticks = bursty_day(seed=7, peak_rps=40, tick_s=10)
+    assert ticks == bursty_day(seed=7, peak_rps=40, tick_s=10) and ticks != bursty_day(seed=8, peak_rps=40, tick_s=10)
+    plan = settings(min_replicas=0, max_replicas=10, upscale_delay_s=15, downscale_delay_s=300, start_s=60)
+    planned = replay("slo", ticks, planner_pools({None: plan}, model, {None: 0}), slo, 10)
+    static = replay("max", ticks, {None: (SimPool(None, model, 10), Static(10))}, slo, 10)
+    assert planned.failed == 0 and static.failed == 0
+    assert planned.attainment >= static.attainment - 0.05, (planned.attainment, static.attainment)
+    assert planned.gpu_s <= 0.6 * static.gpu_s
+    assert any(before == 0 and after >= 1 and "held" in why for _, _, before, after, why in planned.changes)
+    assert any(after == 0 for _, _, _, after, _ in planned.changes)  # back to zero at night
+
+
+def test_no_shrinking_while_a_replica_asked_for_still_starts():
+    """Serve's target is 1 while the replica starts (0 serving): idle or not, the planner waits for it to serve."""
+    planner = Planner(settings(min_replicas=0, downscale_delay_s=10))
+    targets = [planner.decide(Observation(t, 0), target_now=1).target for t in range(0, 60, 5)]
+    assert set(targets) == {1} and "still start" in planner.decide(Observation(60, 0), target_now=1).reason
+    assert 0 in [planner.decide(Observation(t, 1), target_now=1).target for t in range(65, 90, 5)]
