@@ -46,8 +46,9 @@ class ReplicaRow:
     pid: int | None
     engine_pid: int | None
     url: str
-    heartbeat_age_s: float
-    state: str  # READY, STALE
+    # since the router saw its heartbeat advance, by the router's clock (None: the router has not told)
+    heartbeat_age_s: float | None
+    state: str  # READY; STALE: the router saw no heartbeat for registry.STALE_AFTER_S
     worker_cpus: list[int] = field(
         default_factory=list
     )  # cores the CPU layout gave the engine's workers; [] = not pinned

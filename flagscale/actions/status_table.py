@@ -149,7 +149,7 @@ def _wide_cells(r: ReplicaRow) -> list[str]:
         str(r.pid),
         str(r.engine_pid),
         r.url,
-        f"{r.heartbeat_age_s}s ago",
+        f"{r.heartbeat_age_s}s ago" if r.heartbeat_age_s is not None else "-",
         str(r.requests_served if r.requests_served is not None else "-"),
         str(routing.get("inflight", "-")),
         routing.get("circuit", "-"),

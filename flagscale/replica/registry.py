@@ -1,8 +1,10 @@
 """Where the router learns which engine replicas serve which model, at which URL.
 
 Each engine replica writes one record into Ray's GCS key-value store when its server is healthy and
-refreshes it on every Serve health check; the router lists the records. A record that stops being
-refreshed goes stale and is dropped, so a dead replica disappears even if it never said goodbye.
+refreshes it on every Serve health check, advancing the record's `seq`; the router lists the records. A record
+whose `seq` stops advancing goes stale (judged by the router's own clock: liveness.py, never by comparing the
+replica host's wall clock with the router's) and is dropped and withdrawn by the router, so a dead replica
+disappears even if it never said goodbye.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class ReplicaRecord:
     pid: int
     engine_pid: int
     log_path: str
-    updated_at: float
+    updated_at: float  # the publisher's wall clock at its last publish: shown, never compared across hosts
     worker_cpus: list[int] = field(default_factory=list)  # cores the engine's workers are bound to (CPU engines)
     gpus: list[str] = field(default_factory=list)  # the GPUs Ray gave the replica (its CUDA_VISIBLE_DEVICES)
     role: str = ""  # "prefill" / "decode" in a disaggregated node; "" colocated
@@ -42,10 +44,7 @@ class ReplicaRecord:
     # the replica's engine processes by rank: {"rank": int, "pid": int, "host": ip, "cpus": [...], "gpus": [...]};
     # [] for a one-process engine
     ranks: list[dict] = field(default_factory=list)
-
-    @property
-    def stale(self) -> bool:
-        return time.time() - self.updated_at > STALE_AFTER_S
+    seq: int = 0  # advanced on every publish: readers judge staleness by it (liveness.py)
 
 
 def version_of(built_from: Any) -> str:
@@ -60,12 +59,20 @@ def _prefix(app: str) -> bytes:
 
 def publish(record: ReplicaRecord) -> None:
     record.updated_at = time.time()
+    record.seq += 1
     key = _prefix(record.app) + record.replica_id.encode()
     kv_put(key, json.dumps(asdict(record)).encode(), namespace=KV_NAMESPACE)
 
 
 def withdraw(app: str, replica_id: str) -> None:
     kv_del(_prefix(app) + replica_id.encode(), namespace=KV_NAMESPACE)
+
+
+def withdraw_stale(app: str, records: list[ReplicaRecord]) -> None:
+    """Withdraw records a reader found stale (liveness.py). One its replica publishes again meanwhile comes back
+    with that replica's next heartbeat."""
+    for record in records:
+        withdraw(app, record.replica_id)
 
 
 def withdraw_all(app: str) -> None:
@@ -91,13 +98,12 @@ def stopping(app: str) -> bool:
     return raw is not None and time.time() < json.loads(raw)["until"]
 
 
-def list_replicas(app: str, include_stale: bool = False) -> list[ReplicaRecord]:
+def list_replicas(app: str) -> list[ReplicaRecord]:
+    """Every record of `app` as stored: a reader that watches them over time drops stale ones (liveness.py)."""
     records = []
     for key in kv_list(_prefix(app), namespace=KV_NAMESPACE):
         raw = kv_get(key, namespace=KV_NAMESPACE)
         if raw is None:
             continue
-        record = ReplicaRecord(**json.loads(raw))
-        if include_stale or not record.stale:
-            records.append(record)
+        records.append(ReplicaRecord(**json.loads(raw)))
     return records
