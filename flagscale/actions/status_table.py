@@ -58,6 +58,11 @@ def _router(console: Console, router: RouterTotals, wide: bool) -> None:
         f"router: {len(router.processes) or 1} process(es), {router.inflight} in flight; "
         f"{router.moved} requests failed over ({router.resumed} streams resumed)"
     )
+    if router.decode_only:
+        console.print(
+            f"[yellow]router: {router.decode_only} disaggregated requests decoded without prefill (decode-only: "
+            "no prefill replica could take them)[/]"
+        )
     if len(router.processes) > 1 or wide:
         console.print(_router_table(router.processes))
 

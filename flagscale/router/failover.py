@@ -28,7 +28,7 @@ from flagscale import engines
 from flagscale.router.admission import AdmissionQueue, Overloaded, first_untried, overloaded_answer, overloaded_message
 from flagscale.router.client_request import HOP_BY_HOP, error_response
 from flagscale.router.exchange import Exchange
-from flagscale.router.pd import Prefill
+from flagscale.router.pd import DECODE_ONLY, Prefill
 from flagscale.router.peers import PeerLink
 from flagscale.router.replicas import Replicas, Upstream, engine_death
 from flagscale.router.resume import CHAT, COMPLETIONS, error_event
@@ -101,9 +101,20 @@ class Failover:
         model, request = exchange.model, exchange.http
         if self._replicas.disaggregated(model) and request.method == "POST" and request.path in (COMPLETIONS, CHAT):
             kv = await self._prefill.kv_params(exchange, payload)
-            if not isinstance(kv, dict):
+            if kv is DECODE_ONLY:  # no prefill replica took it: a decode replica computes the prompt itself
+                pass
+            elif not isinstance(kv, dict):
                 return kv  # the prefill pool's answer (a 4xx) or why none could take the prompt
-            exchange.with_kv(payload, kv)
+            else:
+                exchange.with_kv(payload, kv)
+        try:
+            return await self._replicas_in_turn(exchange)
+        finally:
+            if exchange.kv_pending is not None:  # no decode replica answered (the client hung up, none could)
+                self._prefill.release(model, request.path, exchange.headers, payload, exchange.kv_pending)
+
+    async def _replicas_in_turn(self, exchange: Exchange) -> web.StreamResponse:
+        model = exchange.model
         while True:
             try:
                 upstream = await self._admission.admitted(("serve", model), lambda: self._pick(exchange), self._spec())
@@ -195,6 +206,7 @@ class Failover:
         answer = None
         try:
             answer = await self._send(exchange, attempt, path, data)
+            exchange.kv_pending = None  # a decode replica has the request: its engine pulls or frees the KV
             headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
             if not attempt.ok or "text/event-stream" not in answer.headers.get("Content-Type", ""):
                 return await self._whole_answer(exchange, attempt, answer, headers)

@@ -58,6 +58,7 @@ STALE_AFTER_S = 10.0  # a report whose seq has not advanced for this long is a p
 DRAIN_POLL_S = 0.25  # how often a draining process reports
 HINT_MAX_KEYS = 4096  # the prompt's first this many prefix blocks go in one hint (one datagram, < 64 KiB)
 HINT_TAG_BYTES = 32  # a hint's HMAC-SHA256 under the deployment's secret, in front of it
+COUNTS = ("inflight", "moved", "resumed", "decode_only", "kv_released")  # a process's counts, summed over processes
 SECRET_FILE = "router_peers.secret"  # in the exp_dir, 0600: the deployment's peer secret (secret_of)
 
 
@@ -148,10 +149,10 @@ def drain_requested(app: str, started_at: float) -> bool:
 def merge_stats(by_process: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Several processes' stats -> one: totals and per-replica counts summed, a replica's circuit the worst any
     process sees, its prefix table the largest; under "processes", each process's own load."""
-    merged: dict[str, Any] = {"inflight": 0, "moved": 0, "resumed": 0, "replicas": {}, "processes": {}}
+    merged: dict[str, Any] = {"replicas": {}, "processes": {}} | dict.fromkeys(COUNTS, 0)
     severity = {"closed": 0, "half_open": 1, "open": 2}
     for process, stats in sorted(by_process.items()):
-        for key in ("inflight", "moved", "resumed"):
+        for key in COUNTS:
             merged[key] += stats.get(key, 0)
         served = 0
         for replica_id, entry in stats.get("replicas", {}).items():

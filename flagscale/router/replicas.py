@@ -99,7 +99,11 @@ class Replicas:
     def missing(self, models: Iterable[str]) -> list[str]:
         """Which of `models` (and of the disaggregated models' prefill pools) have no replica now."""
         missing = [m for m in models if not self.table.by_model.get(m)]
-        return missing + [f"{m} (prefill)" for m in self.prefill_policies if not self.table.prefill_by_model.get(m)]
+        return missing + [
+            f"{m} (prefill{'' if m in missing else '; decoding without it'})"
+            for m in self.prefill_policies
+            if not self.table.prefill_by_model.get(m)
+        ]
 
     def update(
         self, records: list[registry.ReplicaRecord], max_ongoing: Callable[[Upstream], int], read_began: float = 0.0

@@ -334,5 +334,7 @@ class Router:
             "inflight": counters.inflight,
             "moved": counters.moved,
             "resumed": counters.resumed,
+            "decode_only": counters.decode_only,
+            "kv_released": counters.kv_released,
             "replicas": self.replicas.stats(),
         }
