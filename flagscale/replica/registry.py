@@ -40,6 +40,7 @@ class ReplicaRecord:
     gpus: list[str] = field(default_factory=list)  # the GPUs Ray gave the replica (its CUDA_VISIBLE_DEVICES)
     role: str = ""  # "prefill" / "decode" in a disaggregated node; "" colocated
     version: str = ""  # version_of(the replica's spec): which update of its deployment it runs
+    fingerprint: str = ""  # what makes its answers (EngineSpec.fingerprint): a stream resumes only on the same
     engine: str = DEFAULT_ENGINE  # the engine kind (flagscale/engines/)
     # the replica's engine processes by rank: {"rank": int, "pid": int, "host": ip, "cpus": [...], "gpus": [...]};
     # [] for a one-process engine

@@ -43,6 +43,8 @@ class Exchange:
     client: Any = None  # the client's connection (asyncio transport) the stream is written to
     chunked: bool = True  # its body is framed in chunks
     plain_body: bytes | None = None  # disaggregated: the request without the KV transfer parameters
+    fingerprint: str | None = None  # once the client has part of a stream: the fingerprint of the model making it
+    other_versions: bool = False  # replicas were passed over to resume it: they run another version of the model
     kv_pending: dict | None = None  # a prefill's KV transfer parameters no decode replica has answered for yet
     started: float = field(default_factory=time.monotonic)
     first_byte_at: float | None = None  # when the client got the first byte of its answer

@@ -160,6 +160,10 @@ class Failover:
 
     def _pick(self, exchange: Exchange) -> Upstream | str | None:
         upstreams = self._replicas.pool(exchange.model)
+        if exchange.stream is not None and exchange.stream.sent_events:  # goes on only where the same model makes it
+            same = [u for u in upstreams if u.record.fingerprint == exchange.fingerprint]
+            exchange.other_versions |= any(u.replica_id not in exchange.tried for u in upstreams if u not in same)
+            upstreams = same
         return first_untried(exchange.policy, upstreams, exchange.info, exchange.tried)
 
     async def _overloaded(self, exchange: Exchange, reason: str) -> web.StreamResponse:
@@ -174,6 +178,11 @@ class Failover:
         model = exchange.model
         if exchange.response is not None:
             message = f"{exchange.failure}; no other replica of {model!r} could take the stream over"
+            if exchange.other_versions:
+                message += (
+                    " (the others run another version of it, after an update: the stream does not go on there, so"
+                    " that one answer is not made by two models)"
+                )
             await exchange.write(error_event(message))
             await exchange.response.write_eof()
             return exchange.response
@@ -290,6 +299,7 @@ class Failover:
         stream = exchange.stream
         if exchange.response is None:
             await exchange.begin_stream(web.StreamResponse(status=answer.status, headers=headers))
+            exchange.fingerprint = attempt.upstream.record.fingerprint
         try:
             await answer.relay(exchange.relay_piece, exchange.drain)
         except Disconnected as exc:  # the replica broke off mid-stream (a client gone raises in drain)
