@@ -98,3 +98,16 @@ def test_wide_table_has_the_rest_and_each_rank():
     text = render(wide=True, width=260)
     for cell in ("http://10.77.0.12:45123", "41240", "17 prefix_blocks", "engine ranks", "51250", "10.77.0.13"):
         assert cell in text, (cell, text)
+
+
+def test_decode_only_requests_are_said_and_an_unknown_heartbeat_age_is_a_dash():
+    import dataclasses
+
+    report = dataclasses.replace(REPORT, router=dataclasses.replace(REPORT.router, decode_only=7))
+    report.replicas = [dataclasses.replace(REPORT.replicas[0], heartbeat_age_s=None)]
+    out = io.StringIO()
+    render_report(Console(file=out, width=260, highlight=False, color_system=None), report, wide=True)
+    text = out.getvalue()
+    assert "router: 7 disaggregated requests decoded without prefill (decode-only" in text, text
+    assert "None" not in text and "Nones ago" not in text
+    assert "decoded without prefill" not in render(wide=False, width=80)  # said only when it happened
