@@ -87,16 +87,20 @@ def _stopping_key(app: str) -> bytes:
     return f"stopping/{app}".encode()
 
 
-def mark_stopping(app: str, within_s: float) -> None:
+def mark_stopping(app: str) -> None:
     """`stop` has drained the routers of `app` (they refuse new requests) and deletes it: its replicas need not
-    wait for the routers to notice them gone. Good for `within_s`, so a stop that died half-way cannot speak for a
-    later deployment of the same name."""
-    kv_put(_stopping_key(app), json.dumps({"until": time.time() + within_s}).encode(), namespace=KV_NAMESPACE)
+    wait for the routers to notice them gone. The mark holds no time (the replicas' hosts' clocks need not agree
+    with this one's): the stop removes it when done (withdraw_all), and a deploy of `app` removes one a stop that
+    died half-way left (clear_stopping), so it cannot speak for a later deployment of the same name."""
+    kv_put(_stopping_key(app), b"stopping", namespace=KV_NAMESPACE)
+
+
+def clear_stopping(app: str) -> None:
+    kv_del(_stopping_key(app), namespace=KV_NAMESPACE)
 
 
 def stopping(app: str) -> bool:
-    raw = kv_get(_stopping_key(app), namespace=KV_NAMESPACE)
-    return raw is not None and time.time() < json.loads(raw)["until"]
+    return kv_get(_stopping_key(app), namespace=KV_NAMESPACE) is not None
 
 
 def list_replicas(app: str) -> list[ReplicaRecord]:

@@ -115,3 +115,14 @@ def test_router_processes_reports_are_judged_by_their_seq(store):
         clock.now += peers.STALE_AFTER_S / 2 + 0.1
     assert live == {"h:behind"}
     assert [r.process for r in peers.reports("a")] == ["h:behind"]  # the gone one's report withdrawn
+
+
+def test_the_stop_mark_holds_no_time_a_replica_host_would_read_with_its_own_clock(store, monkeypatch):
+    """`stop` marks the deployment stopping on its host; replicas on other hosts read it as they shut down."""
+    registry.mark_stopping("a")
+    wall_clock = time.time
+    with monkeypatch.context() as replica_host:  # a replica host whose clock is an hour ahead of the CLI's
+        replica_host.setattr(registry.time, "time", lambda: wall_clock() + HOUR)
+        assert registry.stopping("a")
+    registry.clear_stopping("a")  # (what a later deploy of the name does with a mark a dead stop left)
+    assert not registry.stopping("a")
