@@ -170,11 +170,11 @@ def serve_router(port: int, upstream_urls: list[str]) -> None:
             pid=0,
             engine_pid=0,
             log_path="",
-            updated_at=time.time() + 10**9,  # never stale
+            updated_at=time.time(),  # (read at start and then hourly: refresh_s below)
         )
         for i, url in enumerate(upstream_urls)
     ]
-    registry.list_replicas = lambda app, include_stale=False: records  # the benchmark's stand-in for the GCS
+    registry.list_replicas = lambda app: records  # the benchmark's stand-in for the GCS
     spec = RouterSpec(
         app="capacity",
         host="127.0.0.1",

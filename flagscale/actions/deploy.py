@@ -45,6 +45,7 @@ def deploy(plan: Plan, no_spare: frozenset[str] = frozenset()) -> None:
 
     route_serve_logger()
     serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
+    registry.clear_stopping(plan.app_name)  # (left by a stop that died half-way: this deployment is not stopping)
     deploy_app(build_app(plan, no_spare), plan.app_name)
 
 

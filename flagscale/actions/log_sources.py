@@ -141,7 +141,7 @@ def discover(exp_dir: str, state: RunState | None, note: Callable[[str], None]) 
     launcher = launchers.of_state(state)
     try:
         with launcher.reading_registry(state):
-            live = registry_sources(state, registry.list_replicas(state.app_name, include_stale=True))
+            live = registry_sources(state, registry.list_replicas(state.app_name))
             known = {s.replica_id for s in live}
             extra = [s for s in new_engine_logs(state, log_dir) if s.replica_id not in known]
     except Exception as exc:  # noqa: BLE001 - the log files are still worth showing

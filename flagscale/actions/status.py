@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -75,7 +74,7 @@ def collect(state: RunState, api_key: str | None = None, note: bounded.Note = _q
     if app:
         report.deployments = _deployments(state, app, note)
     note("reading the replica registry from the cluster's KV store")
-    report.replicas = [_replica_row(r) for r in registry.list_replicas(state.app_name, include_stale=True)]
+    report.replicas = [_replica_row(r) for r in registry.list_replicas(state.app_name)]
     for replica in report.replicas:
         note(f"reading the engine metrics of {replica.url}")
         replica.engine = engine_load(engines.get(replica.engine_kind), replica.url, api_key=api_key)
@@ -88,8 +87,12 @@ def collect(state: RunState, api_key: str | None = None, note: bounded.Note = _q
     for replica in report.replicas:
         entry = routed.get(replica.replica_id, {})
         replica.requests_served = entry.get("served")
+        replica.heartbeat_age_s = entry.get("heartbeat_age_s")
+        if (replica.heartbeat_age_s or 0) > registry.STALE_AFTER_S:
+            replica.state = "STALE"
         # The router's view: policy, in-flight, circuit state, prefix-table blocks / sessions (docs/routing.md).
-        replica.router = {k: v for k, v in entry.items() if k not in ("serve_id", "url", "served")} or None
+        shown = ("serve_id", "url", "served", "heartbeat_age_s")
+        replica.router = {k: v for k, v in entry.items() if k not in shown} or None
     note(f"checking {state.endpoint}/health")
     report.http_health = health_problem(state.endpoint, timeout_s=3, api_key=api_key) or "ok"
     note("listing the cluster's hosts")
@@ -134,8 +137,8 @@ def _replica_row(record) -> ReplicaRow:
         pid=record.pid,
         engine_pid=record.engine_pid,
         url=record.url,
-        heartbeat_age_s=round(time.time() - record.updated_at, 1),
-        state="STALE" if record.stale else "READY",
+        heartbeat_age_s=None,  # (the router's view, below: hosts' wall clocks are not compared)
+        state="READY",
         worker_cpus=record.worker_cpus,
         gpus=record.gpus,
         ranks=record.ranks,

@@ -46,8 +46,9 @@ class ReplicaRow:
     pid: int | None
     engine_pid: int | None
     url: str
-    heartbeat_age_s: float
-    state: str  # READY, STALE
+    # since the router saw its heartbeat advance, by the router's clock (None: the router has not told)
+    heartbeat_age_s: float | None
+    state: str  # READY; STALE: the router saw no heartbeat for registry.STALE_AFTER_S
     worker_cpus: list[int] = field(
         default_factory=list
     )  # cores the CPU layout gave the engine's workers; [] = not pinned
@@ -86,6 +87,8 @@ class RouterTotals:
     moved: int = 0
     resumed: int = 0
     processes: dict[str, RouterProcess] = field(default_factory=dict)
+    decode_only: int = 0  # disaggregated requests decoded without prefill (their prefill pool was gone)
+    kv_released: int = 0  # prefills' KV blocks no decode replica took, released by the router
 
     @classmethod
     def of(cls, stats: dict[str, Any]) -> RouterTotals:
@@ -95,7 +98,8 @@ class RouterTotals:
             name: RouterProcess(**{k: v for k, v in p.items() if k in known})
             for name, p in (stats.get("processes") or {}).items()
         }
-        return cls(stats.get("inflight", 0), stats.get("moved", 0), stats.get("resumed", 0), processes)
+        counts = {k: stats.get(k, 0) for k in ("inflight", "moved", "resumed", "decode_only", "kv_released")}
+        return cls(**counts, processes=processes)
 
 
 @dataclass

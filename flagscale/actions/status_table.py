@@ -62,6 +62,11 @@ def _router(console: Console, router: RouterTotals, wide: bool) -> None:
         f"router: {len(router.processes) or 1} process(es), {router.inflight} in flight; "
         f"{router.moved} requests failed over ({router.resumed} streams resumed)"
     )
+    if router.decode_only:
+        console.print(
+            f"[yellow]router: {router.decode_only} disaggregated requests decoded without prefill (decode-only: "
+            "no prefill replica could take them)[/]"
+        )
     if len(router.processes) > 1 or wide:
         console.print(_router_table(router.processes))
 
@@ -170,7 +175,7 @@ def _wide_cells(r: ReplicaRow) -> list[str]:
         str(r.pid),
         str(r.engine_pid),
         r.url,
-        f"{r.heartbeat_age_s}s ago",
+        f"{r.heartbeat_age_s}s ago" if r.heartbeat_age_s is not None else "-",
         str(r.requests_served if r.requests_served is not None else "-"),
         str(routing.get("inflight", "-")),
         routing.get("circuit", "-"),

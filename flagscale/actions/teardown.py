@@ -185,7 +185,7 @@ def _delete_app(state: RunState, console: Console, drain_timeout_s: float, note:
             left = router.drain.remote(drain_timeout_s).result(timeout_s=drain_timeout_s + 10)
             if left:
                 console.print(f"[yellow]{left} request(s) still running after {drain_timeout_s:g}s; stopping anyway[/]")
-            registry.mark_stopping(state.app_name, within_s=drain_timeout_s + 60)
+            registry.mark_stopping(state.app_name)
         except Exception as exc:
             log.info("drain skipped: %s", exc)
         console.print(f"deleting Serve application '{state.app_name}' ...")

@@ -182,7 +182,7 @@ class RayClusterLauncher(Launcher):
     def removing_app(self, state: RunState, console: Console) -> Iterator[None]:
         """The cluster keeps running: what is left of this deployment there, its engine servers and its registry
         entries, is removed after its application, nothing else."""
-        engines = list_replicas(state.app_name, include_stale=True)  # read before the application goes
+        engines = list_replicas(state.app_name)  # read before the application goes
         yield
         console.print(f"checking that no engine of '{state.app_name}' is left on the cluster's nodes ...")
         problems = remove_leftovers(engines)

@@ -8,7 +8,8 @@ preview; bundles.py: the replica's placement group as Ray placed it; host_ranks.
 RemoteRanks actor, worker pids); cores.py: the cores a host's CPU ranks claim. cpu_layout.py: the cores of a CPU
 engine's processes; startup_lock.py: engines sharing a GPU start in turn; autoscaling.py: the load Serve scales
 on; slo_signals.py + slo_policy.py: the SLO planner as Serve's policy (what replicas report, what it decides and
-publishes); sleep.py: an idle engine put to sleep (resources.sleep_delay_s); registry.py: the records the router reads to find replicas.
+publishes); sleep.py: an idle engine put to sleep (resources.sleep_delay_s); registry.py: the records the router reads to find replicas;
+liveness.py: which of them are alive, by the reader's own clock.
 
 It talks to its engine only through the engine kind (flagscale.engines: EngineKind) and names none. It may import
 flagscale.engines, flagscale.config, flagscale.cluster (Ray helpers, private directories) and the basics (errors,

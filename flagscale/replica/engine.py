@@ -72,6 +72,12 @@ class EngineSpec:
         spec = {k: v for k, v in asdict(self).items() if k not in ("startup_timeout_s", "drain_timeout_s")}
         return registry.version_of(spec)
 
+    @property
+    def fingerprint(self) -> str:
+        """What its answers are made by: the engine, its args (the model, its dtype, ...) and the names it serves;
+        not where it logs, its key or its bounds. Streams resume only on a replica of the same (router/failover.py)."""
+        return registry.version_of([self.engine, self.argv, self.host_argv, self.model_names])
+
 
 HEALTH_PROBE_TIMEOUT_S = 10.0  # one /health probe (Serve's own bound on check_health is 30 s: app.py)
 HEALTH_GRACE_S = 60.0  # a server that answers no /health probe for this long is taken for hung
@@ -176,6 +182,7 @@ class EngineReplica:
             gpus=self.gpu_ids,
             role=spec.role or "",
             version=spec.version,
+            fingerprint=spec.fingerprint,
             engine=spec.engine,
             ranks=self.ranks.records(self.proc.pid) if self.ranks else [],
             kv_events=self.kv_events,

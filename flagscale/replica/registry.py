@@ -1,8 +1,10 @@
 """Where the router learns which engine replicas serve which model, at which URL.
 
 Each engine replica writes one record into Ray's GCS key-value store when its server is healthy and
-refreshes it on every Serve health check; the router lists the records. A record that stops being
-refreshed goes stale and is dropped, so a dead replica disappears even if it never said goodbye.
+refreshes it on every Serve health check, advancing the record's `seq`; the router lists the records. A record
+whose `seq` stops advancing goes stale (judged by the router's own clock: liveness.py, never by comparing the
+replica host's wall clock with the router's) and is dropped and withdrawn by the router, so a dead replica
+disappears even if it never said goodbye.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ class ReplicaRecord:
     pid: int
     engine_pid: int
     log_path: str
-    updated_at: float
+    updated_at: float  # the publisher's wall clock at its last publish: shown, never compared across hosts
     worker_cpus: list[int] = field(default_factory=list)  # cores the engine's workers are bound to (CPU engines)
     gpus: list[str] = field(default_factory=list)  # the GPUs Ray gave the replica (its CUDA_VISIBLE_DEVICES)
     role: str = ""  # "prefill" / "decode" in a disaggregated node; "" colocated
     version: str = ""  # version_of(the replica's spec): which update of its deployment it runs
+    fingerprint: str = ""  # what makes its answers (EngineSpec.fingerprint): a stream resumes only on the same
     engine: str = DEFAULT_ENGINE  # the engine kind (flagscale/engines/)
     # the replica's engine processes by rank: {"rank": int, "pid": int, "host": ip, "cpus": [...], "gpus": [...]};
     # [] for a one-process engine
@@ -48,10 +51,7 @@ class ReplicaRecord:
     sleeps: int = 0
     # its engine's KV-cache events: endpoints and how to key blocks (EngineKind.kv_events_launch); {}: none
     kv_events: dict = field(default_factory=dict)
-
-    @property
-    def stale(self) -> bool:
-        return time.time() - self.updated_at > STALE_AFTER_S
+    seq: int = 0  # advanced on every publish: readers judge staleness by it (liveness.py)
 
 
 def version_of(built_from: Any) -> str:
@@ -66,12 +66,20 @@ def _prefix(app: str) -> bytes:
 
 def publish(record: ReplicaRecord) -> None:
     record.updated_at = time.time()
+    record.seq += 1
     key = _prefix(record.app) + record.replica_id.encode()
     kv_put(key, json.dumps(asdict(record)).encode(), namespace=KV_NAMESPACE)
 
 
 def withdraw(app: str, replica_id: str) -> None:
     kv_del(_prefix(app) + replica_id.encode(), namespace=KV_NAMESPACE)
+
+
+def withdraw_stale(app: str, records: list[ReplicaRecord]) -> None:
+    """Withdraw records a reader found stale (liveness.py). One its replica publishes again meanwhile comes back
+    with that replica's next heartbeat."""
+    for record in records:
+        withdraw(app, record.replica_id)
 
 
 def withdraw_all(app: str) -> None:
@@ -85,25 +93,28 @@ def _stopping_key(app: str) -> bytes:
     return f"stopping/{app}".encode()
 
 
-def mark_stopping(app: str, within_s: float) -> None:
+def mark_stopping(app: str) -> None:
     """`stop` has drained the routers of `app` (they refuse new requests) and deletes it: its replicas need not
-    wait for the routers to notice them gone. Good for `within_s`, so a stop that died half-way cannot speak for a
-    later deployment of the same name."""
-    kv_put(_stopping_key(app), json.dumps({"until": time.time() + within_s}).encode(), namespace=KV_NAMESPACE)
+    wait for the routers to notice them gone. The mark holds no time (the replicas' hosts' clocks need not agree
+    with this one's): the stop removes it when done (withdraw_all), and a deploy of `app` removes one a stop that
+    died half-way left (clear_stopping), so it cannot speak for a later deployment of the same name."""
+    kv_put(_stopping_key(app), b"stopping", namespace=KV_NAMESPACE)
+
+
+def clear_stopping(app: str) -> None:
+    kv_del(_stopping_key(app), namespace=KV_NAMESPACE)
 
 
 def stopping(app: str) -> bool:
-    raw = kv_get(_stopping_key(app), namespace=KV_NAMESPACE)
-    return raw is not None and time.time() < json.loads(raw)["until"]
+    return kv_get(_stopping_key(app), namespace=KV_NAMESPACE) is not None
 
 
-def list_replicas(app: str, include_stale: bool = False) -> list[ReplicaRecord]:
+def list_replicas(app: str) -> list[ReplicaRecord]:
+    """Every record of `app` as stored: a reader that watches them over time drops stale ones (liveness.py)."""
     records = []
     for key in kv_list(_prefix(app), namespace=KV_NAMESPACE):
         raw = kv_get(key, namespace=KV_NAMESPACE)
         if raw is None:
             continue
-        record = ReplicaRecord(**json.loads(raw))
-        if include_stale or not record.stale:
-            records.append(record)
+        records.append(ReplicaRecord(**json.loads(raw)))
     return records

@@ -5,7 +5,6 @@ The router trips it (routing to a replica, its /health probe every refresh); the
 from __future__ import annotations
 
 import enum
-import math
 import time
 
 COOLDOWN_S = 5.0  # an open circuit stays open this long, then lets one probe through
@@ -31,7 +30,9 @@ class CircuitBreaker:
     Where the replica's heartbeats are known (`heartbeat`, from the registry), an opened circuit also waits for one
     published after it opened: the replica publishes only after its own health check, which makes sure the process
     answering on the engine's port is the engine it started (flagscale/replica/engine.py), so a probe that a
-    squatter on the port answers does not readmit it.
+    squatter on the port answers does not readmit it. "After" is told without the replica host's clock: the first
+    registry read that began after the opening found the record at some `seq`; a greater `seq` was published after
+    that read, so after the opening.
 
     Its fields change only through these methods; `state` is read from them."""
 
@@ -42,8 +43,10 @@ class CircuitBreaker:
         self._open_until = 0.0  # > 0: the circuit was opened; requests wait until then
         self._probing = False  # half-open: the one probe is in flight
         self._opened = 0  # how many times it opened (stats)
-        self._opened_at = 0.0  # wall clock of the last opening
-        self._vouched_at = math.inf  # wall clock of the replica's last heartbeat (inf: none are known)
+        self._opened_at = 0.0  # monotonic time of the last opening
+        self._heartbeats = False  # the replica's heartbeats are known (from the registry)
+        self._vouch_base: int | None = None  # its seq as the first registry read begun after the opening found it
+        self._vouched = True  # a heartbeat published after the last opening was seen (or none are known)
 
     @property
     def failures(self) -> int:
@@ -59,13 +62,20 @@ class CircuitBreaker:
         now = time.monotonic() if now is None else now
         if self._open_until == 0.0:
             return CircuitState.CLOSED
-        if now < self._open_until or self._probing or self._vouched_at < self._opened_at:
+        if now < self._open_until or self._probing or not self._vouched:
             return CircuitState.OPEN
         return CircuitState.HALF_OPEN
 
-    def heartbeat(self, at: float) -> None:
-        """The replica's last heartbeat (wall clock): published after its own health check passed."""
-        self._vouched_at = at
+    def heartbeat(self, seq: int, read_began: float) -> None:
+        """A registry read that began at `read_began` (monotonic, this process's clock) found the replica's record at
+        `seq` (each heartbeat advances it, published after the replica's own health check passed)."""
+        self._heartbeats = True
+        if self._vouched or read_began < self._opened_at:
+            return
+        if self._vouch_base is None:
+            self._vouch_base = seq
+        elif seq > self._vouch_base:
+            self._vouched = True
 
     def allows(self, now: float) -> bool:
         """May a request be offered to this replica now (does not claim the probe)."""
@@ -100,6 +110,7 @@ class CircuitBreaker:
 
     def _open(self, now: float) -> None:
         self._open_until = now + self.cooldown_s
-        self._opened_at = time.time()
+        self._opened_at = time.monotonic()
+        self._vouched, self._vouch_base = not self._heartbeats, None
         self._probing = False
         self._opened += 1

@@ -43,6 +43,9 @@ class Exchange:
     client: Any = None  # the client's connection (asyncio transport) the stream is written to
     chunked: bool = True  # its body is framed in chunks
     plain_body: bytes | None = None  # disaggregated: the request without the KV transfer parameters
+    fingerprint: str | None = None  # once the client has part of a stream: the fingerprint of the model making it
+    other_versions: bool = False  # replicas were passed over to resume it: they run another version of the model
+    kv_pending: dict | None = None  # a prefill's KV transfer parameters no decode replica has answered for yet
     started: float = field(default_factory=time.monotonic)
     first_byte_at: float | None = None  # when the client got the first byte of its answer
     sent_bytes: int = 0
@@ -86,6 +89,7 @@ class Exchange:
     def with_kv(self, payload: dict, kv: dict) -> None:
         """A disaggregated request goes to decode with the prefill's KV transfer parameters."""
         self.plain_body = self.body
+        self.kv_pending = kv
         with_kv = {**payload, "kv_transfer_params": kv}
         self.body = json.dumps(with_kv).encode()
         if self.stream is not None:

@@ -29,7 +29,7 @@ from flagscale.router.admission import AdmissionQueue, Overloaded, first_untried
 from flagscale.router.client_request import HOP_BY_HOP, error_response
 from flagscale.router.cold_start import ColdStart
 from flagscale.router.exchange import Exchange
-from flagscale.router.pd import Prefill
+from flagscale.router.pd import DECODE_ONLY, Prefill
 from flagscale.router.peers import PeerLink
 from flagscale.router.replicas import Replicas, Upstream, engine_death
 from flagscale.router.resume import CHAT, COMPLETIONS, error_event
@@ -106,9 +106,20 @@ class Failover:
         model, request = exchange.model, exchange.http
         if self._replicas.disaggregated(model) and request.method == "POST" and request.path in (COMPLETIONS, CHAT):
             kv = await self._prefill.kv_params(exchange, payload)
-            if not isinstance(kv, dict):
+            if kv is DECODE_ONLY:  # no prefill replica took it: a decode replica computes the prompt itself
+                pass
+            elif not isinstance(kv, dict):
                 return kv  # the prefill pool's answer (a 4xx) or why none could take the prompt
-            exchange.with_kv(payload, kv)
+            else:
+                exchange.with_kv(payload, kv)
+        try:
+            return await self._replicas_in_turn(exchange)
+        finally:
+            if exchange.kv_pending is not None:  # no decode replica answered (the client hung up, none could)
+                self._prefill.release(model, request.path, exchange.headers, payload, exchange.kv_pending)
+
+    async def _replicas_in_turn(self, exchange: Exchange) -> web.StreamResponse:
+        model = exchange.model
         held = False
         while True:
             try:
@@ -173,6 +184,10 @@ class Failover:
 
     def _pick(self, exchange: Exchange) -> Upstream | str | None:
         upstreams = self._replicas.pool(exchange.model)
+        if exchange.stream is not None and exchange.stream.sent_events:  # goes on only where the same model makes it
+            same = [u for u in upstreams if u.record.fingerprint == exchange.fingerprint]
+            exchange.other_versions |= any(u.replica_id not in exchange.tried for u in upstreams if u not in same)
+            upstreams = same
         return prefer_awake(lambda pool: first_untried(exchange.policy, pool, exchange.info, exchange.tried), upstreams)
 
     async def _overloaded(self, exchange: Exchange, reason: str) -> web.StreamResponse:
@@ -187,6 +202,11 @@ class Failover:
         model = exchange.model
         if exchange.response is not None:
             message = f"{exchange.failure}; no other replica of {model!r} could take the stream over"
+            if exchange.other_versions:
+                message += (
+                    " (the others run another version of it, after an update: the stream does not go on there, so"
+                    " that one answer is not made by two models)"
+                )
             await exchange.write(error_event(message))
             await exchange.response.write_eof()
             return exchange.response
@@ -224,6 +244,7 @@ class Failover:
                 attempt.ok = False  # the caller trips the circuit
                 raise Unreachable(str(exc)) from None
             answer = await self._send(exchange, attempt, path, data)
+            exchange.kv_pending = None  # a decode replica has the request: its engine pulls or frees the KV
             headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
             if not attempt.ok or "text/event-stream" not in answer.headers.get("Content-Type", ""):
                 return await self._whole_answer(exchange, attempt, answer, headers)
@@ -307,6 +328,7 @@ class Failover:
         stream = exchange.stream
         if exchange.response is None:
             await exchange.begin_stream(web.StreamResponse(status=answer.status, headers=headers))
+            exchange.fingerprint = attempt.upstream.record.fingerprint
         try:
             await answer.relay(exchange.relay_piece, exchange.drain)
         except Disconnected as exc:  # the replica broke off mid-stream (a client gone raises in drain)

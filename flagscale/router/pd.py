@@ -3,10 +3,20 @@ first goes to a prefill replica, which computes the prompt's KV cache and keeps 
 kv_transfer_params go with the request to a decode replica (failover.py), which pulls the KV and streams the
 answer. Each prefill replica takes the prompt at most once; a 4xx is the client's and is passed on. After a prefill
 engine died during the prompt (a dropped connection, or a 5xx the failover takes for an engine death) the prompt
-goes to at most RETRIES_AFTER_ENGINE_DEATH more prefill replicas: it may be what kills them."""
+goes to at most RETRIES_AFTER_ENGINE_DEATH more prefill replicas: it may be what kills them.
+
+When no prefill replica is left to take the prompt (the pool is gone: none registered, every one refused or
+failed it) while the model has decode replicas, the request goes on decode-only (DECODE_ONLY): a decode replica
+computes the prompt itself, as a colocated engine would; counted (Counters.decode_only) and shown by `status`.
+
+A prefill engine keeps the prompt's KV blocks until a decode engine pulls them (or its NIXL lease runs out,
+kv_connector_extra_config.kv_lease_duration, 30 s in vLLM 0.32). A request that ends before any decode replica
+answered it (the client hung up, no decode replica could take it) has the blocks released (`release`): the same
+request with the same kv_transfer_params and one token, sent to a decode replica, which pulls them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -39,10 +49,15 @@ REMOTE_DECODE = {
 }
 
 
-def prefill_body(payload: dict) -> bytes:
-    """The request as a prefill replica gets it: one token, not streamed, its KV kept for a decode replica."""
+DECODE_ONLY = "decode-only"  # Prefill.kv_params: no prefill replica took the prompt; decode computes it itself
+RELEASE_TIMEOUT_S = 60.0  # a release request's bound (it pulls the blocks and computes one token)
+
+
+def prefill_body(payload: dict, kv: dict = REMOTE_DECODE) -> bytes:
+    """The request as a prefill replica gets it: one token, not streamed, its KV kept for a decode replica (or,
+    with a prefill's `kv`, as a decode replica gets it to release those blocks)."""
     body = {k: v for k, v in payload.items() if k != "stream_options"}
-    body.update(stream=False, max_tokens=1, kv_transfer_params=REMOTE_DECODE)
+    body.update(stream=False, max_tokens=1, kv_transfer_params=kv)
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
     return json.dumps(body).encode()
@@ -71,6 +86,7 @@ class Prefill:
     ) -> None:
         self._spec, self._replicas, self._counters = spec, replicas, counters
         self._admission, self._clients, self._peers = admission, clients, peers
+        self._releases: set[asyncio.Task] = set()  # (a task is kept until it ends)
 
     async def kv_params(self, exchange: Exchange, payload: dict):
         """A disaggregated model's first step: a prefill replica computes the prompt's KV cache and answers with
@@ -92,6 +108,9 @@ class Prefill:
             if upstream is None:
                 reason = f"{failure}; " if failure else ""
                 message = f"{reason}no prefill replica of {exchange.model!r} could take the prompt"
+                if self._replicas.pool(exchange.model):
+                    self._decode_only(exchange.model, message)
+                    return DECODE_ONLY
                 return error_response(503, message, "ServiceUnavailableError")
             name = f"prefill replica {upstream.record.replica_id} of {upstream.record.serve_id!r}"
             outcome = await self._ask(exchange, policy, upstream, name, data)
@@ -113,6 +132,34 @@ class Prefill:
             upstream.breaker.success()
             upstream.served += 1
             return self._kv_of(name, *outcome)
+
+    def _decode_only(self, model: str, why: str) -> None:
+        counters = self._counters
+        counters.decode_only += 1
+        if counters.decode_only == 1 or counters.decode_only % 100 == 0:  # (not a line per request)
+            log.warning("%s: decoding without prefill (decode-only, %d so far)", why, counters.decode_only)
+
+    def release(self, model: str, path: str, headers: dict, payload: dict, kv: dict) -> None:
+        """The prefill's KV blocks `kv` that no decode replica took: a decode replica pulls them (in the background,
+        bounded: the request that had them may be being cancelled)."""
+        decodes = [u for u in self._replicas.pool(model) if u.breaker.allows(time.monotonic())]
+        if not decodes:
+            return  # (the prefill engine frees them when its lease runs out)
+        upstream = min(decodes, key=lambda u: u.inflight)
+        task = asyncio.get_running_loop().create_task(self._release(upstream, path, headers, prefill_body(payload, kv)))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, upstream: Upstream, path: str, headers: dict, data: bytes) -> None:
+        timeout = aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)
+        try:
+            async with self._clients.session.post(
+                upstream.record.url + path, data=data, headers=headers, timeout=timeout
+            ) as resp:
+                await resp.read()
+            self._counters.kv_released += 1
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.warning("releasing a prefill's KV blocks through %s failed: %r", upstream.record.url, exc)
 
     async def _ask(self, exchange: Exchange, policy: Policy, upstream: Upstream, name: str, data: bytes):
         """One prefill replica's answer: (response, body) when it answered below 500; None when it refused the

@@ -19,7 +19,8 @@ secret (RouterSpec.peer_secret, from a 0600 file in the exp_dir: `secret_of`); o
 naming a replica (or a model of it) this process does not know, is dropped, and a hint's keys are bounded
 (HINT_MAX_KEYS), so the prefix tables they feed stay within their own bounds.
 
-A process that dies stops publishing; its report is dropped once older than STALE_AFTER_S.
+A process that dies stops publishing; once its report's `seq` has not advanced for STALE_AFTER_S, as the others
+see it by their own clock (flagscale/replica/liveness.py), they drop it and withdraw it from the store.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flagscale.cluster.ray_compat import kv_del, kv_get, kv_list, kv_put
+from flagscale.replica.liveness import Liveness
 from flagscale.router.policies import RequestInfo
 from flagscale.router.policies.base import Replica
 from flagscale.router.policies.cache_aware import PREFIX_KEY_BYTES
@@ -52,10 +54,11 @@ if TYPE_CHECKING:  # (types only: `status` reads the reports through this module
 log = logging.getLogger("flagscale.router")
 
 KV_NAMESPACE = "flagscale"
-STALE_AFTER_S = 10.0  # a report not refreshed for this long is a process that is gone
+STALE_AFTER_S = 10.0  # a report whose seq has not advanced for this long is a process that is gone
 DRAIN_POLL_S = 0.25  # how often a draining process reports
 HINT_MAX_KEYS = 4096  # the prompt's first this many prefix blocks go in one hint (one datagram, < 64 KiB)
 HINT_TAG_BYTES = 32  # a hint's HMAC-SHA256 under the deployment's secret, in front of it
+COUNTS = ("inflight", "moved", "resumed", "decode_only", "kv_released")  # a process's counts, summed over processes
 SECRET_FILE = "router_peers.secret"  # in the exp_dir, 0600: the deployment's peer secret (secret_of)
 
 
@@ -83,14 +86,11 @@ class PeerReport:
     process: str  # "<host>:<pid>"
     pid: int
     started_at: float
-    updated_at: float
+    updated_at: float  # the publisher's wall clock: shown, never compared with another process's
     stats: dict[str, Any]  # Router.collect_stats of that process
     metrics: str  # its own flagscale_router_* series, Prometheus text
     hints_port: int = 0  # the loopback UDP port it takes routing hints on (0: none)
-
-    @property
-    def stale(self) -> bool:
-        return time.time() - self.updated_at > STALE_AFTER_S
+    seq: int = 0  # advanced on every publish: readers judge staleness by it (liveness.py)
 
 
 def this_process() -> str:
@@ -122,15 +122,12 @@ def withdraw_all(app: str) -> None:
 
 
 def reports(app: str) -> list[PeerReport]:
-    """Every live router process's last report."""
+    """Every router process's last report as stored (the live processes withdraw those gone stale: PeerLink)."""
     found = []
     for key in kv_list(_prefix(app), namespace=KV_NAMESPACE):
         raw = kv_get(key, namespace=KV_NAMESPACE)
-        if raw is None:
-            continue
-        report = PeerReport(**json.loads(raw))
-        if not report.stale:
-            found.append(report)
+        if raw is not None:
+            found.append(PeerReport(**json.loads(raw)))
     return found
 
 
@@ -152,10 +149,10 @@ def drain_requested(app: str, started_at: float) -> bool:
 def merge_stats(by_process: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Several processes' stats -> one: totals and per-replica counts summed, a replica's circuit the worst any
     process sees, its prefix table the largest; under "processes", each process's own load."""
-    merged: dict[str, Any] = {"inflight": 0, "moved": 0, "resumed": 0, "replicas": {}, "processes": {}}
+    merged: dict[str, Any] = {"replicas": {}, "processes": {}} | dict.fromkeys(COUNTS, 0)
     severity = {"closed": 0, "half_open": 1, "open": 2}
     for process, stats in sorted(by_process.items()):
-        for key in ("inflight", "moved", "resumed"):
+        for key in COUNTS:
             merged[key] += stats.get(key, 0)
         served = 0
         for replica_id, entry in stats.get("replicas", {}).items():
@@ -271,6 +268,8 @@ class PeerLink:
         self.sharing = False  # shares reports and drains with the other router processes (spec.share_with_peers)
         self.hints: RoutingHints | None = None  # the datagram endpoint routing hints come in on
         self.peer_reports: list[PeerReport] = []  # the other processes' last reports
+        # this process's reports' seq, each one higher; the others' reports' liveness, by this process's clock
+        self.seq, self.liveness = 0, Liveness(STALE_AFTER_S)
 
     async def start_sharing(self) -> None:
         """spec.share_with_peers: the hints' endpoint opened, the first report out, the drain watched."""
@@ -284,10 +283,11 @@ class PeerLink:
     def router_series(self) -> list[tuple[dict[str, str], str]]:
         """Every router process's own series, labelled by process (the others' as of their last report)."""
         series = [({"router_process": self.process}, self._metrics.text().decode())]
-        return series + [({"router_process": r.process}, r.metrics) for r in self.peer_reports if not r.stale]
+        return series + [({"router_process": r.process}, r.metrics) for r in self.peer_reports]
 
     async def publish(self) -> None:
         """This process's report out, the others' in (and so where their routing hints go)."""
+        self.seq += 1
         report = PeerReport(
             process=self.process,
             pid=os.getpid(),
@@ -296,18 +296,27 @@ class PeerLink:
             stats=self._own_stats(),
             metrics=self._metrics.text().decode(),
             hints_port=self.hints.port if self.hints else 0,
+            seq=self.seq,
         )
         app = self._spec().app
         try:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, publish, app, report)
-            found = await loop.run_in_executor(None, reports, app)
+            found = await loop.run_in_executor(None, self.live_reports, app)
         except Exception as exc:  # GCS hiccup: the next refresh tries again
             log.warning("publishing the router's report failed: %s", exc)
             return
         self.peer_reports = [r for r in found if r.process != self.process]
         if self.hints is not None:
             self.hints.peers = [r.hints_port for r in self.peer_reports if r.hints_port]
+
+    def live_reports(self, app: str) -> list[PeerReport]:
+        """The reports whose seq this process saw advance within STALE_AFTER_S; stale ones withdrawn."""
+        live, stale = self.liveness.split(reports(app), lambda r: r.process)
+        for report in stale:
+            log.warning("router process %s: no report for %g s; withdrawn", report.process, STALE_AFTER_S)
+            withdraw(app, report.process)
+        return live
 
     async def watch_drain(self) -> None:
         """Another process was asked to drain the deployment (stop): this one drains too (it looks every refresh:
@@ -331,30 +340,30 @@ class PeerLink:
         (the others see the drain request within DRAIN_POLL_S); returns how many were still running."""
         counters = self._counters
         counters.draining = True
-        asked_at, deadline = time.time(), time.monotonic() + timeout_s
-        sharing = self.sharing
+        deadline, sharing = time.monotonic() + timeout_s, self.sharing
+        before: dict[str, int] = {}  # each process's report seq as a read after the drain request found it
         if sharing:
             try:
                 await asyncio.to_thread(request_drain, self._spec().app, timeout_s)
+                before = {r.process: r.seq for r in await asyncio.to_thread(reports, self._spec().app)}
             except Exception as exc:
                 log.warning("could not ask the other router processes to drain: %s", exc)
                 sharing = False
         others = 0
         while time.monotonic() < deadline:
             if sharing:
-                others = await asyncio.to_thread(self._others_inflight, asked_at)
+                others = await asyncio.to_thread(self._others_inflight, before)
             if not counters.inflight and not others:
                 break
             await asyncio.sleep(DRAIN_POLL_S)
         return counters.inflight + others
 
-    def _others_inflight(self, asked_at: float) -> int:
-        """Requests the other processes still hold (one for a process that has not reported draining since)."""
+    def _others_inflight(self, before: dict[str, int]) -> int:
+        """Requests the other processes still hold (one for a process that has not reported draining since the
+        drain request: a report whose seq is above `before`'s, read after the request, was published after it)."""
         left = 0
-        for report in reports(self._spec().app):
-            if report.process == self.process:
-                continue
-            drained = report.updated_at >= asked_at and report.stats.get("draining")
+        for report in (r for r in self.live_reports(self._spec().app) if r.process != self.process):
+            drained = report.seq > before.get(report.process, 0) and report.stats.get("draining")
             left += report.stats.get("inflight", 0) if drained else max(1, report.stats.get("inflight", 0))
         return left
 
@@ -363,7 +372,7 @@ class PeerLink:
         by_process = {self.process: own}
         if self.sharing:
             try:
-                others = reports(self._spec().app)
+                others = self.live_reports(self._spec().app)
             except Exception:
                 others = self.peer_reports
             by_process.update({r.process: r.stats for r in others if r.process != self.process})

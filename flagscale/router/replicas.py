@@ -16,6 +16,7 @@ import aiohttp
 from flagscale import engines
 from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS
 from flagscale.replica import registry
+from flagscale.replica.liveness import Liveness
 from flagscale.router.circuit_breaker import CircuitBreaker, CircuitState
 from flagscale.router.kv_events import KVEvents
 from flagscale.router.policies import Policy
@@ -57,8 +58,9 @@ class ReplicaTable:
     by_replica: dict[str, Upstream] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, records: list[registry.ReplicaRecord], old: ReplicaTable) -> ReplicaTable:
-        """The table of the registry's records, keeping the Upstream (load, circuit) of a replica still at its URL."""
+    def of(cls, records: list[registry.ReplicaRecord], old: ReplicaTable, read_began: float = 0.0) -> ReplicaTable:
+        """The table of the registry's records (read in a read that began at `read_began`, monotonic), keeping the
+        Upstream (load, circuit) of a replica still at its URL."""
         table = cls()
         for record in records:
             upstream = old.by_replica.get(record.replica_id)
@@ -66,7 +68,7 @@ class ReplicaTable:
                 upstream = Upstream(record)
             else:
                 upstream.record = record
-            upstream.breaker.heartbeat(record.updated_at)
+            upstream.breaker.heartbeat(record.seq, read_began)
             table.by_replica[record.replica_id] = upstream
             pools = table.prefill_by_model if record.role == "prefill" else table.by_model
             for model in record.models:
@@ -84,6 +86,7 @@ class Replicas:
         self.policies = policies
         self.prefill_policies = prefill_policies
         self.kv_events = KVEvents()  # the engines' own KV events, for the policies that route on them
+        self.liveness = Liveness(registry.STALE_AFTER_S)  # the records' heartbeats, by this process's clock
 
     def pool(self, model: str, prefill: bool = False) -> list[Upstream]:
         """The replicas of `model` that answer, or (`prefill`) its prefill replicas."""
@@ -99,18 +102,27 @@ class Replicas:
     def missing(self, models: Iterable[str]) -> list[str]:
         """Which of `models` (and of the disaggregated models' prefill pools) have no replica now."""
         missing = [m for m in models if not self.table.by_model.get(m)]
-        return missing + [f"{m} (prefill)" for m in self.prefill_policies if not self.table.prefill_by_model.get(m)]
+        return missing + [
+            f"{m} (prefill{'' if m in missing else '; decoding without it'})"
+            for m in self.prefill_policies
+            if not self.table.prefill_by_model.get(m)
+        ]
 
-    def update(self, records: list[registry.ReplicaRecord], max_ongoing: Callable[[Upstream], int]) -> None:
-        """The registry's records read again: the new table, each replica's limit, the policies told who came
-        and went."""
+    def update(
+        self, records: list[registry.ReplicaRecord], max_ongoing: Callable[[Upstream], int], read_began: float = 0.0
+    ) -> list[registry.ReplicaRecord]:
+        """The registry's records read again (a read that began at `read_began`, monotonic): the new table of the
+        records not stale (liveness.py), each replica's limit, the policies told who came and went. Returns the
+        stale records (the router withdraws them from the registry)."""
+        records, stale = self.liveness.split(records, lambda r: r.replica_id)
         old = self.table
-        self.table = table = ReplicaTable.of(records, old)
+        self.table = table = ReplicaTable.of(records, old, read_began)
         for upstream in table.by_replica.values():
             upstream.max_ongoing = max_ongoing(upstream)
         tell_policies(self.policies, old.by_model, table.by_model)
         tell_policies(self.prefill_policies, old.prefill_by_model, table.prefill_by_model)
         self.kv_events.sync({m: [u.record for u in ups] for m, ups in table.by_model.items()}, self.policies)
+        return stale
 
     def stats(self) -> dict[str, dict]:
         """Per replica: served, in flight, circuit, moves, and its policy's table (Router.stats)."""
@@ -124,6 +136,7 @@ class Replicas:
                 "circuit": upstream.breaker.state().value,
                 "circuit_opened": upstream.breaker.opened,
                 "migrations": upstream.migrations,
+                "heartbeat_age_s": round(self.liveness.age(upstream.replica_id) or 0.0, 1),
             }
             for model in upstream.record.models:
                 policy = self.policy(model, prefill=upstream.record.role == "prefill")

@@ -281,10 +281,19 @@ class Router:
         began = time.monotonic()
         records = await asyncio.get_running_loop().run_in_executor(None, registry.list_replicas, self.spec.app)
         self._read_began = max(self._read_began, began)
-        self.replicas.update(records, self._max_ongoing)
+        stale = self.replicas.update(records, self._max_ongoing, began)
+        if stale:  # (so that every reader, `status` and `run` too, sees them gone)
+            for record in stale:
+                log.warning(
+                    "replica %s of %r: no heartbeat for %g s; withdrawn from the registry",
+                    record.replica_id,
+                    record.serve_id,
+                    registry.STALE_AFTER_S,
+                )
+            await asyncio.get_running_loop().run_in_executor(None, registry.withdraw_stale, self.spec.app, stale)
         self.waker.wake_held(self.replicas.table.by_replica.values())
         if self._pinning is not None:
-            self._pinning.update(records)
+            self._pinning.update([r for r in records if r not in stale])
         for key in list(self.admission.waiting):  # replicas may have joined, limits changed: every waiter looks again
             self.admission.wake(key, everyone=True)
 
@@ -336,5 +345,7 @@ class Router:
             "inflight": counters.inflight,
             "moved": counters.moved,
             "resumed": counters.resumed,
+            "decode_only": counters.decode_only,
+            "kv_released": counters.kv_released,
             "replicas": self.replicas.stats(),
         }

@@ -17,6 +17,8 @@ class Counters:
     inflight: int = 0  # client requests being served (the graph route's included)
     moved: int = 0  # requests moved to another replica after theirs failed them
     resumed: int = 0  # of them, streams resumed mid-way
+    decode_only: int = 0  # disaggregated requests no prefill replica took: decoded without prefill (pd.py)
+    kv_released: int = 0  # prefills' KV blocks no decode replica took, released by the router (pd.py)
     draining: bool = False  # refusing new requests (stop, or another process of the deployment asked)
 
 

@@ -4,24 +4,44 @@ Real Ray, real vLLM (CPU) engines on the demo model: a disaggregated model `pd` 
 replica) beside a colocated model `plain` in one deployment. Through the openai SDK, streamed and not, chat and
 completions, `pd` answers greedy requests with exactly the text `plain` gives; the decode replica's own
 /metrics count NIXL transfers, and status shows them; status shows each replica's role; killing a prefill replica's server under load
-fails no request.
+fails no request; a client hanging up between prefill and decode leaves no KV blocks held on the prefill engine; with
+every prefill engine gone the model is served decode-only, and status says so.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import signal
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import aiohttp
 import openai
 import psutil
 import pytest
 
+from flagscale.config.routing import RoutingSpec
 from flagscale.engines.metrics import engine_metrics
-from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, status_cli, wait_for, write_config
+from flagscale.router.replicas import ReplicaTable, Upstream
+from flagscale.router.router import Router
+from flagscale.router.spec import RouterSpec
+from tests.conftest import (
+    STATUS_WAIT_S,
+    demo_engine_args,
+    replica_record,
+    router_listening,
+    run_cli,
+    status_cli,
+    wait_for,
+    write_config,
+)
 
 PORT = 19161
+KV_LEASE_S = 120  # how long a prefill engine keeps KV blocks no decode engine pulled (vLLM's default: 30 s)
 GREEDY = {"temperature": 0, "max_tokens": 24, "extra_body": {"ignore_eos": True}}
 pytestmark = pytest.mark.skipif(
     __import__("importlib").util.find_spec("nixl") is None, reason="NIXL is not installed (make setup installs it)"
@@ -38,6 +58,21 @@ def status_json(conf) -> dict:
 
 def nixl_transfers(url: str) -> float:
     return engine_metrics(url).get("vllm:nixl_xfer_time_seconds_count", 0.0)
+
+
+def kv_usage(url: str) -> float:
+    return engine_metrics(url).get("vllm:kv_cache_usage_perc", 0.0)
+
+
+def answering_prefills(conf) -> list[dict]:
+    """The prefill replicas whose engines answer (one killed by a test before may be listed until replaced)."""
+    found = []
+    for replica in replicas_by_role(conf).get("prefill", []):
+        try:
+            found.append(replica | {"kv_usage": kv_usage(replica["url"])})
+        except OSError:
+            pass
+    return found
 
 
 def prompt_tokens(url: str) -> float:
@@ -68,7 +103,10 @@ def deployment(tmp_path_factory):
             "engine": "vllm",
             "engine_args": demo_engine_args(served_model_name="pd", **small),
             "resources": {"num_cpus": 0.5},
-            "disaggregation": {"prefill": {"resources": {"num_replicas": 2, "num_cpus": 0.5}}},
+            "disaggregation": {
+                "prefill": {"resources": {"num_replicas": 2, "num_cpus": 0.5}},
+                "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S},
+            },
         },
         {
             "serve_id": "plain",
@@ -163,3 +201,97 @@ def test_killing_a_prefill_replica_under_load_fails_no_request(deployment):
         results = {futures[f]: f.result() for f in concurrent.futures.as_completed(futures)}
     wrong = [p for p in work if results[p] != reference[p]]
     assert not wrong, f"{len(wrong)} of {len(work)} answers differ from the colocated engine's"
+
+
+def health_text() -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=10) as resp:
+            return resp.read().decode()
+    except urllib.error.HTTPError as exc:  # 503: what is missing
+        return exc.read().decode()
+
+
+def router_over(prefill: dict, decode: dict) -> Router:
+    """A router of this process (the router's own request path, no Ray) over one prefill and one decode engine of
+    the deployment, its decode replica at max_ongoing_requests: every decode hop waits in its queue."""
+    router = Router.__new__(Router)
+    router.graph = None
+    router.spec = RouterSpec(
+        app="a",
+        host="127.0.0.1",
+        port=0,
+        models={"pd": "pd"},
+        pin_cpus=False,
+        routing={"pd": RoutingSpec()},
+        prefill_routing={"pd": RoutingSpec()},
+    )
+    router._init_state()
+    ups = {}
+    for role, replica in (("prefill", prefill), ("decode", decode)):
+        record = replica_record(role, replica["url"])
+        record.models, record.role = ["pd"], role
+        ups[role] = Upstream(record)
+    ups["decode"].max_ongoing = 0
+    router.replicas.table = ReplicaTable(
+        by_model={"pd": [ups["decode"]]}, prefill_by_model={"pd": [ups["prefill"]]}, by_replica=ups
+    )
+    return router
+
+
+def test_client_hanging_up_between_prefill_and_decode_leaves_no_kv_blocks_on_the_prefill_engine(deployment):
+    def idle_pair():
+        idle = [p for p in answering_prefills(deployment["conf"]) if p["kv_usage"] == 0]
+        decodes = replicas_by_role(deployment["conf"]).get("decode")
+        return idle and decodes and (idle[0], decodes[0])
+
+    prefill, decode = wait_for(idle_pair, STATUS_WAIT_S, "a prefill engine holding no KV blocks, and a decode replica")
+    router = router_over(prefill, decode)
+
+    async def hang_up_while_decode_waits() -> None:
+        async with router_listening(router) as url, aiohttp.ClientSession() as client:
+            body = {"model": "pd", "prompt": "held blocks " * 40, "max_tokens": 8, "stream": True}
+            request = asyncio.ensure_future(client.post(f"{url}/v1/completions", json=body))
+            deadline = time.monotonic() + 60
+            while not router.admission.waiting:  # prefilled; the decode hop waits for a slot
+                assert time.monotonic() < deadline and not request.done(), "the decode hop never waited"
+                await asyncio.sleep(0.05)
+            held = await asyncio.to_thread(
+                wait_for, lambda: kv_usage(prefill["url"]) > 0, 30, "the prefill engine to hold the prompt's blocks"
+            )
+            assert held
+            request.cancel()  # the client hangs up
+            # freed well within the lease (KV_LEASE_S) after which the prefill engine would free them by itself
+            await asyncio.to_thread(
+                wait_for, lambda: kv_usage(prefill["url"]) == 0, 30, "the prefill engine to free the prompt's blocks"
+            )
+            assert router.counters.kv_released == 1  # by the router's release: a decode engine pulled them
+
+    asyncio.run(hang_up_while_decode_waits())
+
+
+def test_with_every_prefill_engine_gone_the_model_is_served_decode_only(deployment):
+    client, conf = deployment["client"], deployment["conf"]
+    prefills = wait_for(
+        lambda: len(p := answering_prefills(conf)) == 2 and p,
+        STATUS_WAIT_S,
+        "both prefill replicas' engines (one was killed by the test before)",
+    )
+    prompts = [f"decode-only {i}: " + "no prefill pool " * (3 + i) for i in range(3)]
+    reference = {p: answer(client, "plain", "completion", p, True) for p in prompts}
+    for replica in prefills:  # engine_proc's child: vLLM's API server
+        psutil.Process(replica["engine_pid"]).children()[0].send_signal(signal.SIGKILL)
+    # (a request in flight as the pool dies meets its engines dying and is not sent on: it may be what killed them)
+    wait_for(
+        lambda: "pd (prefill; decoding without it)" in health_text(),
+        120,
+        "the router to find the prefill pool gone (the killed replicas withdrawn)",
+    )
+    for prompt in prompts:  # not 503: the decode replica computes the prompt itself
+        assert answer(client, "pd", "completion", prompt, True) == reference[prompt], prompt
+
+    def said() -> str:
+        out = status_cli(conf).stdout
+        return out if "decoded without prefill (decode-only" in out else ""
+
+    out = wait_for(said, STATUS_WAIT_S, "status to say that requests were decoded without prefill")
+    assert "disaggregated requests decoded without prefill" in out

@@ -35,6 +35,7 @@ async def started_upstreams(engines) -> list:
     for sent, engine in enumerate(engines):
         up = upstream(engine.name, 0, sent=sent)
         up.record.url = await engine.start()
+        up.record.fingerprint = getattr(engine, "fingerprint", "")
         ups.append(up)
     return ups
 
@@ -100,8 +101,10 @@ class FakeEngine:
         status: int = 200,
         pace_s: float = 0.0,
         freeze_after: int | None = None,
+        fingerprint: str = "",
     ):
         self.name, self.die_after, self.status = name, die_after, status
+        self.fingerprint = fingerprint  # of the model it serves (an update may change it)
         self.pace_s, self.freeze_after = pace_s, freeze_after
         self.bodies: list[tuple[str, dict]] = []
 

@@ -232,12 +232,18 @@ def test_stats_show_circuit_and_routing_table_per_replica():
 
 def test_an_opened_circuit_waits_for_a_heartbeat_of_the_replica_after_it_opened():
     """The replica publishes only after its own health check (which checks that the engine it started holds the
-    port): a circuit opened at wall time T does not go half-open on a heartbeat from before T."""
+    port): a circuit opened at T does not go half-open on a heartbeat from before T, even one first read after T.
+    The first registry read begun after T finds seq 8 (perhaps published before T); seq 9 was published after it."""
     breaker = CircuitBreaker(threshold=3, cooldown_s=5)
-    breaker.heartbeat(time.time() - 1)
+    breaker.heartbeat(7, read_began=time.monotonic() - 1)
     breaker.trip(now=0.0)
     assert breaker.state(6.0) is CircuitState.OPEN and not breaker.allows(6.0) and not breaker.begin(6.0)
-    breaker.heartbeat(time.time() + 0.001)
+    breaker.heartbeat(7, read_began=time.monotonic() - 0.5)  # a read begun before the opening
+    breaker.heartbeat(8, read_began=time.monotonic())
+    assert breaker.state(6.0) is CircuitState.OPEN
+    breaker.heartbeat(8, read_began=time.monotonic())  # (no new heartbeat)
+    assert breaker.state(6.0) is CircuitState.OPEN
+    breaker.heartbeat(9, read_began=time.monotonic())
     assert breaker.state(6.0) is CircuitState.HALF_OPEN and breaker.begin(6.0)
     breaker.success()
     assert breaker.state(6.0) is CircuitState.CLOSED

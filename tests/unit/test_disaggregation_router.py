@@ -9,11 +9,23 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
 from aiohttp import web
 
+from flagscale.config.routing import RoutingSpec
 from flagscale.router.pd import REMOTE_DECODE
-from tests.conftest import serve
-from tests.unit.fakes import FakeEngine, events, greedy, streamed_text, text_of, through_pd_router, tokenize
+from flagscale.router.policies import make_policy
+from tests.conftest import bare_router, router_listening, serve
+from tests.unit.fakes import (
+    FakeEngine,
+    events,
+    greedy,
+    streamed_text,
+    text_of,
+    through_pd_router,
+    tokenize,
+    upstream,
+)
 
 
 class FakePrefill:
@@ -70,3 +82,98 @@ def test_decode_replica_failing_first_hands_the_request_over_without_kv_paramete
     assert events(raw)[-1] == "[DONE]"
     assert dying.bodies[0][1]["kv_transfer_params"] == {"from": "p0"}
     assert "kv_transfer_params" not in spare.bodies[0][1]
+
+
+async def pd_router(prefills, decodes):
+    """A bare router over started prefill and decode engines of model "m": (router, decode upstreams)."""
+    ups = []
+    for role, engines in (("prefill", prefills), ("decode", decodes)):
+        for sent, engine in enumerate(engines):
+            up = upstream(engine.name, 0, sent=sent)
+            up.record.url = await engine.start()
+            up.record.role = role
+            ups.append(up)
+    router = bare_router([u for u in ups if u.record.role == "decode"], "least_load")
+    router.replicas.table.prefill_by_model = {"m": [u for u in ups if u.record.role == "prefill"]}
+    router.replicas.prefill_policies = {"m": make_policy(RoutingSpec(policy="least_load"))}
+    return router, [u for u in ups if u.record.role == "decode"]
+
+
+def test_prefill_pool_gone_decodes_without_prefill_counted_and_said_in_health():
+    async def main():
+        router, _ = await pd_router([], [decode := FakeEngine("d0")])
+        try:
+            async with router_listening(router) as url, aiohttp.ClientSession() as client:
+                body = {"model": "m", "prompt": "hello", "max_tokens": 5, "stream": True}
+                async with client.post(f"{url}/v1/completions", json=body) as resp:
+                    status, raw = resp.status, await resp.read()
+                health = await router.frontend.health(None)
+            return status, raw, decode.bodies, router.collect_stats(), health
+        finally:
+            await decode.runner.cleanup()
+
+    status, raw, bodies, stats, health = asyncio.run(main())
+    assert status == 200 and streamed_text(raw) == text_of(greedy(tokenize("hello"), 5))  # not 503
+    ((_, decoded),) = bodies
+    assert "kv_transfer_params" not in decoded  # the decode replica computed the prompt itself
+    assert stats["decode_only"] == 1 and stats["kv_released"] == 0
+    assert health.status == 503 and "m (prefill; decoding without it)" in health.text
+
+
+def test_every_prefill_replica_refusing_falls_back_to_decode_only():
+    async def main():
+        refusing = FakePrefill("gone")
+        router, _ = await pd_router([refusing], [decode := FakeEngine("d0")])
+        await refusing.runner.cleanup()  # nothing listens there any more
+        try:
+            async with router_listening(router) as url, aiohttp.ClientSession() as client:
+                body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+                async with client.post(f"{url}/v1/chat/completions", json=body) as resp:
+                    return resp.status, await resp.read(), decode.bodies, router.collect_stats()
+        finally:
+            await decode.runner.cleanup()
+
+    status, raw, bodies, stats = asyncio.run(main())
+    assert status == 200, raw
+    assert len(bodies) == 1 and "kv_transfer_params" not in bodies[0][1] and stats["decode_only"] == 1
+
+
+def test_client_hanging_up_between_prefill_and_decode_has_the_kv_blocks_released():
+    """The decode hop waits for a free slot (its replica is at max_ongoing_requests) when the client hangs up: the
+    prefill's blocks are pulled by a decode replica (one token), not left on the prefill engine."""
+
+    async def main():
+        prefill, decode = FakePrefill("p0"), FakeEngine("d0")
+        router, (busy,) = await pd_router([prefill], [decode])
+        busy.max_ongoing = 0  # (every decode request waits in the router's queue)
+        try:
+            async with router_listening(router) as url, aiohttp.ClientSession() as client:
+                body = {"model": "m", "prompt": "hello", "max_tokens": 50, "stream": True}
+                request = asyncio.ensure_future(client.post(f"{url}/v1/completions", json=body))
+                await wait_until(lambda: router.admission.waiting, "the decode hop to wait for a slot")
+                assert prefill.bodies and not decode.bodies
+                request.cancel()  # the client hangs up
+                await wait_until(lambda: router.counters.kv_released, "the prefill's KV blocks to be released")
+                return decode.bodies, router.collect_stats()
+        finally:
+            for engine in (prefill, decode):
+                await engine.runner.cleanup()
+
+    bodies, stats = asyncio.run(main())
+    ((path, released),) = bodies
+    assert path == "/v1/completions" and released["kv_transfer_params"] == {"from": "p0"}
+    assert released["max_tokens"] == 1 and released["stream"] is False and released["prompt"] == "hello"
+    assert stats["kv_released"] == 1 and stats["decode_only"] == 0
+
+
+def test_a_decode_replica_that_answered_leaves_the_kv_blocks_to_its_engine():
+    body = {"model": "m", "prompt": "hello", "max_tokens": 4}
+    prefill, decode = FakePrefill("p0"), FakeEngine("d0")
+    status, _ = asyncio.run(through_pd_router([prefill], [decode], "/v1/completions", body))
+    assert status == 200 and len(decode.bodies) == 1  # no release request after it
+
+
+async def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.02)

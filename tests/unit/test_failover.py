@@ -161,3 +161,32 @@ def test_stripping_token_ids_gives_back_the_bytes_the_engine_sends_without_them(
     assert stream.feed(with_ids[:40]) == b""  # half an event waits for the rest
     assert stream.feed(with_ids[40:]) == plain
     assert stream.prompt_ids == [1, 2] and stream.generated == [7] and stream.can_resume()
+
+
+def test_stream_resumes_only_on_a_replica_of_the_same_model_version():
+    """An in-place update that changed the model: replicas of both versions serve "m" for a while. A stream broken
+    off on an old one goes on on the other old one, not on a new one the policy would pick first."""
+    body = {"model": "m", "prompt": "hello", "max_tokens": 12, "stream": True, "temperature": 0}
+    dying, new = FakeEngine("dying", die_after=5, fingerprint="v1"), FakeEngine("new", fingerprint="v2")
+    old = FakeEngine("old", fingerprint="v1")
+    status, raw, router = asyncio.run(through_router([dying, new, old], "/v1/completions", body))
+    assert status == 200 and streamed_text(raw) == text_of(greedy(tokenize("hello"), 12))
+    assert new.bodies == [] and len(old.bodies) == 1
+    assert router.collect_stats()["resumed"] == 1
+
+
+def test_stream_with_no_replica_of_its_model_version_left_ends_with_an_error_event_not_mixed_output():
+    body = {"model": "m", "prompt": "hello", "max_tokens": 12, "stream": True, "temperature": 0}
+    dying, new = FakeEngine("dying", die_after=5, fingerprint="v1"), FakeEngine("new", fingerprint="v2")
+    status, raw, _ = asyncio.run(through_router([dying, new], "/v1/completions", body))
+    assert status == 200 and new.bodies == []  # nothing of the new model in this answer
+    assert streamed_text(raw) == text_of(greedy(tokenize("hello"), 5))
+    error = next(e for e in events(raw) if isinstance(e, dict) and "error" in e)["error"]["message"]
+    assert "run another version of it" in error and "dying" in error
+
+
+def test_a_request_the_client_has_nothing_of_yet_may_go_to_another_version():
+    body = {"model": "m", "prompt": "hello", "max_tokens": 6, "stream": True}
+    dying, new = FakeEngine("dying", die_after=0, fingerprint="v1"), FakeEngine("new", fingerprint="v2")
+    status, raw, _ = asyncio.run(through_router([dying, new], "/v1/completions", body))
+    assert status == 200 and streamed_text(raw) == text_of(greedy(tokenize("hello"), 6)) and len(new.bodies) == 1

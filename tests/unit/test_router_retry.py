@@ -87,7 +87,7 @@ def test_a_request_that_finds_no_replica_has_the_registry_read_again_and_takes_o
         runner, port = await healthy_replica(seen)
         joined = replica_record("joined", f"http://127.0.0.1:{port}")
         reads: list[str] = []
-        monkeypatch.setattr(registry, "list_replicas", lambda app, include_stale=False: reads.append(app) or [joined])
+        monkeypatch.setattr(registry, "list_replicas", lambda app: reads.append(app) or [joined])
         try:
             status, body = await through_router([])  # the table as last read: no replica of "m"
         finally:
@@ -104,7 +104,7 @@ def test_requests_for_a_model_without_replicas_share_the_registry_reads_and_get_
     async def main():
         reads: list[str] = []
 
-        def slow_empty_read(app, include_stale=False):
+        def slow_empty_read(app):
             reads.append(app)
             time.sleep(0.1)
             return []
@@ -128,7 +128,7 @@ def test_a_registry_that_does_not_answer_holds_a_request_without_replicas_a_boun
     from flagscale.router import router as router_module
 
     hung = threading.Event()
-    monkeypatch.setattr(registry, "list_replicas", lambda app, include_stale=False: hung.wait(3) or [])
+    monkeypatch.setattr(registry, "list_replicas", lambda app: hung.wait(3) or [])
     monkeypatch.setattr(router_module, "MISS_REFRESH_TIMEOUT_S", 0.3)
 
     async def main():

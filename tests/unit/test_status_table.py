@@ -122,3 +122,16 @@ def test_wide_table_says_which_cache_knowledge_each_replica_is_routed_on():
     assert cell == "live 40 blocks 2.5/s seq 17 replays 1"
     silent = {**live, "live": False, "state": "silent"}
     assert "silent" in _kv_events(replica("m", "a", kv_events=events, router={"kv_index": silent}))
+
+
+def test_decode_only_requests_are_said_and_an_unknown_heartbeat_age_is_a_dash():
+    import dataclasses
+
+    report = dataclasses.replace(REPORT, router=dataclasses.replace(REPORT.router, decode_only=7))
+    report.replicas = [dataclasses.replace(REPORT.replicas[0], heartbeat_age_s=None)]
+    out = io.StringIO()
+    render_report(Console(file=out, width=260, highlight=False, color_system=None), report, wide=True)
+    text = out.getvalue()
+    assert "router: 7 disaggregated requests decoded without prefill (decode-only" in text, text
+    assert "None" not in text and "Nones ago" not in text
+    assert "decoded without prefill" not in render(wide=False, width=80)  # said only when it happened
