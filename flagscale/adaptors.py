@@ -45,6 +45,7 @@ hydra_config = LazyImport("hydra.core.hydra_config")
 huggingface_hub = LazyImport("huggingface_hub")
 matplotlib_figure = LazyImport("matplotlib.figure")  # Figure without pyplot: no global state, an Agg canvas
 networkx = LazyImport("networkx")
+safetensors_torch = LazyImport("safetensors.torch")
 tokenizers = LazyImport("tokenizers")
 torch = LazyImport("torch")
 transformers = LazyImport("transformers")

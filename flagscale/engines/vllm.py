@@ -76,6 +76,11 @@ KV_TRANSFER_COUNTERS = {
 }
 
 
+# What opens vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (on the engine's own port; never on the
+# router's public surface, and behind the deployment's key where it has one)
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
 # Ranks of one replica run under vLLM's multiprocessing executor, on one host or several (--nnodes): its Ray
 # executor refuses CPU ("current platform cpu does not support ray") and is what users report broken under Ray
 # Serve placement groups (docs/parallelism.md).
@@ -252,6 +257,18 @@ class VLLM(EngineKind):
     def check_model(self, model: Any, where: str) -> str:
         return check_hf_model(model, where)
 
+    def lora_args(self, lora: Any, where: str) -> dict[str, Any]:
+        # adapters are loaded by the replica through the runtime API (flagscale/replica/adapters.py), not
+        # --lora-modules: a changed set is then loaded in place, without a restart
+        settings = {key: getattr(lora, key) for key in ("max_loras", "max_lora_rank", "max_cpu_loras")}
+        return {"enable_lora": True, **{key: value for key, value in settings.items() if value is not None}}
+
+    def lora_load_request(self, name: str, path: str, replace: bool) -> tuple[str, dict[str, Any]]:
+        return "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": replace}
+
+    def lora_unload_request(self, name: str) -> tuple[str, dict[str, Any]]:
+        return "/v1/unload_lora_adapter", {"lora_name": name}
+
     def argv(self, args: dict[str, Any], where: str) -> list[str]:
         return vllm_args.to_argv(args, where)
 
@@ -321,6 +338,8 @@ class VLLM(EngineKind):
         defaults: dict[str, str] = {}
         if host != "127.0.0.1":  # vLLM's own guess routes to 8.8.8.8, which a host without a default route lacks
             defaults["VLLM_HOST_IP"] = host
+        if "--enable-lora" in argv:  # the replica loads the node's adapters through the runtime LoRA routes
+            env[RUNTIME_LORA_ENV] = "True"
         if role:  # the KV connector's handshake listener: a port of this replica's own, on its address
             env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port(host)))
         command = [

@@ -45,7 +45,7 @@ def plan_engine_nodes(inputs: PlanInputs) -> EngineNodes:
         for engine in engine_plans:
             deployments.append((engine, node))
             notes += _notes(engine, node)
-        for name in engine_plans[0].model_names:
+        for name in [*engine_plans[0].model_names, *engine_plans[0].adapters]:
             if name in served_by:
                 raise ConfigError(
                     f"served model name '{name}' is used by both '{served_by[name]}' and '{node.serve_id}'", where

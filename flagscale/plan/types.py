@@ -14,6 +14,7 @@ from flagscale.config.replicas import ReplicaSettings
 from flagscale.config.routing import Admission, RoutingSpec
 from flagscale.engines.base import EngineKind
 from flagscale.net import is_loopback
+from flagscale.plan.lora import LoraPlan
 
 ROUTER_DEPLOYMENT = "router"
 
@@ -43,6 +44,12 @@ class EnginePlan(ReplicaSettings):
     # secret engine args (hf_token) as the env vars that carry them to the server, never in argv
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)
     engine: str = engines.DEFAULT_ENGINE  # the engine kind (flagscale/engines/)
+    lora: LoraPlan | None = None  # the node's LoRA adapters, each served as a model (docs/routing.md)
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """The node's LoRA adapters: name (a model clients name) -> directory."""
+        return self.lora.adapters if self.lora else {}
 
     @property
     def kind(self) -> EngineKind:

@@ -134,8 +134,8 @@ def _router_runtime_env(plan: Plan) -> dict:
 def router_spec(plan: Plan) -> RouterSpec:
     """What the router is told: the models (served name -> node), each model's routing (its node's; a disaggregated
     node's decode pool, and separately its prefill pool's), the graph's route."""
-    models = {name: e.group for e in plan.engines for name in e.model_names}
-    routing = {name: e.routing for e in plan.engines if e.role != "prefill" for name in e.model_names}
+    models = {name: e.group for e in plan.engines for name in served_models(e)}
+    routing = {name: e.routing for e in plan.engines if e.role != "prefill" for name in served_models(e)}
     prefill_routing = {name: e.routing for e in plan.engines if e.role == "prefill" for name in e.model_names}
     return RouterSpec(
         app=plan.app_name,
@@ -152,13 +152,20 @@ def router_spec(plan: Plan) -> RouterSpec:
         max_ongoing={e.serve_id: e.max_ongoing_requests or DEFAULT_MAX_ONGOING_REQUESTS for e in plan.engines},
         admission=plan.admission,
         no_resume=sorted(
-            {name for e in plan.engines if not e.kind.capabilities.resume_from_tokens for name in e.model_names}
+            {name for e in plan.engines if not e.kind.capabilities.resume_from_tokens for name in served_models(e)}
         ),
-        engines={name: e.engine for e in plan.engines for name in e.model_names},
+        engines={name: e.engine for e in plan.engines for name in served_models(e)},
+        adapters={name: e.model_names[0] for e in plan.engines for name in e.adapters},
+        max_loras={e.serve_id: e.lora.max_loras for e in plan.engines if e.lora},
         # the same for every router process Serve starts for this deployment, in its init args only
         peer_secret=peers.secret_of(plan.exp_dir),
         processes=plan.router_processes,
     )
+
+
+def served_models(engine: EnginePlan) -> list[str]:
+    """The models clients name for an engine deployment: its served names, then its LoRA adapters."""
+    return [*engine.model_names, *engine.adapters]
 
 
 def build_graph_driver(plan: Plan) -> Application:
