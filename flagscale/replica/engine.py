@@ -22,6 +22,7 @@ from flagscale.cluster.tempdirs import UnsafeDirectory
 from flagscale.engines.metrics import engine_metrics
 from flagscale.net import free_port, health_ok
 from flagscale.replica import registry
+from flagscale.replica.adapters import AdapterSet, poster
 from flagscale.replica.autoscaling import ENGINE_REQUESTS
 from flagscale.replica.cores import RankStartError
 from flagscale.replica.cpu_layout import pin_engine
@@ -99,6 +100,7 @@ class EngineReplica:
         self.log_path = log_dir / f"engine-{spec.serve_id}-{self.replica_id}.log"
         self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
         self.ranks: ReplicaRanks | None = None
+        self.adapters = AdapterSet()  # the LoRA adapters its engine has loaded (reconfigure)
         try:
             self._start(spec, host, self.gpu_ids)
         except (TimeoutError, UnsafeDirectory, RankStartError) as exc:  # GPU start-up lock, cores, other hosts
@@ -230,6 +232,17 @@ class EngineReplica:
             )
         else:
             self._note(f"/health did not answer within {HEALTH_PROBE_TIMEOUT_S:g}s (busy?); not replaced yet")
+        registry.publish(self.record)
+
+    def reconfigure(self, config: dict) -> None:
+        """Serve's user_config of a node with LoRA adapters ({"adapters": {name: directory}}), at start before the
+        replica is READY and on every update that changes it: the engine loads and unloads adapters in place
+        (flagscale/replica/adapters.py), and the replica's record names those loaded as its models."""
+        done = self.adapters.sync(self.spec.kind, config.get("adapters", {}), poster(self.url, self.spec.api_key))
+        for line in done:
+            self._note(line)
+        self.record.models = [*self.spec.model_names, *sorted(self.adapters.loaded)]
+        self.record.adapter_errors = dict(self.adapters.errors)
         registry.publish(self.record)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

@@ -42,6 +42,8 @@ class ReplicaRecord:
     # the replica's engine processes by rank: {"rank": int, "pid": int, "host": ip, "cpus": [...], "gpus": [...]};
     # [] for a one-process engine
     ranks: list[dict] = field(default_factory=list)
+    # LoRA adapters of its node that its engine failed to load: name -> why (its loaded ones are in `models`)
+    adapter_errors: dict[str, str] = field(default_factory=dict)
 
     @property
     def stale(self) -> bool:

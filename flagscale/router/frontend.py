@@ -203,7 +203,8 @@ class Frontend:
         return web.Response(text="ok\n")
 
     async def models(self, request: web.Request) -> web.Response:
-        models, session, data = self._spec().models, self._clients.session, []
+        spec = self._spec()
+        models, session, data = spec.models, self._clients.session, []
         timeout = aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)
         for serve_id in dict.fromkeys(models.values()):
             names = [m for m, sid in models.items() if sid == serve_id]
@@ -220,6 +221,8 @@ class Frontend:
                     upstream.breaker.failure(time.monotonic())
             if entries is None:
                 entries = [{"id": n, "object": "model", "owned_by": "flagscale", "created": 0} for n in names]
+                for entry in entries:  # a LoRA adapter's base model
+                    entry.update({"parent": spec.adapters[entry["id"]]} if entry["id"] in spec.adapters else {})
             data.extend(entries)
         return web.json_response({"object": "list", "data": data})
 

@@ -49,6 +49,8 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
             **scaling,
             **_placement_group(engine),
             **_one_at_a_time(engine.initial_replicas, spare=engine.serve_id not in no_spare),
+            # LoRA adapters: loaded by each replica before it is READY, and changed in place (EngineReplica.reconfigure)
+            **({"user_config": {"adapters": engine.adapters}} if engine.lora else {}),
         )
         spec = engine_spec(plan, engine)
         engines.append(with_version(deployment, engine_version(spec.version, scaling)).bind(spec))

@@ -1,0 +1,116 @@
+"""Where a LoRA adapter's requests go (docs/routing.md, "LoRA adapters"): pure decisions over what the router knows.
+
+Every replica of a node can serve each of its adapters (each replica has them all loaded: flagscale/replica/
+adapters.py), but an engine runs at most `max_loras` adapters in a batch at once: a request for an adapter the
+replica is not running waits for a slot, and the adapter's weights are swapped in, evicting the one least recently
+used. So an adapter's requests go to replicas that hold it (it was sent there recently: the router's own record,
+least recently used first, at most max_loras per replica) unless those are overloaded (more than `slack` requests
+in flight above the least busy replica); then to the least busy replica with a free slot, then to one that must
+evict. A hot adapter so spreads to more replicas as its holders fill; a cold one stays on the few that hold it.
+Within each tier the model's own policy's order (cache_aware: prefix affinity, within the adapter) is kept.
+
+Not a registered policy (no `routing:` name): a wrapper the router puts around an adapter's policy.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from flagscale.router.policies.base import Policy, Replica, RequestInfo
+
+ADAPTER_SLACK = 4  # in-flight requests a holder may be above the least busy replica and still be preferred
+
+# the tiers of a replica for one adapter's request, best first
+HOLDER, FREE_SLOT, EVICTS, OVERLOADED = range(4)
+
+
+def tier(holds: bool, inflight: int, least: int, held: int, max_loras: int, slack: int = ADAPTER_SLACK) -> int:
+    """A replica's tier for an adapter's request: HOLDER (holds it, within `slack` of the least busy replica's
+    `least` in-flight requests), FREE_SLOT (within slack, holds fewer than max_loras adapters), EVICTS (within
+    slack, full), OVERLOADED (beyond slack, holder or not)."""
+    if inflight > least + slack:
+        return OVERLOADED
+    if holds:
+        return HOLDER
+    return FREE_SLOT if held < max_loras else EVICTS
+
+
+@dataclass
+class Placement:
+    """One node's adapters on its replicas, as the router sent them: per replica, the adapters it holds, least
+    recently used first (at most max_loras); loads and evictions counted per adapter."""
+
+    max_loras: int
+    slack: int = ADAPTER_SLACK
+    held: dict[str, OrderedDict[str, None]] = field(default_factory=dict)
+    loads: dict[str, int] = field(default_factory=dict)
+    evictions: dict[str, int] = field(default_factory=dict)
+
+    def order(self, adapter: str, ranked: list[Replica]) -> list[Replica]:
+        """`ranked` (the adapter's policy's order) sorted by tier, stably: the policy's order within each tier."""
+        if not ranked:
+            return ranked
+        least = min(u.inflight for u in ranked)
+
+        def rank(u: Replica) -> int:
+            held = self.held.get(u.replica_id, {})
+            return tier(adapter in held, u.inflight, least, len(held), self.max_loras, self.slack)
+
+        return sorted(ranked, key=rank)
+
+    def sent(self, adapter: str, replica_id: str) -> list[str]:
+        """`adapter`'s request went to `replica_id`: it holds the adapter now (a load if it did not), and the least
+        recently used one beyond max_loras is evicted. Returns the evicted adapters."""
+        held = self.held.setdefault(replica_id, OrderedDict())
+        if adapter in held:
+            held.move_to_end(adapter)
+            return []
+        held[adapter] = None
+        self.loads[adapter] = self.loads.get(adapter, 0) + 1
+        evicted = []
+        while len(held) > self.max_loras:
+            gone, _ = held.popitem(last=False)
+            self.evictions[gone] = self.evictions.get(gone, 0) + 1
+            evicted.append(gone)
+        return evicted
+
+    def forget(self, replica_id: str) -> None:
+        self.held.pop(replica_id, None)
+
+    def holders(self, adapter: str) -> list[str]:
+        return [replica for replica, held in self.held.items() if adapter in held]
+
+
+class AdapterAware(Policy):
+    """An adapter's routing: its own policy's order (`inner`), placed by its node's shared Placement."""
+
+    def __init__(self, adapter: str, inner: Policy, placement: Placement):
+        self.adapter, self.inner, self.placement = adapter, inner, placement
+        self.name, self.settings, self.settings_type = inner.name, inner.settings, inner.settings_type
+
+    def select(self, upstreams: list[Replica], request: RequestInfo, now: float) -> list[Replica]:
+        return self.placement.order(self.adapter, self.inner.select(upstreams, request, now))
+
+    def before_request(self, upstream: Replica, request: RequestInfo) -> None:
+        self.placement.sent(self.adapter, upstream.replica_id)
+        self.inner.before_request(upstream, request)
+
+    def after_request(self, upstream: Replica, request: RequestInfo, ok: bool) -> None:
+        self.inner.after_request(upstream, request, ok)
+
+    def on_replica_joined(self, upstream: Replica) -> None:
+        self.inner.on_replica_joined(upstream)
+
+    def on_replica_left(self, replica_id: str) -> None:
+        self.placement.forget(replica_id)
+        self.inner.on_replica_left(replica_id)
+
+    def learn(self, replica_id: str, prefix_keys: list[bytes]) -> None:
+        """Another router process sent this adapter's prompt there: that replica holds the adapter now."""
+        self.placement.sent(self.adapter, replica_id)
+        self.inner.learn(replica_id, prefix_keys)
+
+    def stats(self, replica_id: str) -> dict[str, Any]:
+        return {**self.inner.stats(replica_id), "adapters": list(self.placement.held.get(replica_id, {}))}
