@@ -88,7 +88,8 @@ class Plan:
 
     @property
     def model_ids(self) -> list[str]:
-        return list(dict.fromkeys(name for engine in self.engines for name in engine.model_names))
+        """Every model clients may name: each engine node's served names, then its LoRA adapters."""
+        return list(dict.fromkeys(name for e in self.engines for name in [*e.model_names, *e.adapters]))
 
     @property
     def endpoint(self) -> str:
