@@ -137,6 +137,8 @@ def _replica_row(record) -> ReplicaRow:
         gpus=record.gpus,
         ranks=record.ranks,
         log=record.log_path,
+        models=record.models,
+        adapter_errors=record.adapter_errors,
     )
 
 

@@ -59,6 +59,8 @@ class ReplicaRow:
     engine: dict[str, float] | None = None  # its engine's load (EngineKind.status_load); None: /metrics did not answer
     requests_served: int | None = None  # since the router started
     router: dict[str, Any] | None = None  # the router's view: in-flight, circuit, routing table (docs/routing.md)
+    models: list[str] = field(default_factory=list)  # what it serves: its model names, then the adapters it loaded
+    adapter_errors: dict[str, str] = field(default_factory=dict)  # LoRA adapters it failed to load: name -> why
 
     @property
     def node(self) -> str:

@@ -22,6 +22,9 @@ def render(console: Console, report: StatusReport, wide: bool = False) -> None:
     console.print(f"models: {', '.join(report.models)}")
     _deployments(console, report)
     console.print(_replica_table(report.replicas, wide))
+    for r in report.replicas:  # a LoRA adapter a replica could not load: it is not READY for that adapter
+        for name, why in r.adapter_errors.items():
+            console.print(f"[red]{escape(f'{r.replica_id}: adapter {name!r} not loaded: {why}')}[/]")
     console.print(f"[dim]({LOAD_LEGEND})[/]")
     ranks = [(r, rank) for r in report.replicas for rank in r.ranks or ()]
     if wide and ranks:

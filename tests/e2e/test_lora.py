@@ -6,7 +6,8 @@ shared by the tests in order: /v1/models lists each adapter with its base as `pa
 (completion and streamed chat) through the router, differently from the base model for the same prompt at
 temperature 0 -> the router's /metrics count each adapter's requests -> `run` again with one adapter added and one
 removed: loaded and unloaded in place (the engines' processes are the same ones), while a client keeps asking the
-adapters that stay, without a failed request -> stop, nothing left.
+adapters that stay, without a failed request -> a replica whose engine is killed is replaced, and the new one has
+the whole set before it is READY -> stop, nothing left.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import threading
 import urllib.request
 
 import openai
+import psutil
 import pytest
 
 from flagscale.cluster.processes import session_members
 from flagscale.demo_model import ensure_demo_lora
-from tests.conftest import demo_engine_args, run_cli, status_cli, wait_for, write_config
+from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, status_cli, wait_for, write_config
 
 PORT = 19301
 ADAPTERS = ("sql", "bot", "doc")
@@ -112,10 +114,14 @@ def test_router_metrics_count_each_adapters_requests(client):
         assert f'flagscale_router_requests_total{{model="{name}"' in text, name
 
 
-def engine_pids(deployment) -> set[int]:
+def status_json(deployment) -> dict:
     result = status_cli(deployment["conf"], "output=json")
     assert result.returncode == 0, result.output
-    return {r["engine_pid"] for r in json.loads(result.stdout[result.stdout.index("{") :])["replicas"]}
+    return json.loads(result.stdout[result.stdout.index("{") :])
+
+
+def engine_pids(deployment) -> set[int]:
+    return {r["engine_pid"] for r in status_json(deployment)["replicas"]}
 
 
 class AdapterLoad:
@@ -162,6 +168,25 @@ def test_run_again_adds_and_removes_adapters_in_place(deployment, client):
     assert engine_pids(deployment) == before  # loaded in place: no engine restarted
     state = json.loads((deployment["exp_dir"] / "state.json").read_text())
     assert set(state["extra"]["config"]["serve"]["demo"]["lora"]["adapters"]) == {"sql", "bot", "new"}
+
+
+def test_a_replica_whose_engine_is_killed_comes_back_with_the_full_set(deployment, client):
+    wanted = {"demo", "sql", "bot", "new"}
+    (victim, *_) = status_json(deployment)["replicas"]
+    psutil.Process(victim["engine_pid"]).children()[0].kill()  # engine_proc's child: vLLM's server
+
+    def replaced() -> list[dict] | None:  # two READY replicas again, the killed one gone, each with every adapter
+        replicas = [r for r in status_json(deployment)["replicas"] if r["state"] == "READY"]
+        ids = {r["replica_id"] for r in replicas}
+        ok = (
+            len(replicas) == 2 and victim["replica_id"] not in ids and all(set(r["models"]) == wanted for r in replicas)
+        )
+        return replicas if ok else None
+
+    replicas = wait_for(replaced, STATUS_WAIT_S, "the killed replica replaced, with every adapter loaded")
+    assert all(not r["adapter_errors"] for r in replicas)
+    for name in ("sql", "bot", "new"):
+        assert complete(client, name) != complete(client, "demo")
 
 
 def test_stop_leaves_nothing(deployment, client):

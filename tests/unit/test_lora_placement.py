@@ -4,8 +4,10 @@ evictions in /metrics)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
+import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -23,6 +25,8 @@ from flagscale.router.policies.adapters import (
     tier,
 )
 from flagscale.router.spec import RouterSpec
+from tests.conftest import bare_router, router_listening
+from tests.unit.fakes import FakeEngine, events, greedy, started_upstreams, streamed_text, text_of, tokenize
 
 
 @dataclass
@@ -154,3 +158,33 @@ def test_an_adapters_own_policy_still_orders_within_the_tier():
     policy.before_request(replicas[1], info)  # sent to b first
     again = RequestInfo("x", {"model": "x", "prompt": prompt + " more"})
     assert ids(policy.select(replicas, again, 0.0))[0] == "b"
+
+
+async def _adapter_stream_through_router(engines, body):
+    """One streamed request for adapter "sql" of node "s" (base model "m") through a router over `engines`."""
+    router = bare_router(await started_upstreams(engines), "least_load")
+    router.spec.models["sql"] = "s"
+    router.spec.adapters["sql"] = "m"
+    router.spec.routing["sql"] = RoutingSpec(policy="least_load")
+    router.replicas.policies["sql"] = router.adapter_routing.policy("sql", router.spec)
+    ups = list(router.replicas.table.by_replica.values())
+    for up in ups:
+        up.record.models = ["m", "sql"]
+    router.replicas.table.by_model["sql"] = ups
+    try:
+        async with router_listening(router) as url, aiohttp.ClientSession() as client:
+            async with client.post(f"{url}/v1/completions", json=body) as resp:
+                return resp.status, await resp.read()
+    finally:
+        for engine in engines:
+            await engine.runner.cleanup()
+
+
+def test_an_adapters_stream_resumes_on_another_replica_naming_the_same_adapter():
+    body = {"model": "sql", "prompt": "hello", "max_tokens": 12, "stream": True, "temperature": 0}
+    dying, spare = FakeEngine("dying", die_after=5), FakeEngine("spare")
+    status, raw = asyncio.run(_adapter_stream_through_router([dying, spare], body))
+    assert status == 200 and streamed_text(raw) == text_of(greedy(tokenize("hello"), 12))
+    assert [b["model"] for _, b in dying.bodies] == ["sql"]
+    assert [b["model"] for _, b in spare.bodies] == ["sql"]  # the resumed request names the same adapter
+    assert {e["model"] for e in events(raw) if isinstance(e, dict)} == {"sql"}
