@@ -296,6 +296,8 @@ class Frontend:
         m.bytes.labels(model).inc(exchange.sent_bytes)
         if exchange.moves:
             m.moved.labels(model).inc(exchange.moves)
+        if exchange.stream is not None and exchange.stream.generated:
+            m.tokens.labels(model).inc(len(exchange.stream.generated))
         if exchange.stream is not None and exchange.stream.resumed:
             m.resumed.labels(model).inc(exchange.stream.resumed)
 

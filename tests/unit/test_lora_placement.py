@@ -174,7 +174,7 @@ async def _adapter_stream_through_router(engines, body):
     try:
         async with router_listening(router) as url, aiohttp.ClientSession() as client:
             async with client.post(f"{url}/v1/completions", json=body) as resp:
-                return resp.status, await resp.read()
+                return resp.status, await resp.read(), router
     finally:
         for engine in engines:
             await engine.runner.cleanup()
@@ -183,8 +183,11 @@ async def _adapter_stream_through_router(engines, body):
 def test_an_adapters_stream_resumes_on_another_replica_naming_the_same_adapter():
     body = {"model": "sql", "prompt": "hello", "max_tokens": 12, "stream": True, "temperature": 0}
     dying, spare = FakeEngine("dying", die_after=5), FakeEngine("spare")
-    status, raw = asyncio.run(_adapter_stream_through_router([dying, spare], body))
+    status, raw, router = asyncio.run(_adapter_stream_through_router([dying, spare], body))
     assert status == 200 and streamed_text(raw) == text_of(greedy(tokenize("hello"), 12))
     assert [b["model"] for _, b in dying.bodies] == ["sql"]
     assert [b["model"] for _, b in spare.bodies] == ["sql"]  # the resumed request names the same adapter
     assert {e["model"] for e in events(raw) if isinstance(e, dict)} == {"sql"}
+    metrics = router.metrics.text().decode()
+    assert 'flagscale_router_streamed_tokens_total{model="sql"} 12.0' in metrics  # both parts, per adapter
+    assert 'flagscale_router_requests_total{model="sql",status="200"} 1.0' in metrics
