@@ -64,13 +64,14 @@ def gather(
     config: ServeConfig, sources: ConfigSources, check_port: bool = True, target: TargetFacts | None = None
 ) -> Facts:
     """Every probe and read planning depends on, once; `target`: the target's facts when already known."""
+    engine_nodes = [node for node in config.serve if node.is_engine]
     return Facts(
         target=target if target is not None else gather_target(config, sources, check_port),
         api_key=resolve_api_key(config, sources),
         exp_dir=resolve_exp_dir(config.experiment.exp_dir),
         weight_bytes={model: model_weight_bytes(os.path.expanduser(model)) for model in models_named(config)},
         experts={model: model_experts(os.path.expanduser(model)) for model in models_named(config)},
-        adapters={path: read_adapter(path) for path in adapter_paths([n for n in config.serve if n.is_engine])},
+        adapters={path: read_adapter(path) for path in adapter_paths(engine_nodes, config.experiment.runner.cli_args)},
     )
 
 

@@ -154,13 +154,14 @@ def read_adapter(path: str) -> AdapterFiles:
     return AdapterFiles(full, config)
 
 
-def adapter_paths(nodes: list[Any]) -> set[str]:
-    """Every adapter directory the engine nodes name, in `lora:` or in vLLM's lora_modules (as written)."""
+def adapter_paths(nodes: list[Any], cli_args: dict[str, Any]) -> set[str]:
+    """Every adapter directory the engine nodes name, in `lora:` or in the engine arg lora_modules (their own, or
+    runner.cli_args'), as written."""
     paths: set[str] = set()
     for node in nodes:
         if node.lora is not None:
             paths.update(node.lora.adapters.values())
-        for args in (node.engine_args, *node.engine_args_specific.values()):
+        for args in (cli_args, node.engine_args, *node.engine_args_specific.values()):
             if "lora_modules" in args:
                 try:
                     paths.update(lora_modules(args["lora_modules"], "").values())

@@ -62,6 +62,11 @@ def _notes(engine: EnginePlan, node: NodeConfig) -> list[str]:
             f"serve '{engine.serve_id}': num_replicas auto -> {engine.num_replicas} "
             f"({engine.devices_per_replica} {engine.device} device(s) per replica)"
         )
+    if engine.lora:
+        notes.append(
+            f"serve '{node.serve_id}': LoRA adapters {', '.join(engine.adapters) or '(none yet)'}, each a model; "
+            f"max_loras {engine.lora.max_loras} per replica"
+        )
     if engine.role:
         where = f"on host {engine.pinned_host}" if engine.pinned_host else "placed by Ray"
         where += engine.kind.pool_note(engine.device, engine.argv)

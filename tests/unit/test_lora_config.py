@@ -73,6 +73,12 @@ def test_vllm_spellings_in_engine_args_are_the_same_setting(demo_model_path, ada
     assert "serve[0](m).engine_args.max_loras" in str(err.value)
 
 
+def test_lora_modules_in_runner_cli_args_are_read_and_checked(demo_model_path, adapter):
+    cfg = config(demo_model_path)
+    cfg.experiment.runner.cli_args = {"lora_modules": [f"sql={adapter}"]}
+    assert plan(cfg).engines[0].adapters == {"sql": str(adapter)}
+
+
 def test_enable_lora_false_with_adapters_is_refused():
     with pytest.raises(ConfigError, match="enable_lora is false"):
         node_lora(None, {"enable_lora": False, "lora_modules": ["a=/x"]}, "n.engine_args")

@@ -191,3 +191,12 @@ def test_an_adapters_stream_resumes_on_another_replica_naming_the_same_adapter()
     metrics = router.metrics.text().decode()
     assert 'flagscale_router_streamed_tokens_total{model="sql"} 12.0' in metrics  # both parts, per adapter
     assert 'flagscale_router_requests_total{model="sql",status="200"} 1.0' in metrics
+
+
+def test_a_replica_that_drops_an_adapter_keeps_holding_the_others():
+    placement = Placement(max_loras=3)
+    policy_x = AdapterAware("x", make_policy(RoutingSpec(policy="least_load")), placement)
+    for adapter in ("x", "y"):
+        placement.sent(adapter, "r")
+    policy_x.on_replica_left("r")  # r unloaded x (or left: then every adapter's policy is told)
+    assert list(placement.held["r"]) == ["y"] and placement.holders("x") == []

@@ -76,8 +76,13 @@ class Placement:
             evicted.append(gone)
         return evicted
 
-    def forget(self, replica_id: str) -> None:
-        self.held.pop(replica_id, None)
+    def forget(self, adapter: str, replica_id: str) -> None:
+        """The replica no longer serves `adapter` (it left, or unloaded the adapter)."""
+        held = self.held.get(replica_id)
+        if held is not None:
+            held.pop(adapter, None)
+            if not held:
+                del self.held[replica_id]
 
     def holders(self, adapter: str) -> list[str]:
         return [replica for replica, held in self.held.items() if adapter in held]
@@ -104,7 +109,7 @@ class AdapterAware(Policy):
         self.inner.on_replica_joined(upstream)
 
     def on_replica_left(self, replica_id: str) -> None:
-        self.placement.forget(replica_id)
+        self.placement.forget(self.adapter, replica_id)
         self.inner.on_replica_left(replica_id)
 
     def learn(self, replica_id: str, prefix_keys: list[bytes]) -> None:
