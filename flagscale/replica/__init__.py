@@ -7,7 +7,8 @@ ranks.py, across the hosts it spans (ReplicaRanks); rank_layout.py: which host r
 preview; bundles.py: the replica's placement group as Ray placed it; host_ranks.py: one other host's ranks (the
 RemoteRanks actor, worker pids); cores.py: the cores a host's CPU ranks claim. cpu_layout.py: the cores of a CPU
 engine's processes; startup_lock.py: engines sharing a GPU start in turn; autoscaling.py: the load Serve scales
-on; registry.py: the records the router reads to find replicas.
+on; registry.py: the records the router reads to find replicas; adapters.py: the node's LoRA adapters loaded and
+unloaded through the engine's runtime routes (EngineReplica.reconfigure).
 
 It talks to its engine only through the engine kind (flagscale.engines: EngineKind) and names none. It may import
 flagscale.engines, flagscale.config, flagscale.cluster (Ray helpers, private directories) and the basics (errors,

@@ -4,7 +4,8 @@ Owns the HTTP face (frontend.py, client_request.py), admission (admission.py), t
 with every retry and resume decision (failover.py, resume.py; what an answer says of its replica: verdict.py), the
 relay of streamed answers (exchange.py, upstream_http.py), the prefill step of disaggregated models (pd.py), the
 replicas' state, policies and circuit breakers (replicas.py, circuit_breaker.py), the routing policies
-(policies/: one module each, one registry), what the router processes of a deployment share (peers.py), the
+(policies/: one module each, one registry; policies/adapters.py: where a LoRA adapter's requests go, lora.py: its
+wiring and metrics), what the router processes of a deployment share (peers.py), the
 process's counters and clients (state.py) and /metrics (metrics.py). `Router` (router.py) is the Ray Serve replica
 that runs them, each part handed only the collaborators it uses; `RouterSpec` (spec.py) is what it is given.
 
