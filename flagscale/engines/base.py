@@ -163,6 +163,11 @@ class EngineKind(ABC):
         ConfigError naming the engine where it cannot serve them."""
         raise ConfigError(f"{self.display} {self.lora_refusal}; adapters are served with engine: vllm", where)
 
+    def lora_running(self, metrics_text: str) -> list[str] | None:
+        """The adapters the engine runs or has queued now (held in its batch's adapter slots), from its /metrics
+        text; None: the engine does not say."""
+        return None
+
     def lora_load_request(self, name: str, path: str, replace: bool) -> tuple[str, dict[str, Any]]:
         """The server's path and JSON body that load adapter `name` from `path` at run time (`replace`: one of that
         name is loaded already). Only asked of engines whose lora_args do not refuse."""

@@ -12,6 +12,8 @@ import re
 import sys
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from flagscale.engines import vllm_args
 from flagscale.engines.base import (
     EXPERT_PARALLEL_ARG,
@@ -262,6 +264,20 @@ class VLLM(EngineKind):
         # --lora-modules: a changed set is then loaded in place, without a restart
         settings = {key: getattr(lora, key) for key in ("max_loras", "max_lora_rank", "max_cpu_loras")}
         return {"enable_lora": True, **{key: value for key, value in settings.items() if value is not None}}
+
+    def lora_running(self, metrics_text: str) -> list[str] | None:
+        # vllm:lora_requests_info: one label set per state seen, its value the time it was last set; the newest
+        # names the adapters of the running and the waiting requests now
+        newest, labels = -1.0, None
+        for family in text_string_to_metric_families(metrics_text):
+            if family.name == "vllm:lora_requests_info":
+                for sample in family.samples:
+                    if sample.value > newest:
+                        newest, labels = sample.value, sample.labels
+        if labels is None:
+            return None
+        names = f"{labels.get('running_lora_adapters', '')},{labels.get('waiting_lora_adapters', '')}"
+        return sorted({name for name in names.split(",") if name})
 
     def lora_load_request(self, name: str, path: str, replace: bool) -> tuple[str, dict[str, Any]]:
         return "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": replace}

@@ -55,6 +55,17 @@ class AdapterSet:
         return done
 
 
+def running(kind: EngineKind, url: str, api_key: str | None, timeout_s: float = 2.0) -> list[str] | None:
+    """The adapters the engine at `url` runs or has queued now, as its /metrics say (None: it did not answer in
+    time, or does not say)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=headers), timeout=timeout_s) as r:
+            return kind.lora_running(r.read().decode())
+    except (OSError, ValueError):
+        return None
+
+
 def poster(url: str, api_key: str | None, timeout_s: float = LOAD_TIMEOUT_S) -> Post:
     """POSTs JSON to the engine at `url` (with the deployment's key): None on 2xx, else the error's text."""
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}

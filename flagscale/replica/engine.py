@@ -22,7 +22,7 @@ from flagscale.cluster.tempdirs import UnsafeDirectory
 from flagscale.engines.metrics import engine_metrics
 from flagscale.net import free_port, health_ok
 from flagscale.replica import registry
-from flagscale.replica.adapters import AdapterSet, poster
+from flagscale.replica.adapters import AdapterSet, poster, running
 from flagscale.replica.autoscaling import ENGINE_REQUESTS
 from flagscale.replica.cores import RankStartError
 from flagscale.replica.cpu_layout import pin_engine
@@ -232,6 +232,8 @@ class EngineReplica:
             )
         else:
             self._note(f"/health did not answer within {HEALTH_PROBE_TIMEOUT_S:g}s (busy?); not replaced yet")
+        if self.adapters.loaded:  # what the router places adapters by, besides its own record (docs/routing.md)
+            self.record.adapters_running = running(self.spec.kind, self.url, self.spec.api_key) or []
         registry.publish(self.record)
 
     def reconfigure(self, config: dict) -> None:

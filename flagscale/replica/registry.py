@@ -44,6 +44,8 @@ class ReplicaRecord:
     ranks: list[dict] = field(default_factory=list)
     # LoRA adapters of its node that its engine failed to load: name -> why (its loaded ones are in `models`)
     adapter_errors: dict[str, str] = field(default_factory=dict)
+    # the adapters its engine ran or had queued at its last health check, as the engine reports it
+    adapters_running: list[str] = field(default_factory=list)
 
     @property
     def stale(self) -> bool:

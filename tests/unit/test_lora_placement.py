@@ -200,3 +200,20 @@ def test_a_replica_that_drops_an_adapter_keeps_holding_the_others():
         placement.sent(adapter, "r")
     policy_x.on_replica_left("r")  # r unloaded x (or left: then every adapter's policy is told)
     assert list(placement.held["r"]) == ["y"] and placement.holders("x") == []
+
+
+def test_an_adapter_the_engine_reports_running_counts_as_held():
+    """Another router process (or a router just restarted) sent it there: the engine's report says so."""
+
+    @dataclass
+    class Record:
+        adapters_running: list[str]
+
+    @dataclass
+    class Reported(Rep):
+        record: Record = field(default_factory=lambda: Record([]))
+
+    placement = Placement(max_loras=2)
+    a, b = Reported("a", inflight=1), Reported("b", record=Record(["x"]), inflight=2)
+    assert ids(placement.order("x", [a, b])) == ["b", "a"]
+    assert ids(placement.order("y", [a, b])) == ["a", "b"]  # nobody holds y: both free, the policy's order

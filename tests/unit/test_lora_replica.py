@@ -51,3 +51,20 @@ def test_an_adapter_that_fails_to_load_is_left_out_with_why_until_it_loads():
     assert adapters.loaded == {"a": "/a", "bad": "/bad"} and adapters.errors == {}
     adapters.sync(VLLM, {}, FakeRoutes())
     assert adapters.loaded == {} and adapters.errors == {}
+
+
+# vLLM 0.32's /metrics on a CPU engine with max_loras 2 (a probe of the demo model): one label set per state seen,
+# its value when it was last set
+LORA_INFO = """# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7959505991091497e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql",waiting_lora_adapters="sql"} 1.795950599038382e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="bot,sql",waiting_lora_adapters="doc"} 1.7959506e+09
+"""
+
+
+def test_the_engines_report_of_the_adapters_it_runs_is_its_newest_label_set():
+    assert VLLM.lora_running(LORA_INFO) == ["bot", "doc", "sql"]
+    assert VLLM.lora_running(LORA_INFO.replace("1.7959506e+09", "1.0")) == []  # idle now
+    assert VLLM.lora_running("# nothing about adapters\n") is None
+    assert engines.get("llama_cpp").lora_running(LORA_INFO) is None

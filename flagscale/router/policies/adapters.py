@@ -4,7 +4,8 @@ Every replica of a node can serve each of its adapters (each replica has them al
 adapters.py), but an engine runs at most `max_loras` adapters in a batch at once: a request for an adapter the
 replica is not running waits for a slot, and the adapter's weights are swapped in, evicting the one least recently
 used. So an adapter's requests go to replicas that hold it (it was sent there recently: the router's own record,
-least recently used first, at most max_loras per replica) unless those are overloaded (more than `slack` requests
+least recently used first, at most max_loras per replica; or the replica's engine reported running it at its last
+health check: vLLM's vllm:lora_requests_info) unless those are overloaded (more than `slack` requests
 in flight above the least busy replica); then to the least busy replica with a free slot, then to one that must
 evict. A hot adapter so spreads to more replicas as its holders fill; a cold one stays on the few that hold it.
 Within each tier the model's own policy's order (cache_aware: prefix affinity, within the adapter) is kept.
@@ -37,6 +38,12 @@ def tier(holds: bool, inflight: int, least: int, held: int, max_loras: int, slac
     return FREE_SLOT if held < max_loras else EVICTS
 
 
+def engine_reported(replica: Replica) -> list[str]:
+    """The adapters the replica's engine ran or had queued at its last health check (its registry record)."""
+    record = getattr(replica, "record", None)
+    return getattr(record, "adapters_running", None) or []
+
+
 @dataclass
 class Placement:
     """One node's adapters on its replicas, as the router sent them: per replica, the adapters it holds, least
@@ -56,7 +63,8 @@ class Placement:
 
         def rank(u: Replica) -> int:
             held = self.held.get(u.replica_id, {})
-            return tier(adapter in held, u.inflight, least, len(held), self.max_loras, self.slack)
+            holds = adapter in held or adapter in engine_reported(u)
+            return tier(holds, u.inflight, least, len(held), self.max_loras, self.slack)
 
         return sorted(ranked, key=rank)
 
