@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from flagscale.config.fields import SAFE_ID, Strict
 from flagscale.errors import ConfigError
@@ -121,8 +121,10 @@ def node_lora(lora: LoraConfig | None, args: dict[str, Any], where: str) -> tupl
         settings = {**lora.model_dump(exclude_unset=True), **settings}
     try:
         return LoraConfig(**settings), rest
-    except ValueError as exc:
-        raise ConfigError(str(exc).splitlines()[-1].strip() if "\n" in str(exc) else str(exc), where) from None
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        key = ".".join(str(part) for part in error["loc"])
+        raise ConfigError(error["msg"].removeprefix("Value error, "), f"{where}.{key}" if key else where) from None
 
 
 @dataclass(frozen=True)

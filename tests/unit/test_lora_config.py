@@ -79,6 +79,13 @@ def test_lora_modules_in_runner_cli_args_are_read_and_checked(demo_model_path, a
     assert plan(cfg).engines[0].adapters == {"sql": str(adapter)}
 
 
+def test_bad_settings_in_engine_args_are_named():
+    with pytest.raises(ConfigError, match=r"n.engine_args: max_cpu_loras \(1\) must be at least max_loras \(2\)"):
+        node_lora(None, {"max_loras": 2, "max_cpu_loras": 1}, "n.engine_args")
+    with pytest.raises(ConfigError, match=r"n.engine_args.max_loras: .*greater than or equal to 1"):
+        node_lora(None, {"max_loras": 0}, "n.engine_args")
+
+
 def test_enable_lora_false_with_adapters_is_refused():
     with pytest.raises(ConfigError, match="enable_lora is false"):
         node_lora(None, {"enable_lora": False, "lora_modules": ["a=/x"]}, "n.engine_args")
