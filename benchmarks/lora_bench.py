@@ -8,7 +8,8 @@ through vLLM's runtime LoRA route, so the engines are the same for every pass. T
 class in a process of its own, its replica list fixed to those engines (no Ray), with or without the placement;
 the placement counts what it would call loads and evictions in both modes (an adapter sent to a replica that did
 not hold it among its last max_loras). The plain baseline: the same workload straight to the first engine, per
-replica the fair comparison ("no worse than plain vLLM per replica": the router's tok/s over its replicas).
+replica the fair comparison ("no worse than plain vLLM per replica": the router's tok/s over its replicas). Each
+engine's model worker is bound to a core of its own (VLLM_CPU_OMP_THREADS_BIND), as the orchestrator binds them.
 
 Workload: `--requests` streamed completions, `--concurrency` at once, each for an adapter drawn from a Zipf law
 (s = `--zipf`) over the adapters, a short prompt, `--tokens` tokens (ignore_eos); the second half of a `--hot`
@@ -242,7 +243,10 @@ def main() -> None:
         urls = []
         for i in range(args.replicas):
             port = free_port()
-            procs.start(engine_argv(port, args.max_loras, args.adapters), f"engine-{i}", env)
+            # each engine's model worker on a core of its own (two left to the OS's choice spin against each other
+            # on a small machine), as the orchestrator's CPU layout does
+            bind = {"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}
+            procs.start(engine_argv(port, args.max_loras, args.adapters), f"engine-{i}", {**env, **bind})
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
             wait_healthy(url, 600, "a vLLM engine")
