@@ -85,6 +85,8 @@ class EngineStartError(RuntimeError):
 class EngineReplica:
     """One replica = one engine server process (and the processes it starts)."""
 
+    adapters: AdapterSet | None = None  # the LoRA adapters its engine has loaded (reconfigure), for nodes with some
+
     def __init__(self, spec: EngineSpec):
         self.spec = spec
         self._server = f"{spec.kind.display} server"
@@ -100,7 +102,7 @@ class EngineReplica:
         self.log_path = log_dir / f"engine-{spec.serve_id}-{self.replica_id}.log"
         self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
         self.ranks: ReplicaRanks | None = None
-        self.adapters = AdapterSet()  # the LoRA adapters its engine has loaded (reconfigure)
+        self.adapters = AdapterSet()
         try:
             self._start(spec, host, self.gpu_ids)
         except (TimeoutError, UnsafeDirectory, RankStartError) as exc:  # GPU start-up lock, cores, other hosts
@@ -232,7 +234,9 @@ class EngineReplica:
             )
         else:
             self._note(f"/health did not answer within {HEALTH_PROBE_TIMEOUT_S:g}s (busy?); not replaced yet")
-        if self.adapters.loaded:  # what the router places adapters by, besides its own record (docs/routing.md)
+        if (
+            self.adapters is not None and self.adapters.loaded
+        ):  # what the router places adapters by, besides its own record (docs/routing.md)
             self.record.adapters_running = running(self.spec.kind, self.url, self.spec.api_key) or []
         registry.publish(self.record)
 
