@@ -16,10 +16,11 @@ from flagscale.router.circuit_breaker import CircuitBreaker
 from flagscale.router.lora import AdapterRouting
 from flagscale.router.policies import RequestInfo, make_policy
 from flagscale.router.policies.adapters import (
-    EVICTS,
     FREE_SLOT,
-    HOLDER,
+    FULL,
+    HELD,
     OVERLOADED,
+    RUNNING,
     AdapterAware,
     Placement,
     tier,
@@ -38,52 +39,69 @@ class Rep:
 
 
 @pytest.mark.parametrize(
-    "holds, inflight, least, held, max_loras, expected",
+    "running, holds, inflight, least, busy, expected",
     [
-        (True, 0, 0, 1, 2, HOLDER),  # holds it, idle
-        (True, 4, 0, 2, 2, HOLDER),  # holds it, busy but within the slack (4)
-        (True, 5, 0, 2, 2, OVERLOADED),  # holds it, beyond the slack: not preferred
-        (False, 0, 0, 1, 2, FREE_SLOT),  # a free slot: loads it without evicting
-        (False, 0, 0, 2, 2, EVICTS),  # full: loading it evicts another adapter
-        (False, 9, 0, 0, 2, OVERLOADED),
+        (True, True, 3, 0, 2, RUNNING),  # its requests run there: this one joins their batch
+        (True, True, 5, 0, 2, OVERLOADED),  # but more than the slack (4) above the least busy: not preferred
+        (False, True, 0, 0, 1, HELD),  # ran it lately, a slot free
+        (False, False, 0, 0, 1, FREE_SLOT),  # a slot free: loads it there
+        (False, True, 0, 0, 2, FULL),  # both slots taken by other adapters' requests: it would wait
+        (False, False, 9, 0, 0, OVERLOADED),
     ],
 )
-def test_tiers(holds, inflight, least, held, max_loras, expected):
-    assert tier(holds, inflight, least, held, max_loras) == expected
+def test_tiers(running, holds, inflight, least, busy, expected):
+    assert tier(running, holds, inflight, least, busy, max_loras=2, slack=4) == expected
 
 
 def ids(replicas) -> list[str]:
     return [r.replica_id for r in replicas]
 
 
-@pytest.mark.parametrize(
-    "held, inflight, adapter, first",
-    [
-        # a cold adapter stays where it is held, even when another replica is a little less busy
-        ({"a": ["x"]}, {"a": 2, "b": 0}, "x", "a"),
-        # its holder overloaded: the least busy replica with a free slot takes it (and loads it)
-        ({"a": ["x"]}, {"a": 9, "b": 0, "c": 0}, "x", "b"),
-        # nobody holds it: a replica with a free slot before one that must evict
-        ({"a": ["y", "z"], "b": ["y"]}, {"a": 0, "b": 0}, "x", "b"),
-        # held by two: the policy's order decides between them (here: the order given)
-        ({"a": ["x"], "b": ["x"]}, {"a": 0, "b": 0, "c": 0}, "x", "a"),
-    ],
-)
-def test_placement_decisions(held, inflight, adapter, first):
+def placed(active: dict[str, list[str]], held: dict[str, list[str]]) -> Placement:
+    """A placement with these adapters in flight (one request each) and, beyond them, these held last."""
     placement = Placement(max_loras=2)
     for replica, adapters in held.items():
         for name in adapters:
+            placement.sent(name, replica, in_flight=False)
+    for replica, adapters in active.items():
+        for name in adapters:
             placement.sent(name, replica)
+    return placement
+
+
+@pytest.mark.parametrize(
+    "active, held, inflight, adapter, first",
+    [
+        # running on a: joins its batch there, though b is less busy
+        ({"a": ["x"]}, {}, {"a": 3, "b": 0}, "x", "a"),
+        # running on a, which is overloaded: a replica with a free slot takes it
+        ({"a": ["x"]}, {}, {"a": 9, "b": 0}, "x", "b"),
+        # nobody runs it: a replica that held it lately, with a free slot, before one with a free slot
+        ({}, {"b": ["x"]}, {"a": 0, "b": 0}, "x", "b"),
+        # a's slots are taken by y and z: b, with a free slot, though it is busier
+        ({"a": ["y", "z"], "b": ["w"]}, {}, {"a": 2, "b": 3}, "x", "b"),
+        # running on both: the policy's order decides between them (here: the order given)
+        ({"a": ["x"], "b": ["x"]}, {}, {"a": 1, "b": 1, "c": 0}, "x", "a"),
+    ],
+)
+def test_placement_decisions(active, held, inflight, adapter, first):
     replicas = [Rep(name, inflight[name]) for name in inflight]
-    assert ids(placement.order(adapter, replicas))[0] == first
+    assert ids(placed(active, held).order(adapter, replicas))[0] == first
 
 
 def test_the_policys_order_is_kept_within_a_tier():
-    placement = Placement(max_loras=2)
-    placement.sent("x", "c")
-    placement.sent("x", "a")
-    order = placement.order("x", [Rep("a"), Rep("b"), Rep("c")])
-    assert ids(order) == ["a", "c", "b"]  # holders a, c in the given (policy's) order, then b
+    placement = placed({"c": ["x"], "a": ["x"]}, {})
+    order = placement.order("x", [Rep("a", 1), Rep("b"), Rep("c", 1)])
+    assert ids(order) == ["a", "c", "b"]  # running on a and c, in the given (policy's) order, then b
+
+
+def test_a_request_that_ends_frees_its_adapters_slot():
+    placement = placed({"r": ["x", "x", "y"]}, {})
+    assert placement.active["r"] == {"x": 2, "y": 1}
+    placement.done("x", "r")
+    placement.done("y", "r")
+    assert placement.active["r"] == {"x": 1}
+    assert ids(placement.order("z", [Rep("r", 1), Rep("s", 5)])) == ["r", "s"]  # a slot free on r now
 
 
 def test_max_loras_bounds_what_a_replica_holds_least_recently_used_out():
@@ -96,8 +114,8 @@ def test_max_loras_bounds_what_a_replica_holds_least_recently_used_out():
 
 
 def test_a_hot_adapter_spreads_and_a_cold_one_stays():
-    """Requests for hot adapter h pile up on its holder until it is overloaded, then go to the other replica;
-    cold adapter c, sent now and then, keeps its one holder."""
+    """Requests for hot adapter h join its batch on one replica until that one is overloaded, then spread to
+    the other; cold adapter c, asked now and then, stays where it ran."""
     placement = Placement(max_loras=2)
     replicas = [Rep("a"), Rep("b")]
 
@@ -109,11 +127,17 @@ def test_a_hot_adapter_spreads_and_a_cold_one_stays():
 
     assert route("h") == "a"
     picks = [route("h") for _ in range(8)]
-    assert "b" in picks and placement.holders("h") == ["a", "b"]  # spread once "a" was 5 above "b"
+    assert picks[:4] == ["a"] * 4 and "b" in picks  # spread once "a" was 5 above "b"
     for r in replicas:
+        for adapter in list(placement.active.get(r.replica_id, {})):
+            while adapter in placement.active.get(r.replica_id, {}):
+                placement.done(adapter, r.replica_id)
         r.inflight = 0
     cold = route("c")
-    assert [route("c") for _ in range(3)] == [cold] * 3 and placement.holders("c") == [cold]
+    for r in replicas:
+        r.inflight = 0
+    placement.done("c", cold)
+    assert route("c") == cold  # held there, a slot free: back to it
 
 
 def test_the_router_places_only_adapters_and_counts_loads_and_evictions():
