@@ -13,8 +13,11 @@ engine's model worker is bound to a core of its own (VLLM_CPU_OMP_THREADS_BIND),
 
 Workload: `--requests` streamed completions, `--concurrency` at once, each for an adapter drawn from a Zipf law
 (s = `--zipf`) over the adapters, a short prompt, `--tokens` tokens (ignore_eos); the second half of a `--hot`
-pass sends half of its requests to one adapter that was cold. Per pass: TTFT p50/p90, output tok/s, requests/s,
-adapter loads per minute. JSON to benchmarks/results/, a markdown table printed.
+pass sends half of its requests to one adapter that was cold. After a warm-up of each engine, the modes alternate
+(reversed every other round). Per pass: TTFT p50/p90, output tok/s, requests/s, adapter loads per minute. JSON to
+benchmarks/results/, a markdown table printed. On a machine of few cores, two engines' spinning model workers take
+every core from their API servers, the router and the clients, which one plain engine alone does not: measure the
+per-replica comparison on a machine with a core or more to spare beyond the engines'.
 
   .venv/bin/python benchmarks/lora_bench.py                          # 50 adapters, 2 replicas, max_loras 4
   .venv/bin/python benchmarks/lora_bench.py --adapters 20 --requests 200 --modes placed oblivious
@@ -252,9 +255,12 @@ def main() -> None:
             wait_healthy(url, 600, "a vLLM engine")
             load_adapters(url, adapters)
         print(f"{args.replicas} engines with {args.adapters} adapters each; max_loras {args.max_loras}")
+        for url in urls:  # warm-up: vLLM's CPU engine runs its first batches of each shape slowly
+            asyncio.run(drive(url, workload(args, names, seed=-1)[: args.requests // 4], args))
         for round_ in range(args.rounds):
             picks = workload(args, names, seed=round_)
-            for mode in args.modes:
+            modes = args.modes if round_ % 2 == 0 else args.modes[::-1]  # neither mode always first
+            for mode in modes:
                 router = None
                 url = urls[0]
                 if mode != "plain":
