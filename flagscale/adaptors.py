@@ -48,6 +48,7 @@ jinja2_sandbox = LazyImport("jinja2.sandbox")
 msgspec_msgpack = LazyImport("msgspec.msgpack")
 matplotlib_figure = LazyImport("matplotlib.figure")  # Figure without pyplot: no global state, an Agg canvas
 networkx = LazyImport("networkx")
+safetensors_torch = LazyImport("safetensors.torch")
 tokenizers = LazyImport("tokenizers")
 torch = LazyImport("torch")
 transformers = LazyImport("transformers")

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from flagscale.adaptors import tokenizers, torch, transformers
+from flagscale.adaptors import safetensors_torch, tokenizers, torch, transformers
 from flagscale.engines import llama_cpp_build
 from flagscale.paths import default_cache_dir
 from flagscale.progress import waiting
@@ -127,6 +127,52 @@ def ensure_demo_model(seed: int = DEMO_SEED, cache_dir: Path | None = None) -> P
         _write_weights(staging, seed)
 
     return materialize(demo_model_dir(seed, cache_dir), build, "generating the demo model (tokenizer + weights, once)")
+
+
+# A demo LoRA adapter: PEFT's layout (adapter_config.json + adapter_model.safetensors) for the demo model's attention
+# projections, with random A and B (B nonzero, so the adapter's answers differ from the base model's).
+DEMO_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def demo_lora_dir(name: str, rank: int = 8, cache_dir: Path | None = None) -> Path:
+    base = demo_model_dir(DEMO_SEED, cache_dir)
+    key = hashlib.sha256(json.dumps({"name": name, "rank": rank, "base": base.name}).encode()).hexdigest()[:12]
+    return base.with_name(f"{base.name}-lora-{key}")
+
+
+def ensure_demo_lora(name: str, rank: int = 8, cache_dir: Path | None = None) -> Path:
+    """A rank-`rank` LoRA adapter of the demo model, generated on first use (its weights seeded by `name`)."""
+    base = ensure_demo_model(DEMO_SEED, cache_dir)
+
+    def build(staging: Path) -> None:
+        _write_lora(staging, base, name, rank)
+
+    return materialize(demo_lora_dir(name, rank, cache_dir), build, f"generating the demo LoRA adapter {name!r} (once)")
+
+
+def _write_lora(out_dir: Path, base: Path, name: str, rank: int) -> None:
+    generator = torch.Generator().manual_seed(int(hashlib.sha256(name.encode()).hexdigest()[:8], 16))
+    hidden, layers = DEMO_SHAPE["hidden_size"], DEMO_SHAPE["num_hidden_layers"]
+    tensors = {}
+    for layer in range(layers):
+        for module in DEMO_LORA_MODULES:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) / hidden**0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(hidden, rank, generator=generator)
+    safetensors_torch.save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(DEMO_LORA_MODULES),
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 # The demo tokenizer's pre-tokenizer is byte-level BPE with GPT-2's split pattern (pre_tokenizers.ByteLevel), which

@@ -14,6 +14,7 @@ from pathlib import Path
 from flagscale import launchers
 from flagscale.cluster.state import resolve_exp_dir
 from flagscale.config.load import ConfigSources, resolve_api_key
+from flagscale.config.lora import AdapterFiles, adapter_paths, read_adapter
 from flagscale.config.schema import ServeConfig
 from flagscale.devices import local_gpus
 from flagscale.engines.model_args import model_experts
@@ -37,6 +38,8 @@ class Facts:
     # each `model` engine arg the config names -> its routed experts from config.json (0: a dense model; None: unknown,
     # a hub id not cached here)
     experts: dict[str, int | None] = dataclasses.field(default_factory=dict)
+    # each LoRA adapter directory the config names, as written -> what it holds (flagscale/config/lora.py)
+    adapters: dict[str, AdapterFiles] = dataclasses.field(default_factory=dict)
 
     def experts_of(self, model: object) -> int | None:
         """The routed experts of the model a `model` engine arg names, as the config wrote it; None: unknown."""
@@ -61,12 +64,14 @@ def gather(
     config: ServeConfig, sources: ConfigSources, check_port: bool = True, target: TargetFacts | None = None
 ) -> Facts:
     """Every probe and read planning depends on, once; `target`: the target's facts when already known."""
+    engine_nodes = [node for node in config.serve if node.is_engine]
     return Facts(
         target=target if target is not None else gather_target(config, sources, check_port),
         api_key=resolve_api_key(config, sources),
         exp_dir=resolve_exp_dir(config.experiment.exp_dir),
         weight_bytes={model: model_weight_bytes(os.path.expanduser(model)) for model in models_named(config)},
         experts={model: model_experts(os.path.expanduser(model)) for model in models_named(config)},
+        adapters={path: read_adapter(path) for path in adapter_paths(engine_nodes, config.experiment.runner.cli_args)},
     )
 
 

@@ -144,8 +144,14 @@ def replaced_nodes(changes: list[Change]) -> list[str]:
     return list(dict.fromkeys(c.path.split(".")[1] for c in changes if c.path.startswith("serve.") and _replaces(c)))
 
 
+# A node's LoRA adapters: its running replicas load and unload them (EngineReplica.reconfigure), replacing none.
+ADAPTER_SET = ("lora.adapters", "engine_args.lora_modules")
+
+
 def _replaces(change: Change) -> bool:
     key = change.path.split(".", 2)[2]
+    if key.startswith(ADAPTER_SET):
+        return False
     if key == "resources.num_replicas":
         return _fixed_count(change.old) != _fixed_count(change.new)
     return key not in SCALE_ONLY and not key.startswith("resources.slo")  # the SLO planner's: scale only

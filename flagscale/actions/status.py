@@ -145,6 +145,8 @@ def _replica_row(record) -> ReplicaRow:
         log=record.log_path,
         asleep=record.asleep,
         kv_events=(record.kv_events or {}).get("endpoint", ""),
+        models=record.models,
+        adapter_errors=record.adapter_errors,
     )
 
 

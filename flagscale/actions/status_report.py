@@ -62,6 +62,8 @@ class ReplicaRow:
     requests_served: int | None = None  # since the router started
     router: dict[str, Any] | None = None  # the router's view: in-flight, circuit, routing table (docs/routing.md)
     asleep: bool = False  # its engine sleeps (resources.sleep_delay_s): GPU memory freed, woken by the next request
+    models: list[str] = field(default_factory=list)  # what it serves: its model names, then the adapters it loaded
+    adapter_errors: dict[str, str] = field(default_factory=dict)  # LoRA adapters it failed to load: name -> why
 
     @property
     def node(self) -> str:

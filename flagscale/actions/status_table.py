@@ -26,6 +26,9 @@ def render(console: Console, report: StatusReport, wide: bool = False) -> None:
         columns = ["pool", "SLO", "measured", "forecast", "replicas", "last change"]
         console.print(planner_table(report.planner, _table("SLO planner", columns)))
     console.print(_replica_table(report.replicas, wide))
+    for r in report.replicas:  # a LoRA adapter a replica could not load: it is not READY for that adapter
+        for name, why in r.adapter_errors.items():
+            console.print(f"[red]{escape(f'{r.replica_id}: adapter {name!r} not loaded: {why}')}[/]")
     console.print(f"[dim]({LOAD_LEGEND})[/]")
     ranks = [(r, rank) for r in report.replicas for rank in r.ranks or ()]
     if wide and ranks:

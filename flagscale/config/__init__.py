@@ -4,6 +4,7 @@ schema.py: the schema, `ServeConfig`, assembled from experiment.py (`experiment:
 node.py (one node of `serve:`) and fields.py (what they share); their field docs are docs/config.md's; load.py, cli.py: from files and overrides to the
 schema; compat.py: FlagScale's older layouts mapped onto it, with a notice for each rewrite or ignored key;
 graph.py: graphs of custom nodes; request.py: a graph's request fields; replicas.py: a node's replica settings;
+lora.py: a node's LoRA adapters (`lora:` and the engine's spellings), what an adapter's directory holds;
 routing.py: a node's routing as planned (its policy and that policy's settings) and the router's admission bounds;
 resolvers.py: `${demo_model:}` in configs; reference.py: docs/config.md's tables.
 

@@ -17,6 +17,7 @@ from pydantic import (
 from flagscale import engines
 from flagscale.config.experiment import ProfileConfig
 from flagscale.config.fields import ENGINES, SAFE_ID, Strict
+from flagscale.config.lora import LoraConfig
 from flagscale.router import policies
 
 # How the router picks an engine node's replica per request: a name in the policies' registry
@@ -220,6 +221,12 @@ class NodeConfig(Strict):
         "code, shell tools, files read or written at a client's request), opted into by name, e.g. "
         f"`allow_engine_args: [tools]`; without it they are refused. Per engine: {UNSAFE_ARGS}.",
     )
+    lora: LoraConfig | None = Field(
+        None,
+        description="Engine node: LoRA adapters of its model, each served as a model of its own (docs/routing.md): "
+        "below. The engine args enable_lora / lora_modules / max_loras / max_lora_rank / max_cpu_loras say the "
+        "same.",
+    )
     resources: Resources = Field(default_factory=Resources, description="Replicas and what each reserves: below.")
     module: str | None = Field(None, description="Custom node: its .py file (docs/graphs.md).")
     name: str | None = Field(None, description="Custom node: the class in `module`.")
@@ -262,6 +269,10 @@ class NodeConfig(Strict):
             raise ValueError(f"unknown engine {self.engine!r}; known: {', '.join(ENGINES)}")
         if self.module is not None and self.allow_engine_args:
             raise ValueError("`allow_engine_args` is for engine nodes; a custom node has no engine args")
+        if self.module is not None and self.lora is not None:
+            raise ValueError("`lora` is for engine nodes; a custom node serves no adapters")
+        if self.disaggregation is not None and self.lora is not None:
+            raise ValueError("`lora` with `disaggregation`: adapters are served by colocated engine nodes only")
         if self.module is not None and self.routing is not None:
             raise ValueError("`routing` is for engine nodes; a custom node is called by the graph, not routed")
         if self.module is not None and self.resources.slo is not None:

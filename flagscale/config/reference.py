@@ -32,6 +32,7 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
     ("`experiment.auto_tuner.control`", schema.TunerControl, "experiment.auto_tuner.control."),
     ("`experiment.auto_tuner.performance`", schema.TunerPerformance, "experiment.auto_tuner.performance."),
     ("`serve[]`: nodes", schema.NodeConfig, "serve[]."),
+    ("`serve[].lora`", schema.LoraConfig, "serve[].lora."),
     ("`serve[].resources`", schema.Resources, "serve[].resources."),
     ("`serve[].profile`", schema.ProfileConfig, "serve[].profile."),
     ("`serve[].routing_options`", schema.RoutingOptions, "serve[].routing_options."),

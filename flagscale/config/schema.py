@@ -22,6 +22,7 @@ from flagscale.config.experiment import (
     TaskConfig,
 )
 from flagscale.config.fields import ENGINES, SAFE_ID, Backend, Strict, launcher_key
+from flagscale.config.lora import LoraConfig
 from flagscale.config.node import (
     UNSAFE_ARGS,
     Disaggregation,
@@ -47,6 +48,7 @@ __all__ = [
     "DeployConfig",
     "Disaggregation",
     "ExperimentConfig",
+    "LoraConfig",
     "NodeArgs",
     "NodeConfig",
     "PoolConfig",

@@ -2,9 +2,10 @@
 
 A new engine is a module here that defines `KIND = <its EngineKind>` and a line in ENGINES; nothing else in the
 project names an engine. A kind states its tables (common_args, ignored_args, ...); the loops over them
-(map_common_args, load, secret_env) are written once in base.py. docs/engines.md says what each supports. Beside the kinds: metrics.py (an engine
-server's /metrics, histogram buckets included), vllm_args.py / vllm_auth.py / vllm_headless.py (vLLM's argv, key middleware, headless ranks),
-llama_cpp_build.py (llama-server built here).
+(map_common_args, load, secret_env) are written once in base.py. docs/engines.md says what each supports. Beside
+the kinds: metrics.py (an engine server's /metrics, histogram buckets included), vllm_args.py / vllm_auth.py /
+vllm_headless.py / vllm_ranks.py / vllm_kv_events.py (vLLM's argv, key middleware, headless ranks, each rank's env
+and argv, KV-event publishing), llama_cpp_build.py (llama-server built here).
 
 It may import only the basics (errors, net, devices, paths): every floor above imports it.
 """

@@ -178,6 +178,29 @@ class EngineKind(ABC):
                 f"{where}.{key}",
             )
 
+    # LoRA adapters served as models (`lora:`, flagscale/config/lora.py): why this engine does not, for the error
+    lora_refusal: str = "serves no LoRA adapters as models clients name here"
+    lora_defaults: dict[str, int] = {"max_loras": 1, "max_lora_rank": 16}  # what the engine assumes when unset
+
+    def lora_args(self, lora: Any, where: str) -> dict[str, Any]:
+        """The engine args that let a replica load the node's adapters at run time (`lora`: its LoraConfig), or a
+        ConfigError naming the engine where it cannot serve them."""
+        raise ConfigError(f"{self.display} {self.lora_refusal}; adapters are served with engine: vllm", where)
+
+    def lora_running(self, metrics_text: str) -> list[str] | None:
+        """The adapters the engine runs or has queued now (held in its batch's adapter slots), from its /metrics
+        text; None: the engine does not say."""
+        return None
+
+    def lora_load_request(self, name: str, path: str, replace: bool) -> tuple[str, dict[str, Any]]:
+        """The server's path and JSON body that load adapter `name` from `path` at run time (`replace`: one of that
+        name is loaded already). Only asked of engines whose lora_args do not refuse."""
+        raise NotImplementedError
+
+    def lora_unload_request(self, name: str) -> tuple[str, dict[str, Any]]:
+        """The server's path and JSON body that unload adapter `name` at run time."""
+        raise NotImplementedError
+
     def check_available(self, where: str) -> None:
         """Raise ConfigError naming what is missing when this machine cannot run the engine at all."""
 

@@ -164,6 +164,11 @@ class LlamaCpp(EngineKind):
     }
     common_args = COMMON_ARGS
     ignored_args = IGNORED_ARGS
+    # llama-server's --lora takes GGUF adapters and applies them to every request (or per request by index, its
+    # `lora` field): none is a model clients name in `model`
+    lora_refusal = (
+        "applies GGUF LoRA adapters (--lora) to every request of its server, not as models clients name in `model`"
+    )
     checked_only_args = PARALLEL_ARGS  # `parallel` refuses any but 1
     unsafe_args = UNSAFE_ARGS
     # llama-server's OpenAI (and Anthropic messages, rerank) routes and its tokenizer. Left out: /slots (other

@@ -162,6 +162,9 @@ def scheduler_rank(title: str, tp: int, pp: int) -> int | None:
 class SGLang(EngineKind):
     name = "sglang"
     display = "SGLang"
+    # SGLang's --lora-paths names adapters a request picks with its own `lora_path` field; its OpenAI `model` naming
+    # of adapters changed across versions, and no SGLang is installed where this project is tested to pin one
+    lora_refusal = "is not wired for LoRA adapters here (its --lora-paths is untested against an installed SGLang)"
     # RadixAttention reuses the KV cache of shared prefixes; TP, PP and DP within a replica on its GPUs. No resume
     # (its streams carry no token ids the router could continue from) and no KV transfer through the project's
     # connectors (SGLang's own PD backends are not wired up).

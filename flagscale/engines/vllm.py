@@ -8,9 +8,10 @@ moves KV caches between prefill and decode replicas with a KV connector (docs/di
 from __future__ import annotations
 
 import importlib.util
-import re
 import sys
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from flagscale.engines import vllm_args
 from flagscale.engines.base import (
@@ -25,6 +26,7 @@ from flagscale.engines.base import (
 from flagscale.engines.model_args import EXPERT_COUNT_KEYS, check_hf_model, positive_int
 from flagscale.engines.vllm_auth import KEY_ENV, MIDDLEWARE
 from flagscale.engines.vllm_kv_events import kv_events_launch
+from flagscale.engines.vllm_ranks import rank_argv, rank_env, rank_of_title
 from flagscale.engines.vllm_server import PAUSE_ENV, parse_pause_us
 from flagscale.errors import ConfigError
 from flagscale.net import free_port
@@ -78,66 +80,9 @@ KV_TRANSFER_COUNTERS = {
 }
 
 
-# Ranks of one replica run under vLLM's multiprocessing executor, on one host or several (--nnodes): its Ray
-# executor refuses CPU ("current platform cpu does not support ray") and is what users report broken under Ray
-# Serve placement groups (docs/parallelism.md).
-EXECUTOR_FLAG = "--distributed-executor-backend"
-RANK_EXECUTOR = "mp"
-
-
-def rank_env(share: HostShare) -> dict[str, str]:
-    """What the ranks on one host need besides argv: their cores (CPU) or devices (GPU), and across hosts the
-    address their collectives use (without GLOO_SOCKET_IFNAME gloo advertises 127.0.0.1 to the other host)."""
-    env: dict[str, str] = {}
-    if share.rank_cpus:  # vLLM's CPU workers: "cores of rank 0|cores of rank 1|..." by local rank
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cpus)) for cpus in share.rank_cpus)
-    if share.gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(share.gpus)
-    if share.nnodes > 1:
-        env["VLLM_HOST_IP"] = share.host
-        if share.interface:
-            env["GLOO_SOCKET_IFNAME"] = share.interface
-            if share.gpus:
-                env["NCCL_SOCKET_IFNAME"] = share.interface
-    return env
-
-
-def rank_argv(argv: list[str], share: HostShare) -> list[str]:
-    """`argv` plus the executor and, across hosts, this host's place in the rendezvous."""
-    extra = [] if EXECUTOR_FLAG in argv else [EXECUTOR_FLAG, RANK_EXECUTOR]
-    if share.nnodes > 1 and share.dp_local:  # vLLM's multi-node data parallel: whole DP ranks on each host
-        assert share.master is not None, "data parallel over several hosts needs the DP master's address"
-        address, port = share.master
-        extra += ["--data-parallel-size-local", str(share.dp_local)]
-        extra += ["--data-parallel-address", address, "--data-parallel-rpc-port", str(port)]
-        if share.node_rank > 0:  # on the API server's host vLLM would take a start rank for its hybrid balancing
-            extra += ["--data-parallel-start-rank", str(share.dp_start)]
-    elif share.nnodes > 1:
-        assert share.master is not None, "a replica over several hosts needs node rank 0's address"
-        address, port = share.master
-        extra += ["--nnodes", str(share.nnodes), "--node-rank", str(share.node_rank)]
-        extra += ["--master-addr", address, "--master-port", str(port)]
-    return [*argv, *extra]
-
-
-# vLLM's worker process titles: VLLM::Worker[_DP<d>][_PP<p>][_TP<t>]... (multiproc_executor.py). The _DP part is
-# there only when the workers share a data-parallel group (MoE models); a dense model's data-parallel engines run
-# apart, each engine core titled VLLM::EngineCore_DP<d> over workers titled as if it were alone.
-WORKER_TITLE = re.compile(r"^VLLM::Worker(?:_DP(\d+))?(?:_PP(\d+))?(?:_PCP\d+)?(?:_TP(\d+))?")
-ENGINE_CORE_DP_TITLE = re.compile(r"^VLLM::EngineCore_DP(\d+)")
-
-
-def rank_of_title(title: str, tp: int, pp: int, parent_title: str = "") -> int | None:
-    """The global rank of a vLLM worker from its process title (and its engine core's, the parent), or None when
-    it is no worker."""
-    match = WORKER_TITLE.match(title)
-    if not match:
-        return None
-    dp_rank, pp_rank, tp_rank = (int(g) if g else 0 for g in match.groups())
-    engine_core = ENGINE_CORE_DP_TITLE.match(parent_title)
-    if match.group(1) is None and engine_core:
-        dp_rank = int(engine_core.group(1))
-    return dp_rank * tp * pp + pp_rank * tp + tp_rank
+# What opens vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (on the engine's own port; never on the
+# router's public surface, and behind the deployment's key where it has one)
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 # Engine args dryrun shows with their defaults even when the config does not set them.
@@ -277,6 +222,32 @@ class VLLM(EngineKind):
     def check_model(self, model: Any, where: str) -> str:
         return check_hf_model(model, where)
 
+    def lora_args(self, lora: Any, where: str) -> dict[str, Any]:
+        # adapters are loaded by the replica through the runtime API (flagscale/replica/adapters.py), not
+        # --lora-modules: a changed set is then loaded in place, without a restart
+        settings = {key: getattr(lora, key) for key in ("max_loras", "max_lora_rank", "max_cpu_loras")}
+        return {"enable_lora": True, **{key: value for key, value in settings.items() if value is not None}}
+
+    def lora_running(self, metrics_text: str) -> list[str] | None:
+        # vllm:lora_requests_info: one label set per state seen, its value the time it was last set; the newest
+        # names the adapters of the running and the waiting requests now
+        newest, labels = -1.0, None
+        for family in text_string_to_metric_families(metrics_text):
+            if family.name == "vllm:lora_requests_info":
+                for sample in family.samples:
+                    if sample.value > newest:
+                        newest, labels = sample.value, sample.labels
+        if labels is None:
+            return None
+        names = f"{labels.get('running_lora_adapters', '')},{labels.get('waiting_lora_adapters', '')}"
+        return sorted({name for name in names.split(",") if name})
+
+    def lora_load_request(self, name: str, path: str, replace: bool) -> tuple[str, dict[str, Any]]:
+        return "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": replace}
+
+    def lora_unload_request(self, name: str) -> tuple[str, dict[str, Any]]:
+        return "/v1/unload_lora_adapter", {"lora_name": name}
+
     def argv(self, args: dict[str, Any], where: str) -> list[str]:
         return vllm_args.to_argv(args, where)
 
@@ -346,6 +317,8 @@ class VLLM(EngineKind):
         defaults: dict[str, str] = {}
         if host != "127.0.0.1":  # vLLM's own guess routes to 8.8.8.8, which a host without a default route lacks
             defaults["VLLM_HOST_IP"] = host
+        if "--enable-lora" in argv:  # the replica loads the node's adapters through the runtime LoRA routes
+            env[RUNTIME_LORA_ENV] = "True"
         if role:  # the KV connector's handshake listener: a port of this replica's own, on its address
             env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port(host)))
         command = [

@@ -6,7 +6,7 @@ build.py: build_plan (facts gathered, then plan_of over them) and the whole's ch
 planning reads; engine_nodes.py: every engine node planned, serve_ids and served names unique, dryrun's notes;
 pools.py: a node's deployments (itself, or its prefill and decode pools); engine_plan.py: one deployment ->
 EnginePlan (argv by the engine's parser, one placement decision, per-host argv, a pinned pool's host);
-engine_args.py: what a node hands its engine; sleep.py: resources.sleep_delay_s checked against the engine and target; resources.py: GPUs, the head's CPUs, router processes; types.py:
+engine_args.py: what a node hands its engine; lora.py: a node's LoRA adapters checked and planned; sleep.py: resources.sleep_delay_s checked against the engine and target; resources.py: GPUs, the head's CPUs, router processes; types.py:
 Plan and EnginePlan, and who can reach the plan without a key.
 
 It may import flagscale/facts.py, the launchers (through their interface), cluster/, config/, engines/ and the

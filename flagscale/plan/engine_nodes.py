@@ -46,7 +46,7 @@ def plan_engine_nodes(inputs: PlanInputs) -> EngineNodes:
         for engine in engine_plans:
             deployments.append((engine, node))
             notes += _notes(engine, node) + sleep_note(engine.serve_id, engine.sleep_delay_s, engine.kind)
-        for name in engine_plans[0].model_names:
+        for name in [*engine_plans[0].model_names, *engine_plans[0].adapters]:
             if name in served_by:
                 raise ConfigError(
                     f"served model name '{name}' is used by both '{served_by[name]}' and '{node.serve_id}'", where
@@ -62,6 +62,11 @@ def _notes(engine: EnginePlan, node: NodeConfig) -> list[str]:
         notes.append(
             f"serve '{engine.serve_id}': num_replicas auto -> {engine.num_replicas} "
             f"({engine.devices_per_replica} {engine.device} device(s) per replica)"
+        )
+    if engine.lora:
+        notes.append(
+            f"serve '{node.serve_id}': LoRA adapters {', '.join(engine.adapters) or '(none yet)'}, each a model; "
+            f"max_loras {engine.lora.max_loras} per replica"
         )
     if engine.role:
         where = f"on host {engine.pinned_host}" if engine.pinned_host else "placed by Ray"

@@ -10,12 +10,14 @@ import math
 
 from flagscale import engines
 from flagscale.cluster.placement import Reservation, check_gpu_share, check_weights_fit, reserve
+from flagscale.config.lora import ENGINE_LORA_ARGS
 from flagscale.config.replicas import replica_settings
 from flagscale.config.routing import RoutingSpec
 from flagscale.config.schema import NodeConfig
 from flagscale.errors import ConfigError
 from flagscale.plan.engine_args import checked_engine_args, engine_args_of, served_names
 from flagscale.plan.inputs import PlanInputs
+from flagscale.plan.lora import LoraPlan, plan_lora
 from flagscale.plan.pools import Pool
 from flagscale.plan.sleep import sleep_args
 from flagscale.plan.types import EnginePlan
@@ -29,6 +31,8 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
     args = checked_engine_args(node, inputs.config, where)
     model = args.get("model")
     args["model"] = kind.check_model(model, where)
+    args, lora = plan_lora(node, args, kind, inputs.facts.adapters, pool.where)
+    args.update(lora.engine_args if lora else {})
     names = args["served_model_name"] = served_names(node, args)
     sleep_delay_s = node.resources.sleep_delay_s
     args.update(sleep_args(kind, sleep_delay_s, inputs.on_cpu, pool.role, f"{pool.where}.resources"))
@@ -44,7 +48,7 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
     if expert_parallel:
         kind.expert_parallel(args, parallel, reservation.device != "gpu", experts, where)
         _check_expert_parallel_gpus(node.resources.num_gpus, parallel, reservation.ranks_per_host, res_where)
-    host_argv = _host_argv(node, names, reservation, inputs, node_args_ips)
+    host_argv = _host_argv(node, names, reservation, inputs, node_args_ips, lora)
     scaling = replica_settings(node.resources, reservation.ray_actor_options, reservation.auto_replicas)
     utilization = args.get("gpu_memory_utilization", kind.default_gpu_memory_utilization)
     if reservation.device == "gpu":
@@ -74,6 +78,7 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
         engine=kind.name,
         sleep_delay_s=sleep_delay_s,
         kv_events=_kv_events(kind, RoutingSpec.of_node(node), parallel, pool.role, pool.where),
+        lora=lora,
         **vars(scaling),
     )
     return _pinned(engine, pool, inputs) if pool.host is not None else engine
@@ -147,7 +152,12 @@ def node_args_ips(inputs: PlanInputs) -> dict[str, str]:
 
 
 def _host_argv(
-    node: NodeConfig, names: list[str], reservation: Reservation, inputs: PlanInputs, ips: dict[str, str]
+    node: NodeConfig,
+    names: list[str],
+    reservation: Reservation,
+    inputs: PlanInputs,
+    ips: dict[str, str],
+    lora: LoraPlan | None,
 ) -> dict[str, list[str]]:
     """experiment.node_args.<host>.engine_args: the argv of this node's replicas placed on that host, by node IP."""
     kind = engines.get(node.engine)
@@ -169,6 +179,9 @@ def _host_argv(
         if not extra.engine_args:
             continue
         args = {**engine_args_of(node, inputs.config), **extra.engine_args}
+        args = {key: value for key, value in args.items() if key not in ENGINE_LORA_ARGS} | (
+            lora.engine_args if lora else {}
+        )
         kind.check_unsafe_args(args, node.allow_engine_args, host_where)
         args["model"] = kind.check_model(args.get("model"), host_where)
         args["served_model_name"] = names

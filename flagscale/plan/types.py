@@ -14,6 +14,7 @@ from flagscale.config.replicas import ReplicaSettings
 from flagscale.config.routing import Admission, RoutingSpec
 from flagscale.engines.base import EngineKind
 from flagscale.net import is_loopback
+from flagscale.plan.lora import LoraPlan
 
 ROUTER_DEPLOYMENT = "router"
 
@@ -45,6 +46,12 @@ class EnginePlan(ReplicaSettings):
     engine: str = engines.DEFAULT_ENGINE  # the engine kind (flagscale/engines/)
     sleep_delay_s: float | None = None  # resources.sleep_delay_s: idle this long, a replica sleeps (plan/sleep.py)
     kv_events: bool = False  # its replicas publish KV-cache events for the router's index (routing_options.kv_events)
+    lora: LoraPlan | None = None  # the node's LoRA adapters, each served as a model (docs/routing.md)
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """The node's LoRA adapters: name (a model clients name) -> directory."""
+        return self.lora.adapters if self.lora else {}
 
     @property
     def kind(self) -> EngineKind:
@@ -83,7 +90,8 @@ class Plan:
 
     @property
     def model_ids(self) -> list[str]:
-        return list(dict.fromkeys(name for engine in self.engines for name in engine.model_names))
+        """Every model clients may name: each engine node's served names, then its LoRA adapters."""
+        return list(dict.fromkeys(name for e in self.engines for name in [*e.model_names, *e.adapters]))
 
     @property
     def endpoint(self) -> str:

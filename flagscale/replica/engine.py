@@ -23,6 +23,7 @@ from flagscale.cluster.tempdirs import UnsafeDirectory
 from flagscale.engines.metrics import engine_metrics, engine_metrics_and_buckets
 from flagscale.net import free_port, health_ok
 from flagscale.replica import registry
+from flagscale.replica.adapters import AdapterSet, poster, running
 from flagscale.replica.autoscaling import ENGINE_REQUESTS
 from flagscale.replica.cores import RankStartError
 from flagscale.replica.cpu_layout import pin_engine
@@ -95,6 +96,8 @@ class EngineStartError(RuntimeError):
 class EngineReplica:
     """One replica = one engine server process (and the processes it starts)."""
 
+    adapters: AdapterSet | None = None  # the LoRA adapters its engine has loaded (reconfigure), for nodes with some
+
     def __init__(self, spec: EngineSpec):
         self.spec = spec
         self._server = f"{spec.kind.display} server"
@@ -111,6 +114,7 @@ class EngineReplica:
         self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
         self.ranks: ReplicaRanks | None = None
         began = time.monotonic()
+        self.adapters = AdapterSet()
         try:
             self._start(spec, host, self.gpu_ids)
         except (TimeoutError, UnsafeDirectory, RankStartError) as exc:  # GPU start-up lock, cores, other hosts
@@ -272,6 +276,21 @@ class EngineReplica:
             )
         else:
             self._note(f"/health did not answer within {HEALTH_PROBE_TIMEOUT_S:g}s (busy?); not replaced yet")
+        if (
+            self.adapters is not None and self.adapters.loaded
+        ):  # what the router places adapters by, besides its own record (docs/routing.md)
+            self.record.adapters_running = running(self.spec.kind, self.url, self.spec.api_key) or []
+        registry.publish(self.record)
+
+    def reconfigure(self, config: dict) -> None:
+        """Serve's user_config of a node with LoRA adapters ({"adapters": {name: directory}}), at start before the
+        replica is READY and on every update that changes it: the engine loads and unloads adapters in place
+        (flagscale/replica/adapters.py), and the replica's record names those loaded as its models."""
+        done = self.adapters.sync(self.spec.kind, config.get("adapters", {}), poster(self.url, self.spec.api_key))
+        for line in done:
+            self._note(line)
+        self.record.models = [*self.spec.model_names, *sorted(self.adapters.loaded)]
+        self.record.adapter_errors = dict(self.adapters.errors)
         registry.publish(self.record)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

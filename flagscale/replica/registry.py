@@ -52,6 +52,10 @@ class ReplicaRecord:
     # its engine's KV-cache events: endpoints and how to key blocks (EngineKind.kv_events_launch); {}: none
     kv_events: dict = field(default_factory=dict)
     seq: int = 0  # advanced on every publish: readers judge staleness by it (liveness.py)
+    # LoRA adapters of its node that its engine failed to load: name -> why (its loaded ones are in `models`)
+    adapter_errors: dict[str, str] = field(default_factory=dict)
+    # the adapters its engine ran or had queued at its last health check, as the engine reports it
+    adapters_running: list[str] = field(default_factory=list)
 
 
 def version_of(built_from: Any) -> str:

@@ -206,7 +206,8 @@ class Frontend:
         return web.Response(text="ok\n")
 
     async def models(self, request: web.Request) -> web.Response:
-        models, session, data = self._spec().models, self._clients.session, []
+        spec = self._spec()
+        models, session, data = spec.models, self._clients.session, []
         timeout = aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)
         for serve_id in dict.fromkeys(models.values()):
             names = [m for m, sid in models.items() if sid == serve_id]
@@ -223,6 +224,8 @@ class Frontend:
                     upstream.breaker.failure(time.monotonic())
             if entries is None:
                 entries = [{"id": n, "object": "model", "owned_by": "flagscale", "created": 0} for n in names]
+                for entry in entries:  # a LoRA adapter's base model
+                    entry.update({"parent": spec.adapters[entry["id"]]} if entry["id"] in spec.adapters else {})
             data.extend(entries)
         return web.json_response({"object": "list", "data": data})
 
@@ -297,6 +300,8 @@ class Frontend:
         m.bytes.labels(model).inc(exchange.sent_bytes)
         if exchange.moves:
             m.moved.labels(model).inc(exchange.moves)
+        if exchange.stream is not None and exchange.stream.generated:
+            m.tokens.labels(model).inc(len(exchange.stream.generated))
         if exchange.stream is not None and exchange.stream.resumed:
             m.resumed.labels(model).inc(exchange.stream.resumed)
 

@@ -55,6 +55,12 @@ class RouterMetrics:
         self.resumed = Counter(
             "flagscale_router_streams_resumed", "Streams resumed on another replica mid-way.", ["model"], registry=r
         )
+        self.tokens = Counter(
+            "flagscale_router_streamed_tokens",
+            "Tokens streamed to clients (completions and chat streams the router tracks; a LoRA adapter: its name).",
+            ["model"],
+            registry=r,
+        )
         self.scrape_failures = Counter(
             "flagscale_router_metrics_scrape_failures",
             "Engine replicas whose /metrics did not answer in time for a scrape of the endpoint's /metrics.",

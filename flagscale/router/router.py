@@ -44,6 +44,7 @@ from flagscale.router.admission import AdmissionQueue
 from flagscale.router.cold_start import ColdStart
 from flagscale.router.failover import Failover
 from flagscale.router.frontend import Frontend
+from flagscale.router.lora import AdapterRouting
 from flagscale.router.metrics import RouterMetrics
 from flagscale.router.pd import Prefill
 from flagscale.router.policies import Policy, make_policy
@@ -148,20 +149,26 @@ class Router:
                     del policies[model]
             for model in models:
                 if model not in policies:
-                    policies[model] = make_policy(routing.get(model, RoutingSpec()))
+                    prefill = pools is table.prefill_by_model
+                    policies[model] = (
+                        make_policy(routing.get(model, RoutingSpec()))
+                        if prefill
+                        else self.adapter_routing.policy(model, spec)  # an adapter's is placed (router/lora.py)
+                    )
                     for upstream in pools.get(model, []):
                         policies[model].on_replica_joined(upstream)
 
     def _init_state(self) -> None:
         """The request path's state (the unit tests build a Router with this only: no Ray, no thread)."""
+        self.metrics = RouterMetrics()
+        self.adapter_routing = AdapterRouting(self.metrics.registry)  # LoRA adapters' placement (router/lora.py)
         policies: dict[str, Policy] = {
-            model: make_policy(self.spec.routing.get(model, RoutingSpec())) for model in self.spec.models
+            model: self.adapter_routing.policy(model, self.spec) for model in self.spec.models
         }
         prefill_policies: dict[str, Policy] = {
             model: make_policy(spec) for model, spec in self.spec.prefill_routing.items()
         }
         self.replicas = Replicas(policies, prefill_policies)
-        self.metrics = RouterMetrics()
         self.replicas.kv_events.metrics = self.metrics
         self.counters = Counters()
         bounds = self.spec.admission

@@ -51,6 +51,10 @@ class RouterSpec:
     # deploy.router_processes: the kernel spreads clients over them, so each admits its share of every limit (a
     # replica's max_ongoing, the queue, the graph route's): N processes together admit what one would
     processes: int = 1
+    # LoRA adapters served as models (in `models` too): adapter -> its node's base model name; and per engine
+    # deployment with adapters (serve_id), the adapters one replica runs at once (flagscale/router/lora.py)
+    adapters: dict[str, str] = field(default_factory=dict)
+    max_loras: dict[str, int] = field(default_factory=dict)
     graph_max_ongoing: int = GRAPH_MAX_ONGOING  # graph requests in flight at once, all processes together
     # served model name -> the most seconds a request waits for the first replica of its node at zero replicas
     # (min_replicas 0, colocated; flagscale/router/cold_start.py) where no start time was measured yet

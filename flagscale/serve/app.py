@@ -51,6 +51,8 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
             **scaling,
             **_placement_group(engine),
             **_one_at_a_time(engine.initial_replicas, spare=engine.serve_id not in no_spare),
+            # LoRA adapters: loaded by each replica before it is READY, and changed in place (EngineReplica.reconfigure)
+            **({"user_config": {"adapters": engine.adapters}} if engine.lora else {}),
         )
         spec = engine_spec(plan, engine)
         engines.append(with_version(deployment, engine_version(spec.version, scaling)).bind(spec))
@@ -144,8 +146,8 @@ def _router_runtime_env(plan: Plan) -> dict:
 def router_spec(plan: Plan) -> RouterSpec:
     """What the router is told: the models (served name -> node), each model's routing (its node's; a disaggregated
     node's decode pool, and separately its prefill pool's), the graph's route."""
-    models = {name: e.group for e in plan.engines for name in e.model_names}
-    routing = {name: e.routing for e in plan.engines if e.role != "prefill" for name in e.model_names}
+    models = {name: e.group for e in plan.engines for name in served_models(e)}
+    routing = {name: e.routing for e in plan.engines if e.role != "prefill" for name in served_models(e)}
     prefill_routing = {name: e.routing for e in plan.engines if e.role == "prefill" for name in e.model_names}
     return RouterSpec(
         app=plan.app_name,
@@ -162,9 +164,11 @@ def router_spec(plan: Plan) -> RouterSpec:
         max_ongoing={e.serve_id: e.max_ongoing_requests or DEFAULT_MAX_ONGOING_REQUESTS for e in plan.engines},
         admission=plan.admission,
         no_resume=sorted(
-            {name for e in plan.engines if not e.kind.capabilities.resume_from_tokens for name in e.model_names}
+            {name for e in plan.engines if not e.kind.capabilities.resume_from_tokens for name in served_models(e)}
         ),
-        engines={name: e.engine for e in plan.engines for name in e.model_names},
+        engines={name: e.engine for e in plan.engines for name in served_models(e)},
+        adapters={name: e.model_names[0] for e in plan.engines for name in e.adapters},
+        max_loras={e.serve_id: e.lora.max_loras for e in plan.engines if e.lora},
         # the same for every router process Serve starts for this deployment, in its init args only
         peer_secret=peers.secret_of(plan.exp_dir),
         processes=plan.router_processes,
@@ -176,6 +180,11 @@ def router_spec(plan: Plan) -> RouterSpec:
             for name in e.model_names
         },
     )
+
+
+def served_models(engine: EnginePlan) -> list[str]:
+    """The models clients name for an engine deployment: its served names, then its LoRA adapters."""
+    return [*engine.model_names, *engine.adapters]
 
 
 def build_graph_driver(plan: Plan) -> Application:

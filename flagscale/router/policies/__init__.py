@@ -3,6 +3,7 @@
 Owns the policy interface and the settings every policy has (base.py), one module per policy, and POLICIES, the
 one registry of their names: `serve[].routing` and `disaggregation.prefill_routing` in flagscale/config/node.py
 take exactly these names, and `serve[].routing_options` exactly the fields of the chosen policy's settings type.
+adapters.py is no registered policy: the placement of LoRA adapters the router wraps around an adapter's policy.
 Adding a policy: a module here with a `Policy` subclass (and, if it has settings of its own, a `Settings` subclass
 beside it, named by its `settings_type`), and one line in POLICIES.
 
