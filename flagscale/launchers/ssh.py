@@ -271,7 +271,7 @@ class SshLauncher(OwnCluster):
         return [table, *fits, f"exp_dir: {plan.exp_dir}"]
 
     def rank_hosts(self, plan: Plan, engine: EnginePlan) -> list[tuple[str, int]]:
-        return [(h.host, h.slots) for h in plan.cluster.hostfile.by_chip()[engine.chip]]
+        return [(h.host, h.slots) for h in plan.cluster.hostfile.matching(engine.chip)]
 
     def start(self, state: RunState, plan: Plan, console: Console) -> str:
         hosts = len(plan.cluster.hostfile.hosts)

@@ -135,7 +135,7 @@ def test_splits_vllm_cannot_run_are_refused_naming_the_key(tmp_path):
 def test_more_cpu_ranks_per_host_than_its_cpus_is_refused(tmp_path):
     from types import SimpleNamespace
 
-    hosts = hostfile(tmp_path, "a slots=4 type=chipA\n")
+    hosts = hostfile(tmp_path, "a slots=4 type=cpu:chipA\n")
     engine = SimpleNamespace(serve_id="tp", ranks_per_host=4, chip="chipA")
     with pytest.raises(ConfigError, match="'tp' runs 4 CPU ranks per host .* num_cpus=2"):
         check_ranks_fit_cores(engine, hosts, 2, "runner.hostfile")

@@ -151,7 +151,7 @@ def launch(tmp_path, hostfile_text: str, num_cpus: int | None, before_start: str
 
 
 def test_hostfile_head_workers_and_driver_node(calls, tmp_path):
-    state, remote = launch(tmp_path, "node-a slots=2 type=gpu\nnode-b slots=4 type=chipX\n", num_cpus=8)
+    state, remote = launch(tmp_path, "node-a slots=2 type=gpu\nnode-b slots=4 type=cpu:chipX\n", num_cpus=8)
     # hosts are prepared in parallel: compared as a set
     prepared = sorted(c for c in remote if c[1] in ("make_dir", "put_file"))
     assert prepared == sorted(
@@ -180,7 +180,7 @@ def test_hostfile_head_workers_and_driver_node(calls, tmp_path):
         [
             *ray_cli(), "start", "--address", "10.0.0.1:6379",
             "--node-ip-address", "10.0.0.2", "--temp-dir", TEMP["node-b"],
-            "--resources", '{"chipX": 4.0, "accelerator_type:chipX": 1.0}', "--disable-usage-stats",
+            "--resources", '{"cpu:chipX": 4.0, "accelerator_type:cpu:chipX": 1.0}', "--disable-usage-stats",
             "--node-manager-port", "0", "--object-manager-port", "0", "--min-worker-port", "20000",
             "--max-worker-port", "29999", "--num-cpus", "8", "--num-gpus", "0",
         ],
@@ -207,7 +207,7 @@ def test_hostfile_head_workers_and_driver_node(calls, tmp_path):
     assert state.ray_address == "10.0.0.1:6379" and state.extra["driver_ip"] == "10.0.0.9"
     assert records(state) == [
         ("node-a", "head", 1005, 77, TEMP["node-a"], True, "gpu", 2, "10.0.0.1"),
-        ("node-b", "worker", 1006, 77, TEMP["node-b"], True, "chipX", 4, "10.0.0.2"),
+        ("node-b", "worker", 1006, 77, TEMP["node-b"], True, "cpu:chipX", 4, "10.0.0.2"),
         ("localhost", "driver", 1001, 77, "/nonexistent/exp/ray", False, None, None, "10.0.0.9"),
     ]
 
