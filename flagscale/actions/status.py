@@ -135,6 +135,7 @@ def _replica_row(record) -> ReplicaRow:
         state="STALE" if record.stale else "READY",
         worker_cpus=record.worker_cpus,
         gpus=record.gpus,
+        family=getattr(record, "family", ""),
         ranks=record.ranks,
         log=record.log_path,
     )

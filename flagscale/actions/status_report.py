@@ -51,7 +51,8 @@ class ReplicaRow:
     worker_cpus: list[int] = field(
         default_factory=list
     )  # cores the CPU layout gave the engine's workers; [] = not pinned
-    gpus: list[str] = field(default_factory=list)  # GPU ids Ray gave the replica; [] = none
+    gpus: list[str] = field(default_factory=list)  # device ids Ray gave the replica (of `family`); [] = none
+    family: str = ""  # the device family they are of (flagscale/devices); "" for records before families
     ranks: list[dict[str, Any]] = field(
         default_factory=list
     )  # an engine of several processes: each rank's pid, host, ...

@@ -364,6 +364,13 @@ def check_ranks_fit_cores(engine, hostfile: Hostfile, num_cpus_per_host: int | N
         )
 
 
+def host_env(config, entry: HostEntry) -> dict[str, str]:
+    """A host's envs: what its family needs in every process (NVIDIA's multicast off on a multi-GPU host), then
+    experiment.envs with device_type_specific for its family and type, and nodes_envs for it."""
+    chip = (entry.family.name, entry.chip)
+    return {**entry.family.process_env(entry.slots), **config.experiment.env_for(entry.host, chip)}
+
+
 def plan_cluster(config, sources, hostfile: Hostfile, engines_nodes: list[tuple[Any, Any]]) -> ClusterPlan:
     runner = config.experiment.runner
     num_cpus = runner.num_cpus or hostfile.num_cpus
@@ -372,7 +379,7 @@ def plan_cluster(config, sources, hostfile: Hostfile, engines_nodes: list[tuple[
         hostfile=hostfile,
         ssh=SshSettings.from_runner(runner).to_dict(),
         num_cpus_per_host=num_cpus,
-        host_envs={h.host: config.experiment.env_for(h.host) for h in hostfile.hosts},
+        host_envs={h.host: host_env(config, h) for h in hostfile.hosts},
         placement_strategy=runner.placement_strategy,
         join_timeout_s=runner.join_timeout_s,
         demand=demand,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from flagscale.adaptors import ray_accelerators
+from flagscale.adaptors import ray, ray_accelerators
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,12 @@ class DeviceFamily:
             return None
         out = run(list(self.list_argv))
         return None if out is None else self.parse_listing(out)
+
+    def assigned_ids(self) -> list[str]:
+        """The devices of this family Ray assigned the calling worker or actor ([] for CPUs, or outside Ray)."""
+        if self.ray_resource is None:
+            return []
+        return [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get(self.ray_resource, [])]
 
     def ray_manager_class(self):
         """Ray's accelerator manager for the family (imported on first use: Ray is heavy)."""

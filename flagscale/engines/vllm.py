@@ -90,7 +90,7 @@ def rank_env(share: HostShare) -> dict[str, str]:
     if share.rank_cpus:  # vLLM's CPU workers: "cores of rank 0|cores of rank 1|..." by local rank
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cpus)) for cpus in share.rank_cpus)
     if share.gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(share.gpus)
+        env[share.visible_env] = ",".join(share.gpus)
     if share.nnodes > 1:
         env["VLLM_HOST_IP"] = share.host
         if share.interface:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from flagscale import engines
+from flagscale import devices, engines
 from flagscale.cluster.placement import Reservation, check_gpu_share, check_weights_fit, reserve
 from flagscale.config.replicas import replica_settings
 from flagscale.config.routing import RoutingSpec
@@ -38,6 +38,7 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
     res_where = f"{pool.where}.resources"
     reservation = reserve(node.resources, parallel, inputs.target, strategy, res_where, where, expert_parallel)
     kind.check_parallel(parallel, reservation.device != "gpu", where)
+    family = _family_runs(kind, reservation, res_where)
     if expert_parallel:
         kind.expert_parallel(args, parallel, reservation.device != "gpu", experts, where)
         _check_expert_parallel_gpus(node.resources.num_gpus, parallel, reservation.ranks_per_host, res_where)
@@ -69,9 +70,33 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
         gpu_memory_utilization=utilization if reservation.device == "gpu" else None,
         secret_env=secrets,
         engine=kind.name,
+        family=family.name,
+        family_env=family.engine_env(kind.name, _user_env(inputs, family.name, node.resources.accelerator)),
         **vars(scaling),
     )
     return _pinned(engine, pool, inputs) if pool.host is not None else engine
+
+
+def _family_runs(kind, reservation: Reservation, where: str) -> devices.DeviceFamily:
+    """The device family the replicas run on (this machine's: NVIDIA with GPUs, else CPU), refusing an engine kind
+    it does not run."""
+    family = devices.get(reservation.family or ("nvidia" if reservation.device == "gpu" else "cpu"))
+    if kind.name not in family.engines:
+        runs = ", ".join(f"{name} ({support.how})" for name, support in family.engines.items())
+        raise ConfigError(
+            f"engine {kind.name} does not run on {family.title}s ({family.name}); there: {runs} (docs/chips.md)",
+            where,
+        )
+    return family
+
+
+def _user_env(inputs: PlanInputs, family: str, accelerator: str | None) -> dict[str, str]:
+    """The envs the user gave the hosts a node runs on (a plugin they chose there wins over the family's)."""
+    env = inputs.config.experiment.env_for(None, (family, accelerator))
+    hostfile = inputs.target.hostfile
+    for entry in hostfile.matching(accelerator) if hostfile else []:
+        env.update(inputs.config.experiment.env_for(entry.host, (family, entry.chip)))
+    return env
 
 
 def _check_expert_parallel_gpus(

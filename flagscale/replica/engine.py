@@ -12,10 +12,10 @@ import asyncio
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from flagscale import engines
+from flagscale import devices, engines
 from flagscale.adaptors import ray, serve
 from flagscale.cluster.node_logs import engine_log_dir
 from flagscale.cluster.tempdirs import UnsafeDirectory
@@ -56,6 +56,7 @@ class EngineSpec:
     api_key: str | None = field(default=None, repr=False)  # engines require it on every path but health
     parallel: tuple[int, int, int] = (1, 1, 1)  # TP, PP, DP: above one rank, flagscale/replica/ranks.py places them
     expert_parallel: bool = False  # the DP x TP ranks share the experts: each rank's record names its EP index
+    family: str = "cpu"  # the device family it runs on (flagscale/devices): which of Ray's devices it holds
 
     @property
     def kind(self) -> engines.EngineKind:
@@ -97,7 +98,8 @@ class EngineReplica:
             log_dir = Path(engine_log_dir(spec.app))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"engine-{spec.serve_id}-{self.replica_id}.log"
-        self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
+        self.family = devices.get(spec.family)
+        self.gpu_ids = self.family.assigned_ids()  # its family's devices Ray assigned it: GPUs, NPUs, ...
         self.ranks: ReplicaRanks | None = None
         try:
             self._start(spec, host, self.gpu_ids)
@@ -122,8 +124,11 @@ class EngineReplica:
                     engine_argv, gpu_ids, lambda: free_port(host), self.log_path, spec.env, self._note
                 )
                 self._note(f"ranks {list(share.ranks)} here (node rank 0 of {share.nnodes}), cores {share.rank_cpus}")
+                if self.family.visible_env:
+                    share = replace(share, visible_env=self.family.visible_env)
                 launch = spec.kind.bind_ranks(launch, share)
-            env = {**engine_env({**launch.env_defaults, **spec.env}), **launch.env, **launch.secret_env}
+            visible = self.family.visible(gpu_ids)  # as Ray assigned them (Ray sets it in this actor too)
+            env = {**engine_env({**launch.env_defaults, **spec.env}), **visible, **launch.env, **launch.secret_env}
             self.proc = start_watched(launch.argv, env, launch.env, self.log_path)
             self._wait_healthy(spec.startup_timeout_s)
 
@@ -150,6 +155,7 @@ class EngineReplica:
             updated_at=time.time(),
             worker_cpus=layout.worker_cpus if layout else rank_cores,
             gpus=self.gpu_ids,
+            family=self.family.name,
             role=spec.role or "",
             version=spec.version,
             engine=spec.engine,
