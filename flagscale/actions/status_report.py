@@ -109,6 +109,8 @@ class HostRow:
     node_id: str = ""
     session: Any = None
     replicas: list[str] = field(default_factory=list)
+    family: str = ""  # the device family its type= names (flagscale/devices)
+    devices: list[dict] | None = None  # what its family's vendor CLI listed at start; None: no listing
 
 
 @dataclass

@@ -175,9 +175,9 @@ def _host_table(hosts: list[HostRow]) -> Table:
     table = _table("hosts", ["host", "role", "chip", "slots", "ray node", "replicas"])
     for h in hosts:
         colour = "green" if h.ray_node == "alive" else "red"
-        table.add_row(
-            h.host, h.role, h.chip or "-", str(h.slots), f"[{colour}]{h.ray_node}[/]", ", ".join(h.replicas) or "-"
-        )
+        chip = f"{h.chip or '-'} ({h.family})" if h.family and h.family != h.chip else (h.chip or "-")
+        slots = f"{h.slots}, {len(h.devices)} listed" if h.devices is not None else str(h.slots)
+        table.add_row(h.host, h.role, chip, slots, f"[{colour}]{h.ray_node}[/]", ", ".join(h.replicas) or "-")
     return table
 
 
