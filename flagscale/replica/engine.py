@@ -12,7 +12,7 @@ import asyncio
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from flagscale import devices, engines
@@ -119,13 +119,11 @@ class EngineReplica:
             launch = spec.kind.launch(engine_argv, host, port, spec.api_key, spec.role)
             if math.prod(spec.parallel) > 1:
                 cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-                self.ranks = ReplicaRanks(spec.engine, spec.parallel, host, cpus, spec.expert_parallel)
+                self.ranks = ReplicaRanks(spec.engine, spec.parallel, host, cpus, spec.expert_parallel, self.family)
                 share = self.ranks.start(
                     engine_argv, gpu_ids, lambda: free_port(host), self.log_path, spec.env, self._note
                 )
                 self._note(f"ranks {list(share.ranks)} here (node rank 0 of {share.nnodes}), cores {share.rank_cpus}")
-                if self.family.visible_env:
-                    share = replace(share, visible_env=self.family.visible_env)
                 launch = spec.kind.bind_ranks(launch, share)
             visible = self.family.visible(gpu_ids)  # as Ray assigned them (Ray sets it in this actor too)
             env = {**engine_env({**launch.env_defaults, **spec.env}), **visible, **launch.env, **launch.secret_env}

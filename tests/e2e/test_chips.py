@@ -103,22 +103,26 @@ def environ(pid: int) -> dict[str, str]:
     return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
 
 
+def refused(conf) -> str:
+    run = run_cli(conf, timeout=300)
+    assert run.returncode != 0, run.output
+    return " ".join(run.output.split())
+
+
 def test_refused_before_start(hosts, stub_path, tmp_path):
     """A type naming no family, more NPUs than the Ascend hosts have, an engine kind the family does not run: each
     refused with the culprit named, nothing started on any host."""
     h1, h2, h3 = (h.ip for h in hosts.hosts)
     bad_type = [f"{h1} slots=1 type=cpu", f"{h2} slots=1 type=ascnd", f"{h3} slots=1 type=910B"]
     conf, exp_dir = config(tmp_path, hosts, stub_path, [npu_node()], "bad-type", bad_type)
-    run = run_cli(conf, timeout=300)
-    assert run.returncode != 0 and "type=ascnd names no device family" in run.output, run.output
-    assert "hostfile-bad-type:3" in run.output, run.output
+    out = refused(conf)
+    assert "type=ascnd names no device family" in out and "hostfile-bad-type:3" in out, out
     conf, exp_dir = config(tmp_path, hosts, stub_path, [npu_node(replicas=3)], "over-asked")
-    run = run_cli(conf, timeout=300)
-    assert run.returncode != 0, run.output
-    assert f"{h2}: 1 + {h3}: 1 = 2 ascend device(s)" in run.output and "3 device(s)" in run.output, run.output
+    out = refused(conf)
+    assert f"{h2}: 1 + {h3}: 1 = 2 ascend device(s)" in out and "= 3 device(s)" in out, out
     conf, exp_dir = config(tmp_path, hosts, stub_path, [npu_node(engine="llama_cpp")], "no-llama-on-npu")
-    run = run_cli(conf, timeout=300)
-    assert run.returncode != 0 and "engine llama_cpp does not run on Ascend NPUs (ascend)" in run.output, run.output
+    out = refused(conf)
+    assert "engine llama_cpp does not run on Ascend NPUs (ascend)" in out, out
     assert {h.ip: hosts.ray_pids(h) for h in hosts.hosts} == {h.ip: [] for h in hosts.hosts}
     assert not (exp_dir / "state.json").exists()
 
