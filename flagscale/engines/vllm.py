@@ -95,8 +95,8 @@ def rank_env(share: HostShare) -> dict[str, str]:
         env["VLLM_HOST_IP"] = share.host
         if share.interface:
             env["GLOO_SOCKET_IFNAME"] = share.interface
-            if share.gpus:
-                env["NCCL_SOCKET_IFNAME"] = share.interface
+            if share.gpus:  # the devices' collective library (NCCL, HCCL, ...) on the same interface
+                env.update(dict.fromkeys(share.interface_env, share.interface))
     return env
 
 

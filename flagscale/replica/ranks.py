@@ -54,7 +54,11 @@ class ReplicaRanks:
         self.engine = engine
         # every host's share names the devices' family: Ray's resource for them and the variable that shows them
         self.device_fields = (
-            {"visible_env": family.visible_env, "device_resource": family.ray_resource}
+            {
+                "visible_env": family.visible_env,
+                "device_resource": family.ray_resource,
+                "interface_env": family.collective.interface_env,
+            }
             if family is not None and family.ray_resource and family.visible_env
             else {}
         )

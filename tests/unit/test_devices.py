@@ -7,6 +7,8 @@ import pytest
 
 from flagscale import devices
 from flagscale.devices import listing
+from flagscale.engines.base import HostShare
+from flagscale.engines.vllm import rank_env
 
 NPU_SMI = """\
 +------------------------------------------------------------------------------------------------+
@@ -125,3 +127,21 @@ def test_list_devices_runs_the_vendor_cli_through_the_caller():
     assert len(devices.get("ascend").list_devices(run)) == 2 and asked == [["npu-smi", "info"]]
     assert devices.get("ascend").list_devices(lambda argv: None) is None
     assert devices.get("cpu").list_devices(run) is None
+
+
+def test_ranks_on_npus_see_them_by_the_familys_variable_and_collective():
+    ascend = devices.get("ascend")
+    share = HostShare(
+        "10.0.0.3",
+        node_rank=1,
+        nnodes=2,
+        ranks=(2, 3),
+        gpus=("4", "5"),
+        interface="eth1",
+        visible_env=ascend.visible_env,
+        device_resource=ascend.ray_resource,
+        interface_env=ascend.collective.interface_env,
+    )
+    env = rank_env(share)
+    assert env["ASCEND_RT_VISIBLE_DEVICES"] == "4,5" and "CUDA_VISIBLE_DEVICES" not in env
+    assert env["HCCL_SOCKET_IFNAME"] == "eth1" and "NCCL_SOCKET_IFNAME" not in env
