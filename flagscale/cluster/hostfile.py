@@ -91,6 +91,13 @@ class Hostfile:
         return groups
 
 
+def host_env(config, entry: HostEntry) -> dict[str, str]:
+    """A host's envs: what its family needs in every process (NVIDIA's multicast off on a multi-GPU host), then
+    experiment.envs with device_type_specific for its family and type, and nodes_envs for it."""
+    chip = (entry.family.name, entry.chip)
+    return {**entry.family.process_env(entry.slots), **config.experiment.env_for(entry.host, chip)}
+
+
 def parse_hostfile(path: str | Path, head: str | None = None, where_head: str = "experiment.runner.head") -> Hostfile:
     path = Path(path).expanduser()
     try:

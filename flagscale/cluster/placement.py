@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flagscale.cluster.host_split import hosts_to_span
-from flagscale.cluster.hostfile import HostEntry, Hostfile
+from flagscale.cluster.hostfile import HostEntry, Hostfile, host_env
 from flagscale.cluster.ray_facts import accelerator_requirement
 from flagscale.cluster.ssh import SshSettings
 from flagscale.config.replicas import actor_options
@@ -337,6 +337,7 @@ def check_fits(
         if total > offered:
             raise ConfigError(f"the graph does not fit the hostfile: {line}", where)
         lines[str(chip)] = line
+    _check_family_totals(engines_nodes, hostfile, where)
     if num_cpus_per_host is not None:
         cpus = sum(e.initial_replicas * e.ray_actor_options.get("num_cpus", 0) for e, _ in engines_nodes)
         offered = num_cpus_per_host * len(hostfile.hosts)
@@ -347,6 +348,25 @@ def check_fits(
                 where,
             )
     return lines
+
+
+def _check_family_totals(engines_nodes: list[tuple[Any, Any]], hostfile: Hostfile, where: str) -> None:
+    """Nodes that pick hosts of one family by different names (`ascend`, `910B`) share its devices: their sum must
+    fit the family's hosts too."""
+    need: dict[str, list[tuple[str, int]]] = {}
+    for engine, _node in engines_nodes:
+        family = hostfile.matching(engine.chip)[0].family.name
+        need.setdefault(family, []).append((engine.serve_id, engine.initial_replicas * engine.devices_per_replica))
+    for family, asks in need.items():
+        hosts = [h for h in hostfile.hosts if h.family.name == family]
+        total, offered = sum(n for _, n in asks), sum(h.slots for h in hosts)
+        if total > offered:
+            raise ConfigError(
+                f"the graph does not fit the hostfile: {' + '.join(f'{sid}: {n}' for sid, n in asks)} = {total} "
+                f"{family} device(s); {hostfile.path} offers {' + '.join(f'{h.host}: {h.slots}' for h in hosts)} = "
+                f"{offered}",
+                where,
+            )
 
 
 def check_ranks_fit_cores(engine, hostfile: Hostfile, num_cpus_per_host: int | None, where: str) -> None:
@@ -362,13 +382,6 @@ def check_ranks_fit_cores(engine, hostfile: Hostfile, num_cpus_per_host: int | N
             f"num_cpus={num_cpus_per_host}",
             where,
         )
-
-
-def host_env(config, entry: HostEntry) -> dict[str, str]:
-    """A host's envs: what its family needs in every process (NVIDIA's multicast off on a multi-GPU host), then
-    experiment.envs with device_type_specific for its family and type, and nodes_envs for it."""
-    chip = (entry.family.name, entry.chip)
-    return {**entry.family.process_env(entry.slots), **config.experiment.env_for(entry.host, chip)}
 
 
 def plan_cluster(config, sources, hostfile: Hostfile, engines_nodes: list[tuple[Any, Any]]) -> ClusterPlan:

@@ -128,3 +128,12 @@ def test_prefill_and_decode_across_families_need_a_connector_both_run(demo_model
     assert "ascend: LLMDataDistCMgrConnector, MooncakeConnectorV1" in message
     built = plan(config(demo_model_path, path, [("m", pd("H100", "MI300X"))]))
     assert [(e.role, e.family) for e in built.engines] == [("prefill", "nvidia"), ("decode", "amd")]
+
+
+def test_nodes_naming_one_family_differently_share_its_devices(demo_model_path, hostfile):
+    nodes = [
+        ("a", {"resources": {"num_replicas": 2, "accelerator": "910B"}}),
+        ("b", {"resources": {"num_replicas": 3, "accelerator": "ascend"}}),
+    ]
+    message = error(config(demo_model_path, hostfile, nodes))
+    assert "a: 2 + b: 3 = 5 ascend device(s)" in message and "127.0.0.3: 2 + 127.0.0.4: 2 = 4" in message
