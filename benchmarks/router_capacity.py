@@ -54,6 +54,8 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
+from flagscale.devices.nvidia import MULTICAST_OFF  # noqa: E402
+
 MODEL = "demo"
 PROMPT_IDS = list(range(1, 129))  # a 128-token prompt, as the replay upstream reports it
 WORDS = [" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", "."]
@@ -440,7 +442,7 @@ def floor_pass(args, procs: Processes, upstream_urls: list[str], shape: tuple[in
         procs.stop([floor])
 
 
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+GPU_ENV = MULTICAST_OFF  # NVIDIA's family declares it (flagscale/devices/nvidia.py)
 
 
 class Deployment:

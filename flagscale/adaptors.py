@@ -40,6 +40,7 @@ class LazyImport:
 ray = LazyImport("ray")
 serve = LazyImport("ray.serve")
 ray_exceptions = LazyImport("ray.exceptions")
+ray_accelerators = LazyImport("ray._private.accelerators")  # Ray's managers of each chip family
 ray_scheduling = LazyImport("ray.util.scheduling_strategies")
 cbor2 = LazyImport("cbor2")
 hydra_config = LazyImport("hydra.core.hydra_config")

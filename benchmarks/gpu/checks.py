@@ -20,8 +20,10 @@ from typing import Any
 
 import psutil
 
+from flagscale.devices.nvidia import MULTICAST_OFF
+
 # NVLink multicast off: a program that uses it can put the host's GPUs out of service (../shared/gpu/README.md).
-GPU_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+GPU_SAFE_ENV = MULTICAST_OFF  # NVIDIA's family declares it (flagscale/devices/nvidia.py)
 
 
 def nvidia_smi(*query: str) -> list[list[str]]:

@@ -141,6 +141,7 @@ def _replica_row(record) -> ReplicaRow:
         state="READY",
         worker_cpus=record.worker_cpus,
         gpus=record.gpus,
+        family=getattr(record, "family", ""),
         ranks=record.ranks,
         log=record.log_path,
         asleep=record.asleep,

@@ -52,7 +52,8 @@ class ReplicaRow:
     worker_cpus: list[int] = field(
         default_factory=list
     )  # cores the CPU layout gave the engine's workers; [] = not pinned
-    gpus: list[str] = field(default_factory=list)  # GPU ids Ray gave the replica; [] = none
+    gpus: list[str] = field(default_factory=list)  # device ids Ray gave the replica (of `family`); [] = none
+    family: str = ""  # the device family they are of (flagscale/devices); "" for records before families
     ranks: list[dict[str, Any]] = field(
         default_factory=list
     )  # an engine of several processes: each rank's pid, host, ...
@@ -116,6 +117,8 @@ class HostRow:
     node_id: str = ""
     session: Any = None
     replicas: list[str] = field(default_factory=list)
+    family: str = ""  # the device family its type= names (flagscale/devices)
+    devices: list[dict] | None = None  # what its family's vendor CLI listed at start; None: no listing
 
 
 @dataclass

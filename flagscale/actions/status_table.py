@@ -101,14 +101,16 @@ def _cores(cpus: list[int]) -> str:
 
 
 def _devices(replica: ReplicaRow) -> str:
-    """What the replica computes on: its GPUs, else its bound cores (one set per rank, `|` between ranks)."""
+    """What the replica computes on: its devices (NVIDIA's as `gpu`, other families by name), else its bound cores
+    (one set per rank, `|` between ranks)."""
     ranks = replica.ranks or []
+    label = "gpu" if replica.family in ("", "nvidia", "cpu") else replica.family
     if ranks and any(rank.get("gpus") for rank in ranks):
-        return "gpu " + "|".join(",".join(map(str, rank.get("gpus") or [])) for rank in ranks)
+        return f"{label} " + "|".join(",".join(map(str, rank.get("gpus") or [])) for rank in ranks)
     if ranks and any(rank.get("cpus") for rank in ranks):
         return "cpu " + "|".join(_cores(rank.get("cpus") or []) for rank in ranks)
     if replica.gpus:
-        return "gpu " + ",".join(replica.gpus)
+        return f"{label} " + ",".join(replica.gpus)
     if replica.worker_cpus:
         return "cpu " + _cores(replica.worker_cpus)
     return "cpu"
@@ -203,9 +205,9 @@ def _host_table(hosts: list[HostRow]) -> Table:
     table = _table("hosts", ["host", "role", "chip", "slots", "ray node", "replicas"])
     for h in hosts:
         colour = "green" if h.ray_node == "alive" else "red"
-        table.add_row(
-            h.host, h.role, h.chip or "-", str(h.slots), f"[{colour}]{h.ray_node}[/]", ", ".join(h.replicas) or "-"
-        )
+        chip = f"{h.chip or '-'} ({h.family})" if h.family and h.family != h.chip else (h.chip or "-")
+        slots = f"{h.slots}, {len(h.devices)} listed" if h.devices is not None else str(h.slots)
+        table.add_row(h.host, h.role, chip, slots, f"[{colour}]{h.ray_node}[/]", ", ".join(h.replicas) or "-")
     return table
 
 

@@ -1,5 +1,8 @@
 """The FlagScale hostfile: one host per line, `<ip-or-hostname> slots=<N> [type=<chip>]`.
 
+`type=` names the host's device family (flagscale/devices: `gpu`, `A100`, `ascend`, `910B`, `cpu`, `cpu:<model>`,
+...); a host without one has NVIDIA GPUs, as in FlagScale. A type that names no family is refused at its line.
+
 `#` starts a comment; blank lines are ignored. The first host is the Ray head unless `runner.head`
 names another one (pick_head, shared with a Slurm allocation's hosts: cluster/slurm.py). Every mistake is reported
 with the file and line, before anything is started.
@@ -11,14 +14,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from flagscale import devices
+from flagscale.devices import DeviceFamily
 from flagscale.errors import ConfigError
 
-# Chip types whose slots are GPUs to Ray (`--num-gpus`); any other type is a custom resource.
-GPU_TYPES = frozenset({"gpu", "nvidia", "cuda", "a100", "h100", "h800", "a800", "l40s"})
 HEAD_RESOURCE = "flagscale_head"
 
 _HOST = re.compile(r"^[A-Za-z0-9_.:\-\[\]]+$")
-_TYPE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_TYPE = re.compile(r"^[A-Za-z0-9_.\-]+(:[A-Za-z0-9_.\-]+)?$")
 
 
 @dataclass(frozen=True)
@@ -29,17 +32,36 @@ class HostEntry:
     line: int
 
     @property
+    def family(self) -> DeviceFamily:
+        """The device family its type= names (checked when the file was read); no type: NVIDIA."""
+        found = devices.chip_family(self.chip) if self.chip else None
+        return found[0] if found else devices.get(devices.DEFAULT_FAMILY)
+
+    @property
+    def model(self) -> str | None:
+        """The model of chip its type= names (`A100`, `cpu:<model>`'s model), None for a bare family."""
+        found = devices.chip_family(self.chip) if self.chip else None
+        return found[1] if found else None
+
+    @property
     def is_gpu(self) -> bool:
-        return self.chip is None or self.chip.lower() in GPU_TYPES
+        return self.family.gpu_spelling
+
+    @property
+    def device_resource(self) -> str:
+        """The Ray resource a replica reserves its devices of here: GPU, NPU, ...; a CPU host's slots are a custom
+        resource named by its type."""
+        return self.family.ray_resource or str(self.chip)
+
+    def matches(self, selector: str) -> bool:
+        """Whether resources.accelerator `selector` picks this host: its type as written, its family, its model."""
+        return selector in (self.chip, self.family.name, self.model)
 
     def ray_resources(self, is_head: bool) -> tuple[int | None, dict[str, float]]:
         """(num_gpus, custom resources) this host's `ray start` declares."""
-        resources: dict[str, float] = {}
-        num_gpus = None
-        if self.is_gpu:
-            num_gpus = self.slots
-        else:
-            resources[self.chip] = float(self.slots)
+        num_gpus, resources = self.family.ray_start_resources(self.slots)
+        if self.family.on_cpu:
+            resources[self.device_resource] = float(self.slots)
         if self.chip:
             resources[f"accelerator_type:{self.chip}"] = 1.0
         if is_head:
@@ -58,11 +80,22 @@ class Hostfile:
     def workers(self) -> list[HostEntry]:
         return [h for h in self.hosts if h is not self.head]
 
+    def matching(self, selector: str | None) -> list[HostEntry]:
+        """The hosts resources.accelerator `selector` picks (None: every host)."""
+        return [h for h in self.hosts if selector is None or h.matches(selector)]
+
     def by_chip(self) -> dict[str | None, list[HostEntry]]:
         groups: dict[str | None, list[HostEntry]] = {}
         for entry in self.hosts:
             groups.setdefault(entry.chip, []).append(entry)
         return groups
+
+
+def host_env(config, entry: HostEntry) -> dict[str, str]:
+    """A host's envs: what its family needs in every process (NVIDIA's multicast off on a multi-GPU host), then
+    experiment.envs with device_type_specific for its family and type, and nodes_envs for it."""
+    chip = (entry.family.name, entry.chip)
+    return {**entry.family.process_env(entry.slots), **config.experiment.env_for(entry.host, chip)}
 
 
 def parse_hostfile(path: str | Path, head: str | None = None, where_head: str = "experiment.runner.head") -> Hostfile:
@@ -127,5 +160,7 @@ def _parse_line(line: str, where: str, number: int) -> HostEntry:
         raise ConfigError(f"slots must be a positive integer, got {slots!r}", where)
     chip = values.get("type")
     if chip is not None and not _TYPE.match(chip):
-        raise ConfigError(f"type must be a chip name (letters, digits, _ . -), got {chip!r}", where)
+        raise ConfigError(f"type must be a chip name (letters, digits, _ . - and one :), got {chip!r}", where)
+    if chip is not None and devices.chip_family(chip) is None:
+        raise ConfigError(f"type={chip} names no device family; expected {devices.known_types()}", where)
     return HostEntry(host=host, slots=int(slots), chip=chip, line=number)

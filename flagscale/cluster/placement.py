@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flagscale.cluster.host_split import hosts_to_span
-from flagscale.cluster.hostfile import HostEntry, Hostfile
+from flagscale.cluster.hostfile import HostEntry, Hostfile, host_env
 from flagscale.cluster.ray_facts import accelerator_requirement
 from flagscale.cluster.ssh import SshSettings
 from flagscale.config.replicas import actor_options
@@ -72,6 +72,7 @@ class Reservation:
     placement_strategy: str | None = None
     extra_argv: tuple[str, ...] = ()  # what spanning hosts asks of the engine (nothing: the replica adds it)
     ranks_per_host: int = 0  # the ranks each host of the replica runs (all of them when it fits one host)
+    family: str = ""  # the device family of the hosts it runs on (flagscale/devices); "": this machine's or a cluster's
 
 
 def auto_replicas(devices_per_replica: int, devices_per_host: list[int]) -> int:
@@ -101,15 +102,22 @@ def reserve(
             return _on_accelerator(reservation, res, devices, target, where)
         return reservation
     chip, hosts = _hosts_for(res.accelerator, target.hostfile, where)
-    on_gpu = hosts[0].is_gpu
-    device_key = "GPU" if on_gpu else str(chip)
+    family = hosts[0].family
+    on_gpu = family.gpu_spelling
+    if res.num_gpus is not None and not on_gpu:
+        raise ConfigError(
+            f"num_gpus={res.num_gpus:g}, but the hosts it runs on have {family.title}s ({family.name}): num_gpus is the "
+            "spelling of GPU families; leave it out, a replica reserves TP x PP x DP of their devices",
+            where,
+        )
+    device_key = hosts[0].device_resource
     cpus = res.num_cpus if res.num_cpus is not None else 1
-    label = {f"accelerator_type:{chip}": 0.001} if chip else {}
+    label = {f"accelerator_type:{hosts[0].chip}": 0.001} if hosts[0].chip and len({h.chip for h in hosts}) == 1 else {}
     options: dict[str, Any] = {"num_cpus": cpus}
     if res.memory:
         options["memory"] = res.memory
     auto = auto_replicas(devices, [h.slots for h in hosts])
-    device = "gpu" if on_gpu else (chip or "cpu")
+    device = "gpu" if on_gpu else (hosts[0].chip or "cpu")
     if devices <= max(h.slots for h in hosts):
         if on_gpu:
             options["num_gpus"] = res.num_gpus if res.num_gpus is not None else devices
@@ -117,7 +125,7 @@ def reserve(
             options["resources"] = {device_key: float(devices)}
         if label:
             options.setdefault("resources", {}).update(label)
-        return Reservation(device, chip, options, auto, ranks_per_host=devices)
+        return Reservation(device, chip, options, auto, ranks_per_host=devices, family=family.name)
     # More devices than any one host has: one bundle per host, each with that host's share of the ranks; the
     # replica takes bundle 0 (API server and the first ranks) and starts the others' ranks (replica/ranks.py).
     nnodes = hosts_to_span(parallel, [h.slots for h in hosts], args_where, spread_dp)
@@ -130,7 +138,7 @@ def reserve(
     if label:
         options.setdefault("resources", {}).update(label)
     bundles = [{"CPU": float(cpus), **share}] + [dict(share) for _ in range(nnodes - 1)]
-    return Reservation(device, chip, options, auto, bundles, strategy, ranks_per_host=per_host)
+    return Reservation(device, chip, options, auto, bundles, strategy, ranks_per_host=per_host, family=family.name)
 
 
 def _on_this_machine(
@@ -272,15 +280,26 @@ def check_gpu_demand(demand: list[tuple[str, int, float]], target: Target, where
 
 
 def _hosts_for(accelerator: str | None, hostfile: Hostfile, where: str) -> tuple[str | None, list[HostEntry]]:
-    groups = hostfile.by_chip()
+    """The hosts a node runs on: those resources.accelerator picks (a type as the hostfile writes it, a family, a
+    model of chip), or, without it, every host, when they are all of one type."""
     if accelerator is not None:
-        if accelerator not in groups:
-            types = ", ".join(str(t) for t in groups) or "none"
+        hosts = hostfile.matching(accelerator)
+        if not hosts:
+            types = ", ".join(sorted({f"{h.chip} ({h.family.name})" for h in hostfile.hosts if h.chip})) or "none"
             raise ConfigError(
-                f"resources.accelerator={accelerator!r}, but {hostfile.path} has no host of that type (types: {types})",
+                f"resources.accelerator={accelerator!r}, but {hostfile.path} has no host of that type or family "
+                f"(types: {types})",
                 where,
             )
-        return accelerator, groups[accelerator]
+        families = sorted({h.family.name for h in hosts})
+        if len(families) > 1 or len({h.device_resource for h in hosts}) > 1:
+            raise ConfigError(
+                f"resources.accelerator={accelerator!r} picks hosts of several families or types "
+                f"({', '.join(sorted({str(h.chip) for h in hosts}))}); name one type",
+                where,
+            )
+        return accelerator, hosts
+    groups = hostfile.by_chip()
     if len(groups) > 1:
         raise ConfigError(
             f"{hostfile.path} mixes chip types ({', '.join(map(str, groups))}); "
@@ -308,16 +327,17 @@ def check_fits(
         check_ranks_fit_cores(engine, hostfile, num_cpus_per_host, where)
     lines = {}
     for chip, total in need.items():
-        hosts = hostfile.by_chip()[chip]
+        hosts = hostfile.matching(chip)
         offered = sum(h.slots for h in hosts)
         kind = f"type={chip}" if chip else "untyped"
         line = (
             f"{' + '.join(demand[chip])} = {total} device(s); {hostfile.path} offers "
-            f"{' + '.join(str(h.slots) for h in hosts)} = {offered} slot(s) of {kind}"
+            f"{' + '.join(f'{h.host}: {h.slots}' for h in hosts)} = {offered} {hosts[0].family.name} device(s) of {kind}"
         )
         if total > offered:
             raise ConfigError(f"the graph does not fit the hostfile: {line}", where)
         lines[str(chip)] = line
+    _check_family_totals(engines_nodes, hostfile, where)
     if num_cpus_per_host is not None:
         cpus = sum(e.initial_replicas * e.ray_actor_options.get("num_cpus", 0) for e, _ in engines_nodes)
         offered = num_cpus_per_host * len(hostfile.hosts)
@@ -330,12 +350,31 @@ def check_fits(
     return lines
 
 
+def _check_family_totals(engines_nodes: list[tuple[Any, Any]], hostfile: Hostfile, where: str) -> None:
+    """Nodes that pick hosts of one family by different names (`ascend`, `910B`) share its devices: their sum must
+    fit the family's hosts too."""
+    need: dict[str, list[tuple[str, int]]] = {}
+    for engine, _node in engines_nodes:
+        family = hostfile.matching(engine.chip)[0].family.name
+        need.setdefault(family, []).append((engine.serve_id, engine.initial_replicas * engine.devices_per_replica))
+    for family, asks in need.items():
+        hosts = [h for h in hostfile.hosts if h.family.name == family]
+        total, offered = sum(n for _, n in asks), sum(h.slots for h in hosts)
+        if total > offered:
+            raise ConfigError(
+                f"the graph does not fit the hostfile: {' + '.join(f'{sid}: {n}' for sid, n in asks)} = {total} "
+                f"{family} device(s); {hostfile.path} offers {' + '.join(f'{h.host}: {h.slots}' for h in hosts)} = "
+                f"{offered}",
+                where,
+            )
+
+
 def check_ranks_fit_cores(engine, hostfile: Hostfile, num_cpus_per_host: int | None, where: str) -> None:
     """CPU hosts: each rank gets a core of its own, so a host's ranks of one replica must not outnumber the CPUs
     its Ray node declares (runner.num_cpus / the hostfile's)."""
     ranks = engine.ranks_per_host
-    hosts = hostfile.by_chip().get(engine.chip, [])
-    if num_cpus_per_host is None or ranks <= 1 or not hosts or hosts[0].is_gpu:
+    hosts = hostfile.matching(engine.chip)
+    if num_cpus_per_host is None or ranks <= 1 or not hosts or not hosts[0].family.on_cpu:
         return
     if ranks > num_cpus_per_host:
         raise ConfigError(
@@ -353,7 +392,7 @@ def plan_cluster(config, sources, hostfile: Hostfile, engines_nodes: list[tuple[
         hostfile=hostfile,
         ssh=SshSettings.from_runner(runner).to_dict(),
         num_cpus_per_host=num_cpus,
-        host_envs={h.host: config.experiment.env_for(h.host) for h in hostfile.hosts},
+        host_envs={h.host: host_env(config, h) for h in hostfile.hosts},
         placement_strategy=runner.placement_strategy,
         join_timeout_s=runner.join_timeout_s,
         demand=demand,

@@ -18,7 +18,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from flagscale.cluster.hostfile import GPU_TYPES, HostEntry, Hostfile, pick_head
+from flagscale import devices
+from flagscale.cluster.hostfile import HostEntry, Hostfile, pick_head
 from flagscale.errors import ConfigError
 
 KEYWORD = "slurm"  # the value of runner.hostfile that means "this Slurm allocation"
@@ -127,8 +128,9 @@ def allocation_hostfile(env: Mapping[str, str], head: str | None, where_head: st
     gpus, gres_type = gpus_per_node(env)
     entries = []
     for line, host in enumerate(hosts, start=1):
-        if gpus:  # a GRES type the hostfile does not know as a GPU model would become a custom resource
-            chip = gres_type if gres_type and gres_type.lower() in GPU_TYPES else None
+        if gpus:  # a GRES type that names no GPU family's chip is left out (the host is then NVIDIA's, untyped)
+            family = devices.chip_family(gres_type) if gres_type else None
+            chip = gres_type if family and family[0].gpu_spelling else None
             entries.append(HostEntry(host=host, slots=gpus, chip=chip, line=line))
         elif cpus:
             entries.append(HostEntry(host=host, slots=cpus[line - 1], chip="cpu", line=line))

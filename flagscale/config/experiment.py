@@ -312,7 +312,10 @@ class ExperimentConfig(Strict):
     )
     task: TaskConfig = Field(default_factory=TaskConfig, description="What kind of job: see below.")
     runner: RunnerConfig = Field(default_factory=RunnerConfig, description="Where and how it runs: see below.")
-    envs: dict[str, Any] = Field(default_factory=dict, description="Env vars for every host; nodes_envs per host.")
+    envs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Env vars for every host; device_type_specific per hostfile type= (or family), nodes_envs per host.",
+    )
     cmds: CmdsConfig = Field(default_factory=CmdsConfig, description="Shell snippets around the run: see below.")
     bench: BenchConfig = Field(default_factory=BenchConfig, description="`action=bench` settings: see below.")
     node_args: dict[str, NodeArgs] = Field(
@@ -324,22 +327,32 @@ class ExperimentConfig(Strict):
     @classmethod
     def _envs_scalar(cls, envs: dict[str, Any]) -> dict[str, Any]:
         for key, value in envs.items():
-            if key == "nodes_envs":
+            if key in ENV_TABLES:
                 if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-                    raise ValueError("nodes_envs must map host -> {VAR: value}")
+                    raise ValueError(f"{key} must map {ENV_TABLES[key]} -> {{VAR: value}}")
             elif isinstance(value, (dict, list)):
                 raise ValueError(f"env var {key} must be a scalar, got {type(value).__name__}")
-        for table in [envs, *envs.get("nodes_envs", {}).values()]:
+        tables = [table for key in ENV_TABLES for table in envs.get(key, {}).values()]
+        for table in [envs, *tables]:
             for key, value in table.items():  # what engines read once started is checked here, before
-                if key != "nodes_envs":
+                if key not in ENV_TABLES:
                     engines.checked_env(key, _env_str(value))
         return envs
 
-    def env_for(self, host: str | None = None) -> dict[str, str]:
-        env = {k: _env_str(v) for k, v in self.envs.items() if k != "nodes_envs"}
+    def env_for(self, host: str | None = None, chip: tuple[str | None, ...] = ()) -> dict[str, str]:
+        """The envs of a host: every host's, then device_type_specific's for each of `chip` (its family, then its
+        type= as written: FlagScale keys the table by type), then nodes_envs' for the host."""
+        env = {k: _env_str(v) for k, v in self.envs.items() if k not in ENV_TABLES}
+        for key in chip:
+            if key is not None:
+                env.update({k: _env_str(v) for k, v in self.envs.get("device_type_specific", {}).get(key, {}).items()})
         if host is not None:
             env.update({k: _env_str(v) for k, v in self.envs.get("nodes_envs", {}).get(host, {}).items()})
         return env
+
+
+# experiment.envs' tables of envs, and what each is keyed by (FlagScale's names)
+ENV_TABLES = {"nodes_envs": "host", "device_type_specific": "hostfile type= or device family"}
 
 
 def _env_str(value: Any) -> str:

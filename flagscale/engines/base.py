@@ -69,6 +69,9 @@ class HostShare:
     ranks: tuple[int, ...]  # the global ranks this host runs
     rank_cpus: tuple[tuple[int, ...], ...] = ()  # CPU engines: each rank's cores, in `ranks` order
     gpus: tuple[str, ...] = ()  # GPU engines: the devices Ray granted on this host
+    visible_env: str = "CUDA_VISIBLE_DEVICES"  # the variable that shows them (their family's: flagscale/devices)
+    device_resource: str = "GPU"  # Ray's resource for them (GPU, NPU, ...): what each host's ranks were assigned
+    interface_env: tuple[str, ...] = ("NCCL_SOCKET_IFNAME",)  # their collective's variables naming `interface`
     master: tuple[str, int] | None = None  # nnodes > 1: node rank 0's address and port for the rendezvous
     interface: str | None = None  # nnodes > 1: the network interface that carries `host`
     # data-parallel ranks spread over hosts (expert parallel): the DP ranks (engines) this host runs, and the first

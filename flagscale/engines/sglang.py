@@ -249,7 +249,7 @@ class SGLang(EngineKind):
 
     def bind_ranks(self, launch: ServerLaunch, share: HostShare) -> ServerLaunch:
         # SGLang runs its ranks on the GPUs it sees, from the first: those Ray granted the replica
-        env = {**launch.env, "CUDA_VISIBLE_DEVICES": ",".join(share.gpus)} if share.gpus else launch.env
+        env = {**launch.env, share.visible_env: ",".join(share.gpus)} if share.gpus else launch.env
         return ServerLaunch(launch.argv, env, launch.env_defaults, launch.secret_env)
 
     def worker_rank(self, title: str, tp: int, pp: int, parent_title: str = "") -> int | None:

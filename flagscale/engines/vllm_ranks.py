@@ -21,13 +21,13 @@ def rank_env(share: HostShare) -> dict[str, str]:
     if share.rank_cpus:  # vLLM's CPU workers: "cores of rank 0|cores of rank 1|..." by local rank
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cpus)) for cpus in share.rank_cpus)
     if share.gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(share.gpus)
+        env[share.visible_env] = ",".join(share.gpus)
     if share.nnodes > 1:
         env["VLLM_HOST_IP"] = share.host
         if share.interface:
             env["GLOO_SOCKET_IFNAME"] = share.interface
-            if share.gpus:
-                env["NCCL_SOCKET_IFNAME"] = share.interface
+            if share.gpus:  # the devices' collective library (NCCL, HCCL, ...) on the same interface
+                env.update(dict.fromkeys(share.interface_env, share.interface))
     return env
 
 

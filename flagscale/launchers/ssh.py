@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from flagscale import devices
 from flagscale.adaptors import ray
 from flagscale.cluster import hostfile as hostfiles
 from flagscale.cluster import slurm, ssh
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # planning sits a floor above the launchers
     from flagscale.plan import EnginePlan, Plan
 
 log = logging.getLogger(__name__)
+DEVICE_LISTING_TIMEOUT_S = 20.0  # a host's vendor CLI listing its devices (nvidia-smi, npu-smi, ...)
 
 
 def host_temp_dir(exp_dir: str, host: str) -> str:
@@ -136,9 +138,33 @@ class SshClusterStart:
 
     def _prepare(self, entry: HostEntry) -> None:
         runner = self.runners[entry.host]
+        self._check_devices(entry)
         temp_dir = host_temp_dir(self.state.exp_dir, entry.host)
         runner.make_dir(temp_dir)
         runner.put_file(Path(self.state.token_path), f"{temp_dir}/auth_token")
+
+    def _check_devices(self, entry: HostEntry) -> None:
+        """The host's devices as its family's vendor CLI lists them (with the host's envs: its PATH), recorded for
+        status; fewer than its slots fails the run here, before any Ray node starts. No CLI there: slots are taken
+        as written."""
+        family, env = entry.family, self.cluster.host_envs.get(entry.host, {})
+
+        def run(argv: list[str]) -> str | None:
+            result = self.runners[entry.host].run(argv, env, timeout_s=DEVICE_LISTING_TIMEOUT_S)
+            return result.stdout if result.code == 0 else None
+
+        listed = family.list_devices(run)
+        if listed is None:
+            return
+        self.state.extra.setdefault("devices", {})[entry.host] = [
+            {"index": d.index, "name": d.name, "memory_mib": d.memory_mib} for d in listed
+        ]
+        if len(listed) < entry.slots:
+            raise ClusterError(
+                f"hostfile line {entry.line} gives {entry.host} slots={entry.slots} of {family.title}s "
+                f"({family.name}), but `{' '.join(family.list_argv)}` there lists {len(listed)}",
+                entry.host,
+            )
 
     def _start_host(self, entry: HostEntry):
         head = self.cluster.hostfile.head
@@ -271,7 +297,7 @@ class SshLauncher(OwnCluster):
         return [table, *fits, f"exp_dir: {plan.exp_dir}"]
 
     def rank_hosts(self, plan: Plan, engine: EnginePlan) -> list[tuple[str, int]]:
-        return [(h.host, h.slots) for h in plan.cluster.hostfile.by_chip()[engine.chip]]
+        return [(h.host, h.slots) for h in plan.cluster.hostfile.matching(engine.chip)]
 
     def start(self, state: RunState, plan: Plan, console: Console) -> str:
         hosts = len(plan.cluster.hostfile.hosts)
@@ -311,6 +337,8 @@ class SshLauncher(OwnCluster):
                     "host": record.host,
                     "role": record.role,
                     "chip": record.chip,
+                    "family": _family_of(record.chip),
+                    "devices": state.extra.get("devices", {}).get(record.host),
                     "slots": record.slots,
                     "ray_node": "alive" if node and node.get("Alive") else "dead",
                     "node_id": (record.node_id or "")[:12],
@@ -319,6 +347,11 @@ class SshLauncher(OwnCluster):
                 }
             )
         return rows or None
+
+
+def _family_of(chip: str | None) -> str:
+    found = devices.chip_family(chip) if chip else None
+    return (found[0] if found else devices.get(devices.DEFAULT_FAMILY)).name
 
 
 LAUNCHER = SshLauncher()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flagscale import launchers
+from flagscale import devices, launchers
 from flagscale.cluster.placement import ClusterPlan
 from flagscale.config.graph import GraphPlan, build_graph_plan
 from flagscale.config.load import ConfigSources
@@ -78,7 +78,7 @@ def plan_of(config: ServeConfig, sources: ConfigSources, facts: Facts) -> Plan:
         port=endpoint_port(config),
         engines=engine_plans,
         head_num_cpus=share.head_num_cpus,
-        envs=config.experiment.env_for(),
+        envs=_this_machine_env(config, facts),
         before_start=config.experiment.cmds.before_start,
         after_stop=config.experiment.cmds.after_stop,
         startup_timeout_s=deploy.startup_timeout_s,
@@ -138,3 +138,11 @@ def _refuse_unsupported(config: ServeConfig, sources: ConfigSources) -> None:
                 "num_replicas: auto counts devices for engine replicas; give a custom node a number",
                 f"{serve_file}: serve[{index}]({node.serve_id}).resources.num_replicas",
             )
+
+
+def _this_machine_env(config: ServeConfig, facts: Facts) -> dict[str, str]:
+    """experiment.envs for this machine's processes: what its GPUs' family needs in every process (multicast off on
+    more than one NVIDIA GPU), then the envs, device_type_specific for its family (nvidia, or cpu without GPUs)."""
+    gpus = len(facts.target.gpus)
+    family = devices.get("nvidia" if gpus else "cpu")
+    return {**family.process_env(gpus), **config.experiment.env_for(None, (family.name,))}

@@ -3,8 +3,10 @@ serve_ids and the served model names checked unique, and what dryrun notes about
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
+from flagscale import devices
 from flagscale.config.schema import NodeConfig
 from flagscale.errors import ConfigError
 from flagscale.plan.engine_plan import node_args_ips, plan_engine
@@ -43,6 +45,7 @@ def plan_engine_nodes(inputs: PlanInputs) -> EngineNodes:
         where = inputs.node_where(index)
         pools = pools_of(node, inputs.config, where, inputs.sources.main, inputs.on_cpu)
         engine_plans = [plan_engine(pool, node.serve_id, inputs, ips) for pool in pools]
+        check_pools_across_families(engine_plans, f"{where}.disaggregation")
         for engine in engine_plans:
             deployments.append((engine, node))
             notes += _notes(engine, node) + sleep_note(engine.serve_id, engine.sleep_delay_s, engine.kind)
@@ -53,6 +56,36 @@ def plan_engine_nodes(inputs: PlanInputs) -> EngineNodes:
                 )
             served_by[name] = node.serve_id
     return EngineNodes(deployments, notes, serve_index)
+
+
+def check_pools_across_families(engine_plans: list[EnginePlan], where: str) -> None:
+    """Prefill on one device family and decode on another: planned when both move KV caches with the connector the
+    node uses (NIXL between NVIDIA and AMD), refused otherwise, naming both families and what each has."""
+    if len(engine_plans) != 2 or engine_plans[0].family == engine_plans[1].family:
+        return
+    prefill, decode = (devices.get(engine.family) for engine in engine_plans)
+    connector = _kv_connector(engine_plans[0].argv)
+    if connector in prefill.kv_connectors and connector in decode.kv_connectors:
+        return
+    have = "; ".join(f"{f.name}: {', '.join(sorted(f.kv_connectors)) or 'none declared'}" for f in (prefill, decode))
+    raise ConfigError(
+        f"prefill on {prefill.title}s ({prefill.name}) and decode on {decode.title}s ({decode.name}) cannot pass KV "
+        f"caches with {connector or 'no kv_connector'}: a connector both families run is needed ({have})",
+        where,
+    )
+
+
+def _kv_connector(argv: list[str]) -> str | None:
+    for index, arg in enumerate(argv):
+        value = argv[index + 1] if arg == "--kv-transfer-config" and index + 1 < len(argv) else None
+        if arg.startswith("--kv-transfer-config="):
+            value = arg.partition("=")[2]
+        if value:
+            try:
+                return json.loads(value).get("kv_connector")
+            except (ValueError, AttributeError):
+                return None
+    return None
 
 
 def _notes(engine: EnginePlan, node: NodeConfig) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from flagscale import engines
+from flagscale import devices, engines
 from flagscale.cluster.placement import Reservation, check_gpu_share, check_weights_fit, reserve
 from flagscale.config.lora import ENGINE_LORA_ARGS
 from flagscale.config.replicas import replica_settings
@@ -45,6 +45,7 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
     res_where = f"{pool.where}.resources"
     reservation = reserve(node.resources, parallel, inputs.target, strategy, res_where, where, expert_parallel)
     kind.check_parallel(parallel, reservation.device != "gpu", where)
+    family = _family_runs(kind, reservation, res_where)
     if expert_parallel:
         kind.expert_parallel(args, parallel, reservation.device != "gpu", experts, where)
         _check_expert_parallel_gpus(node.resources.num_gpus, parallel, reservation.ranks_per_host, res_where)
@@ -52,10 +53,7 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
     scaling = replica_settings(node.resources, reservation.ray_actor_options, reservation.auto_replicas)
     utilization = args.get("gpu_memory_utilization", kind.default_gpu_memory_utilization)
     if reservation.device == "gpu":
-        share = (node.serve_id, reservation.ray_actor_options.get("num_gpus", 0), math.prod(parallel))
-        check_gpu_share(*share, scaling.most_replicas, utilization, f"{pool.where}.resources")
-        weights = inputs.facts.weights_of(model)
-        check_weights_fit(weights, parallel[0], parallel[1], utilization, inputs.target, where)
+        _check_gpu_fit(pool, reservation, parallel, scaling.most_replicas, utilization, inputs, model)
     engine = EnginePlan(
         serve_id=node.serve_id,
         model=args["model"],
@@ -79,9 +77,19 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
         sleep_delay_s=sleep_delay_s,
         kv_events=_kv_events(kind, RoutingSpec.of_node(node), parallel, pool.role, pool.where),
         lora=lora,
+        family=family.name,
+        family_env=family.engine_env(kind.name, _user_env(inputs, family.name, node.resources.accelerator)),
         **vars(scaling),
     )
     return _pinned(engine, pool, inputs) if pool.host is not None else engine
+
+
+def _check_gpu_fit(pool: Pool, reservation: Reservation, parallel, most_replicas, utilization, inputs, model) -> None:
+    """Replicas sharing a GPU fit its memory together, and the weights fit the ranks' share of it."""
+    share = (pool.node.serve_id, reservation.ray_actor_options.get("num_gpus", 0), math.prod(parallel))
+    check_gpu_share(*share, most_replicas, utilization, f"{pool.where}.resources")
+    weights = inputs.facts.weights_of(model)
+    check_weights_fit(weights, parallel[0], parallel[1], utilization, inputs.target, f"{pool.where}.engine_args")
 
 
 def _kv_events(
@@ -104,6 +112,28 @@ def _kv_events(
     if why and wanted is True:
         raise ConfigError(f"routing_options.kv_events: true, but {why} (set it to auto or false)", where)
     return why is None
+
+
+def _family_runs(kind, reservation: Reservation, where: str) -> devices.DeviceFamily:
+    """The device family the replicas run on (this machine's: NVIDIA with GPUs, else CPU), refusing an engine kind
+    it does not run."""
+    family = devices.get(reservation.family or ("nvidia" if reservation.device == "gpu" else "cpu"))
+    if kind.name not in family.engines:
+        runs = ", ".join(f"{name} ({support.how})" for name, support in family.engines.items())
+        raise ConfigError(
+            f"engine {kind.name} does not run on {family.title}s ({family.name}); there: {runs} (docs/chips.md)",
+            where,
+        )
+    return family
+
+
+def _user_env(inputs: PlanInputs, family: str, accelerator: str | None) -> dict[str, str]:
+    """The envs the user gave the hosts a node runs on (a plugin they chose there wins over the family's)."""
+    env = inputs.config.experiment.env_for(None, (family, accelerator))
+    hostfile = inputs.target.hostfile
+    for entry in hostfile.matching(accelerator) if hostfile else []:
+        env.update(inputs.config.experiment.env_for(entry.host, (family, entry.chip)))
+    return env
 
 
 def _check_expert_parallel_gpus(

@@ -33,6 +33,8 @@ class EnginePlan(ReplicaSettings):
     expert_parallel: bool = False  # a MoE model's experts spread over its DP x TP ranks (enable_expert_parallel)
     host_argv: dict[str, list[str]] = field(default_factory=dict)  # node IP -> argv (experiment.node_args)
     chip: str | None = None  # hostfile chip type the replicas run on (multi-host)
+    family: str = "cpu"  # the device family they run on (flagscale/devices)
+    family_env: dict[str, str] = field(default_factory=dict)  # its plugin's env for this engine kind (VLLM_PLUGINS)
     placement_bundles: list[dict[str, float]] | None = None  # set when TP x PP spans hosts
     placement_strategy: str | None = None
     ranks_per_host: int = 1  # the engine ranks each host of a replica runs (placement.Reservation)

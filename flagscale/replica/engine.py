@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from flagscale import engines
+from flagscale import devices, engines
 from flagscale.adaptors import ray, serve
 from flagscale.cluster.node_logs import engine_log_dir
 from flagscale.cluster.tempdirs import UnsafeDirectory
@@ -62,6 +62,7 @@ class EngineSpec:
     expert_parallel: bool = False  # the DP x TP ranks share the experts: each rank's record names its EP index
     sleep_delay_s: float | None = None  # resources.sleep_delay_s: idle this long, the engine sleeps (replica/sleep.py)
     kv_events: bool = False  # the server publishes KV-cache events on ports of its own (router/kv_events.py)
+    family: str = "cpu"  # the device family it runs on (flagscale/devices): which of Ray's devices it holds
 
     @property
     def kind(self) -> engines.EngineKind:
@@ -111,7 +112,8 @@ class EngineReplica:
             log_dir = Path(engine_log_dir(spec.app))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"engine-{spec.serve_id}-{self.replica_id}.log"
-        self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
+        self.family = devices.get(spec.family)
+        self.gpu_ids = self.family.assigned_ids()  # its family's devices Ray assigned it: GPUs, NPUs, ...
         self.ranks: ReplicaRanks | None = None
         began = time.monotonic()
         self.adapters = AdapterSet()
@@ -134,13 +136,14 @@ class EngineReplica:
             launch = spec.kind.launch(engine_argv, host, port, spec.api_key, spec.role)
             if math.prod(spec.parallel) > 1:
                 cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-                self.ranks = ReplicaRanks(spec.engine, spec.parallel, host, cpus, spec.expert_parallel)
+                self.ranks = ReplicaRanks(spec.engine, spec.parallel, host, cpus, spec.expert_parallel, self.family)
                 share = self.ranks.start(
                     engine_argv, gpu_ids, lambda: free_port(host), self.log_path, spec.env, self._note
                 )
                 self._note(f"ranks {list(share.ranks)} here (node rank 0 of {share.nnodes}), cores {share.rank_cpus}")
                 launch = spec.kind.bind_ranks(launch, share)
-            env = {**engine_env({**launch.env_defaults, **spec.env}), **launch.env, **launch.secret_env}
+            visible = self.family.visible(gpu_ids)  # as Ray assigned them (Ray sets it in this actor too)
+            env = {**engine_env({**launch.env_defaults, **spec.env}), **visible, **launch.env, **launch.secret_env}
             launch = self._with_kv_events(spec, launch, host, env)
             self.proc = start_watched(launch.argv, env, launch.env, self.log_path)
             self._wait_healthy(spec.startup_timeout_s)
@@ -184,6 +187,7 @@ class EngineReplica:
             updated_at=time.time(),
             worker_cpus=layout.worker_cpus if layout else rank_cores,
             gpus=self.gpu_ids,
+            family=self.family.name,
             role=spec.role or "",
             version=spec.version,
             fingerprint=spec.fingerprint,

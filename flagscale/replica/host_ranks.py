@@ -73,7 +73,8 @@ class RemoteRanks:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         ranks = len(self.share.ranks)
         rank_cpus: tuple[tuple[int, ...], ...] = ()
-        gpus = tuple(str(gpu) for gpu in ray.get_gpu_ids())
+        assigned = ray.get_runtime_context().get_accelerator_ids().get(self.share.device_resource, [])
+        gpus = tuple(str(device) for device in assigned)  # this host's devices of the replica's family
         if not gpus:
             self.claim = CoreClaim.take(ranks * self.cores_per_rank)
             rank_cpus = self.claim.per_rank(ranks)

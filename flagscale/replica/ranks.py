@@ -17,6 +17,7 @@ from pathlib import Path
 
 from flagscale import engines
 from flagscale.adaptors import ray, ray_scheduling
+from flagscale.devices import DeviceFamily
 from flagscale.engines.base import HostShare
 from flagscale.replica.bundles import HostPart, actor_options, placement_hosts
 from flagscale.replica.cores import CoreClaim, RankStartError
@@ -48,8 +49,19 @@ class ReplicaRanks:
         host: str,
         cpus_reserved: float,
         expert_parallel: bool = False,
+        family: DeviceFamily | None = None,
     ):
         self.engine = engine
+        # every host's share names the devices' family: Ray's resource for them and the variable that shows them
+        self.device_fields = (
+            {
+                "visible_env": family.visible_env,
+                "device_resource": family.ray_resource,
+                "interface_env": family.collective.interface_env,
+            }
+            if family is not None and family.ray_resource and family.visible_env
+            else {}
+        )
         self.parallel = parallel
         self.expert_parallel = expert_parallel
         self.tp, self.pp, self.dp = parallel
@@ -92,6 +104,7 @@ class ReplicaRanks:
             interface=interface_of(self.host) if nnodes > 1 else None,
             dp_local=dp_local,
             dp_start=dp_start,
+            **self.device_fields,
         )
         if nnodes > 1:
             self._start_remote(parts[1:], per_host[1:], master, argv, cores_per_rank, log_path, env, note)
@@ -103,7 +116,16 @@ class ReplicaRanks:
         for node_rank, (part, ranks) in enumerate(zip(parts, per_host, strict=True), start=1):
             nnodes = len(parts) + 1
             dp_local, dp_start = dp_split(self.parallel, nnodes, node_rank)
-            share = HostShare(part.host, node_rank, nnodes, ranks, master=master, dp_local=dp_local, dp_start=dp_start)
+            share = HostShare(
+                part.host,
+                node_rank,
+                nnodes,
+                ranks,
+                master=master,
+                dp_local=dp_local,
+                dp_start=dp_start,
+                **self.device_fields,
+            )
             host_log = str(log_path.with_name(f"{log_path.stem}-node{node_rank}{log_path.suffix}"))
             actor = actor_class.options(
                 **actor_options(part.resources),

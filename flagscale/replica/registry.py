@@ -37,7 +37,8 @@ class ReplicaRecord:
     log_path: str
     updated_at: float  # the publisher's wall clock at its last publish: shown, never compared across hosts
     worker_cpus: list[int] = field(default_factory=list)  # cores the engine's workers are bound to (CPU engines)
-    gpus: list[str] = field(default_factory=list)  # the GPUs Ray gave the replica (its CUDA_VISIBLE_DEVICES)
+    gpus: list[str] = field(default_factory=list)  # the devices Ray gave the replica (its family's visible ids)
+    family: str = ""  # their device family (flagscale/devices): nvidia, ascend, ...; "" before families / CPUs
     role: str = ""  # "prefill" / "decode" in a disaggregated node; "" colocated
     version: str = ""  # version_of(the replica's spec): which update of its deployment it runs
     fingerprint: str = ""  # what makes its answers (EngineSpec.fingerprint): a stream resumes only on the same

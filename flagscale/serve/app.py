@@ -103,7 +103,8 @@ def engine_spec(plan: Plan, engine: EnginePlan) -> EngineSpec:
         log_dir=launcher.engine_log_dir(plan),
         # secret engine args (hf_token) travel in the env, as does the API key (the engine kind's launch puts it
         # where its server reads it): never in argv
-        env={**launcher.engine_env(plan), **engine.secret_env, **_sleep_env(engine)},
+        env={**engine.family_env, **launcher.engine_env(plan), **engine.secret_env, **_sleep_env(engine)},
+        family=engine.family,
         api_key=plan.api_key,
         engine=engine.engine,
         parallel=engine.parallel,

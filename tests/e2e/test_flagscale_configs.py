@@ -94,7 +94,10 @@ def test_multinode_config_dryruns_on_test_hosts(configs, demo_model_path):
     for key in ("runner.docker", "runner.nnodes", "runner.nproc_per_node", "runner.deploy.use_fs_serve"):
         assert f"experiment.{key} (" in out, key
     # TP 16 comes from engine_args_specific.vllm and spans both 8-GPU hosts; the port from engine_args.port.
-    assert "1 replica(s) x 16 (TP 16 x PP 1 x DP 1) = 16 device(s)" in out and "8 + 8 = 16 slot(s)" in out
+    assert (
+        "1 replica(s) x 16 (TP 16 x PP 1 x DP 1) = 16 device(s)" in out
+        and "127.0.0.2: 8 + 127.0.0.3: 8 = 16 nvidia device(s)" in out
+    )
     assert "endpoint: http://127.0.0.1:30000/v1" in out
 
 

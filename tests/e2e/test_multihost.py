@@ -49,7 +49,7 @@ def hostfile(hosts, tmp_path_factory):
     h1, h2, h3 = (h.ip for h in hosts.hosts)
     return write_hostfile(
         tmp_path_factory.mktemp("hostfile") / "hostfile",
-        [f"{h1} slots=1 type=chipA", f"{h2} slots=1 type=chipA", f"{h3} slots=1 type=chipB"],
+        [f"{h1} slots=1 type=cpu:chipA", f"{h2} slots=1 type=cpu:chipA", f"{h3} slots=1 type=cpu:chipB"],
     )
 
 
@@ -124,7 +124,8 @@ def test_pd_pools_and_a_llama_cpp_node_pinned_by_chip_and_a_dead_worker_shows(ho
     ]
     # Two slots and two logical CPUs per host: a chipA host holds a prefill replica and a llama.cpp one.
     two_slots = write_hostfile(
-        tmp_path / "hostfile", [f"{h1} slots=2 type=chipA", f"{h2} slots=2 type=chipA", f"{h3} slots=2 type=chipB"]
+        tmp_path / "hostfile",
+        [f"{h1} slots=2 type=cpu:chipA", f"{h2} slots=2 type=cpu:chipA", f"{h3} slots=2 type=cpu:chipB"],
     )
     conf, exp_dir = deploy(tmp_path, hosts, two_slots, nodes, "chip-pd", num_cpus=2, node_args=node_args)
     stop_on_failure((conf, exp_dir))
@@ -209,7 +210,7 @@ def test_unreachable_host_fails_fast_and_leaves_nothing(hosts, tmp_path, stop_on
     unreachable = f"{netns.SUBNET}.250"  # on the test subnet, no host behind it
     hostfile = write_hostfile(
         tmp_path / "hostfile",
-        [f"{h1} slots=1 type=chipA", f"{h2} slots=1 type=chipA", f"{unreachable} slots=1 type=chipA"],
+        [f"{h1} slots=1 type=cpu:chipA", f"{h2} slots=1 type=cpu:chipA", f"{unreachable} slots=1 type=cpu:chipA"],
     )
     nodes = [
         {

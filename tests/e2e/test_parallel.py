@@ -98,7 +98,7 @@ def dryrun_dir(tmp_path_factory, demo_model_path):
     root = tmp_path_factory.mktemp("parallel-dryrun")
     (root / "gpu-hosts-2x8").write_text("127.0.0.2 slots=8 type=gpu\n127.0.0.3 slots=8 type=gpu\n")
     (root / "gpu-hosts-4x8").write_text("".join(f"127.0.0.{i} slots=8 type=gpu\n" for i in range(2, 6)))
-    (root / "cpu-hosts-2x2").write_text("127.0.0.2 slots=2 type=chipA\n127.0.0.3 slots=2 type=chipA\n")
+    (root / "cpu-hosts-2x2").write_text("127.0.0.2 slots=2 type=cpu:chipA\n127.0.0.3 slots=2 type=cpu:chipA\n")
     return root
 
 

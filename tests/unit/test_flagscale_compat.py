@@ -399,7 +399,7 @@ def test_request_field_errors_name_the_entry(request_, expect):
 
 def test_pools_land_on_their_chip_types_and_a_pinned_pool_on_its_host(demo_model_path, tmp_path):
     hostfile = tmp_path / "hostfile"
-    hostfile.write_text("127.0.0.2 slots=2 type=chipA\n127.0.0.3 slots=1 type=chipB\n")
+    hostfile.write_text("127.0.0.2 slots=2 type=cpu:chipA\n127.0.0.3 slots=1 type=cpu:chipB\n")
     cfg = v1_config(str(demo_model_path))
     cfg["experiment"]["runner"]["hostfile"] = str(hostfile)
     cfg["serve"][0]["disaggregation"] = {
@@ -408,7 +408,7 @@ def test_pools_land_on_their_chip_types_and_a_pinned_pool_on_its_host(demo_model
     }
     prefill, decode = build_plan(load_config(cfg, SOURCES), SOURCES, check_port=False).engines
     assert prefill.chip == "chipA" and decode.chip == "chipB"
-    assert "accelerator_type:chipA" in str(prefill.ray_actor_options)
+    assert "accelerator_type:cpu:chipA" in str(prefill.ray_actor_options)
     assert decode.pinned_host == "127.0.0.3" and decode.ray_actor_options["resources"]["node:127.0.0.3"] > 0
     cfg["serve"][0]["disaggregation"]["decode"]["host"] = "127.0.0.9"
     message = plan_error(cfg)

@@ -70,8 +70,8 @@ def test_empty_and_missing_files(tmp_path):
 def test_resources_per_chip_type(tmp_path):
     parsed = parse_hostfile(hostfile(tmp_path, "a slots=8 type=gpu\nb slots=4 type=gpu\n"))
     assert parsed.hosts[0].ray_resources(True) == (8, {"accelerator_type:gpu": 1.0, HEAD_RESOURCE: 1.0})
-    chips = parse_hostfile(hostfile(tmp_path, "a slots=16 type=chipA\n"))
-    assert chips.hosts[0].ray_resources(False) == (None, {"chipA": 16.0, "accelerator_type:chipA": 1.0})
+    chips = parse_hostfile(hostfile(tmp_path, "a slots=16 type=cpu:chipA\n"))
+    assert chips.hosts[0].ray_resources(False) == (None, {"cpu:chipA": 16.0, "accelerator_type:cpu:chipA": 1.0})
 
 
 def engine(serve_id="m", tp=1, replicas=1, accelerator=None):
@@ -107,9 +107,12 @@ def place_engine(node, hostfile, strategy, where):
 
 
 def test_engine_pinned_to_chip_reserves_its_slots(tmp_path):
-    hf = parse_hostfile(hostfile(tmp_path, "a slots=2 type=chipA\nb slots=1 type=chipB\n"))
+    hf = parse_hostfile(hostfile(tmp_path, "a slots=2 type=cpu:chipA\nb slots=1 type=cpu:chipB\n"))
     plan, node = place_engine(engine(tp=2, accelerator="chipA"), hf, "PACK", "here")
-    assert plan.ray_actor_options == {"num_cpus": 1, "resources": {"chipA": 2.0, "accelerator_type:chipA": 0.001}}
+    assert plan.ray_actor_options == {
+        "num_cpus": 1,
+        "resources": {"cpu:chipA": 2.0, "accelerator_type:cpu:chipA": 0.001},
+    }
     assert plan.placement_bundles is None
     with pytest.raises(ConfigError, match="no host of that type"):
         place_engine(engine(accelerator="chipC"), hf, "PACK", "here")
@@ -125,7 +128,7 @@ def test_tp_larger_than_one_host_uses_a_placement_group(tmp_path):
     share = {"GPU": 2.0, "accelerator_type:gpu": 0.001}
     assert plan.placement_bundles == [{"CPU": 1.0, **share}, share] and plan.ranks_per_host == 2
     assert "--distributed-executor-backend" not in plan.argv
-    assert check_fits([(plan, node)], hf, None, "here")["gpu"].endswith("2 + 2 = 4 slot(s) of type=gpu")
+    assert check_fits([(plan, node)], hf, None, "here")["gpu"].endswith("a: 2 + b: 2 = 4 nvidia device(s) of type=gpu")
 
 
 def test_graph_larger_than_hostfile_is_rejected_with_the_arithmetic(tmp_path):
@@ -136,7 +139,7 @@ def test_graph_larger_than_hostfile_is_rejected_with_the_arithmetic(tmp_path):
         check_fits([first, second], hf, None, "here")
     assert (
         "m1: 2 replica(s) x 2 (TP 2 x PP 1 x DP 1) + m2: 1 replica(s) x 1 (TP 1 x PP 1 x DP 1) = 5 device(s); "
-        f"{hf.path} offers 2 + 2 = 4 slot(s) of type=gpu"
+        f"{hf.path} offers a: 2 + b: 2 = 4 nvidia device(s) of type=gpu"
     ) in str(info.value)
 
 
@@ -162,7 +165,7 @@ def test_remote_command_quotes_every_word():
 
 
 def test_ray_start_argv_for_head_and_worker(tmp_path):
-    hf = parse_hostfile(hostfile(tmp_path, "10.0.0.1 slots=1 type=chipA\n10.0.0.2 slots=2 type=chipB\n"))
+    hf = parse_hostfile(hostfile(tmp_path, "10.0.0.1 slots=1 type=cpu:chipA\n10.0.0.2 slots=2 type=cpu:chipB\n"))
     head = ray_start_argv(host_node(hf.head, hf.head, 6379, 4, "/tmp/fsr-x"))
     assert "--head" in head and head[head.index("--port") + 1] == "6379"
     assert HEAD_RESOURCE in head[head.index("--resources") + 1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -133,9 +134,8 @@ def test_splits_vllm_cannot_run_are_refused_naming_the_key(tmp_path):
 
 
 def test_more_cpu_ranks_per_host_than_its_cpus_is_refused(tmp_path):
-    from types import SimpleNamespace
 
-    hosts = hostfile(tmp_path, "a slots=4 type=chipA\n")
+    hosts = hostfile(tmp_path, "a slots=4 type=cpu:chipA\n")
     engine = SimpleNamespace(serve_id="tp", ranks_per_host=4, chip="chipA")
     with pytest.raises(ConfigError, match="'tp' runs 4 CPU ranks per host .* num_cpus=2"):
         check_ranks_fit_cores(engine, hosts, 2, "runner.hostfile")
@@ -184,12 +184,17 @@ class FakeRay:
     def get_gpu_ids():
         return [0, 1]
 
+    @staticmethod
+    def get_runtime_context():  # the devices Ray assigned, by resource (a family's: GPU here)
+        return SimpleNamespace(get_accelerator_ids=lambda: {"GPU": ["0", "1"], "NPU": []})
+
 
 def test_another_hosts_ranks_start_on_the_share_the_replica_gave_them(tmp_path, monkeypatch):
     import ray
 
     monkeypatch.setattr(ray, "util", FakeRay.util)
     monkeypatch.setattr(ray, "get_gpu_ids", FakeRay.get_gpu_ids)
+    monkeypatch.setattr(ray, "get_runtime_context", FakeRay.get_runtime_context)
     given = HostShare("10.0.0.2", node_rank=1, nnodes=2, ranks=(2, 3), master=("10.0.0.1", 29500))
     log = tmp_path / "engine-node1.log"
     actor = RemoteRanks("vllm", ["m"], given, 1, str(log), {"SECRET_ENV": "hidden"})

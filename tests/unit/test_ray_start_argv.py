@@ -18,6 +18,7 @@ from flagscale.cluster.hostfile import parse_hostfile
 from flagscale.cluster.ray_node import ray_cli, start_local_head
 from flagscale.cluster.runner import CommandRunner, Result, Session
 from flagscale.cluster.state import RunState
+from flagscale.errors import ClusterError
 from flagscale.launchers import ssh as ssh_launcher
 from flagscale.launchers.ssh import SshClusterStart
 
@@ -57,7 +58,12 @@ class FakeRunner(CommandRunner):
     def __init__(self, host: str, remote: bool, calls: list, address: str | None = None):
         self.host, self.remote, self.calls, self.address = host, remote, calls, address or host
 
+    listings: dict[str, str] = {}  # vendor CLI -> what it prints; any other is not installed on the host
+
     def run(self, argv, env=None, timeout_s=None) -> Result:
+        if argv[0] in ("nvidia-smi", "npu-smi", "rocm-smi", "mx-smi"):  # a family's device listing (ssh.py)
+            out = self.listings.get(argv[0])
+            return Result(0, out, "") if out is not None else Result(127, "", f"{argv[0]}: command not found")
         raise AssertionError(f"unexpected run {argv}")
 
     def start_session(self, argv, env, log_path, timeout_s) -> Session:
@@ -130,7 +136,14 @@ def test_one_machine_head_runs_before_start_in_the_same_shell(calls):
     assert argv[4 : 4 + len(ray_cli()) + 2] == [*ray_cli(), "start", "--head"]
 
 
-def launch(tmp_path, hostfile_text: str, num_cpus: int | None, before_start: str | None = None, port: int = 8000):
+def launch(
+    tmp_path,
+    hostfile_text: str,
+    num_cpus: int | None,
+    before_start: str | None = None,
+    port: int = 8000,
+    listings: dict[str, str] | None = None,
+):
     path = tmp_path / "hostfile"
     path.write_text(hostfile_text)
     cluster = SimpleNamespace(
@@ -146,12 +159,42 @@ def launch(tmp_path, hostfile_text: str, num_cpus: int | None, before_start: str
     recorded: list = []
     addresses = {"node-a": "10.0.0.1", "node-b": "10.0.0.2"}
     launcher.runners = {h: FakeRunner(h, True, recorded, addresses[h]) for h in launcher.runners}
+    for runner in launcher.runners.values():
+        runner.listings = listings or {}
     launcher.start(SimpleNamespace(print=lambda *a, **k: None))
     return state, recorded
 
 
+NPU_SMI_ONE = """\
+| NPU   Name                | Health        | Power(W)    Temp(C)           Hugepages-Usage(page)|
+| Chip                      | Bus-Id        | AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)        |
+| 0     910B3               | OK            | 93.6        40                0    / 0             |
+| 0                         | 0000:C1:00.0  | 0           0    / 0          3339 / 65536         |
+"""
+
+
+def test_npu_hosts_start_with_npu_resources_and_their_listing_is_recorded(calls, tmp_path):
+    state, remote = launch(
+        tmp_path, "node-a slots=1 type=ascend\nnode-b slots=1 type=910B\n", 4, listings={"npu-smi": NPU_SMI_ONE}
+    )
+    starts = {c[0]: c[1] for c in remote if c[1] not in ("make_dir", "put_file")}
+    assert '{"NPU": 1.0, "accelerator_type:ascend": 1.0, "flagscale_head": 1.0}' in starts["node-a"]
+    assert '{"NPU": 1.0, "accelerator_type:910B": 1.0}' in starts["node-b"]
+    assert "--num-gpus" in starts["node-a"] and starts["node-a"][starts["node-a"].index("--num-gpus") + 1] == "0"
+    assert state.extra["devices"]["node-b"] == [{"index": 0, "name": "910B3", "memory_mib": 65536}]
+
+
+def test_a_host_listing_fewer_devices_than_its_slots_fails_before_any_ray_start(calls, tmp_path):
+    with pytest.raises(ClusterError) as info:
+        launch(
+            tmp_path, "node-a slots=1 type=ascend\nnode-b slots=2 type=ascend\n", 4, listings={"npu-smi": NPU_SMI_ONE}
+        )
+    assert "node-b slots=2 of Ascend NPUs (ascend), but `npu-smi info` there lists 1" in str(info.value)
+    assert not [c for c in calls if "ray" in " ".join(map(str, c[1]))]
+
+
 def test_hostfile_head_workers_and_driver_node(calls, tmp_path):
-    state, remote = launch(tmp_path, "node-a slots=2 type=gpu\nnode-b slots=4 type=chipX\n", num_cpus=8)
+    state, remote = launch(tmp_path, "node-a slots=2 type=gpu\nnode-b slots=4 type=cpu:chipX\n", num_cpus=8)
     # hosts are prepared in parallel: compared as a set
     prepared = sorted(c for c in remote if c[1] in ("make_dir", "put_file"))
     assert prepared == sorted(
@@ -180,7 +223,7 @@ def test_hostfile_head_workers_and_driver_node(calls, tmp_path):
         [
             *ray_cli(), "start", "--address", "10.0.0.1:6379",
             "--node-ip-address", "10.0.0.2", "--temp-dir", TEMP["node-b"],
-            "--resources", '{"chipX": 4.0, "accelerator_type:chipX": 1.0}', "--disable-usage-stats",
+            "--resources", '{"cpu:chipX": 4.0, "accelerator_type:cpu:chipX": 1.0}', "--disable-usage-stats",
             "--node-manager-port", "0", "--object-manager-port", "0", "--min-worker-port", "20000",
             "--max-worker-port", "29999", "--num-cpus", "8", "--num-gpus", "0",
         ],
@@ -207,7 +250,7 @@ def test_hostfile_head_workers_and_driver_node(calls, tmp_path):
     assert state.ray_address == "10.0.0.1:6379" and state.extra["driver_ip"] == "10.0.0.9"
     assert records(state) == [
         ("node-a", "head", 1005, 77, TEMP["node-a"], True, "gpu", 2, "10.0.0.1"),
-        ("node-b", "worker", 1006, 77, TEMP["node-b"], True, "chipX", 4, "10.0.0.2"),
+        ("node-b", "worker", 1006, 77, TEMP["node-b"], True, "cpu:chipX", 4, "10.0.0.2"),
         ("localhost", "driver", 1001, 77, "/nonexistent/exp/ray", False, None, None, "10.0.0.9"),
     ]
 

@@ -79,8 +79,10 @@ def test_a_gpu_allocation_gives_gpu_hosts_and_the_job_cpus():
     ]
     assert hostfile.head.host == "g1" and hostfile.num_cpus == 16 and "slurm job 77" in hostfile.path
     assert allocation_hostfile(env, "g2", "x").head.host == "g2"
-    # A GRES type the hostfile does not know as a GPU model stays a GPU, untyped.
-    other = allocation_hostfile({**env, "SLURM_GPUS_PER_NODE": "mi300x:8"}, None, "x")
+    # A GRES type naming another GPU family's chip types the hosts so (AMD's); one naming none stays untyped.
+    amd = allocation_hostfile({**env, "SLURM_GPUS_PER_NODE": "mi300x:8"}, None, "x")
+    assert {(h.chip, h.family.name, h.is_gpu) for h in amd.hosts} == {("mi300x", "amd", True)}
+    other = allocation_hostfile({**env, "SLURM_GPUS_PER_NODE": "tesla9:8"}, None, "x")
     assert {(h.chip, h.is_gpu) for h in other.hosts} == {(None, True)}
 
 
@@ -127,7 +129,7 @@ def test_dryrun_inside_an_allocation_plans_its_nodes(tmp_path, monkeypatch):
     result = run_cli(conf, "action=dryrun", timeout=300)
     assert result.returncode == 0, result.output
     assert "slurm job 4242: cn[07-08]" in result.stdout and "cn07" in result.stdout and "cn08" in result.stdout
-    assert "offers 2 + 2 = 4 slot(s) of type=cpu" in result.stdout
+    assert "offers cn07: 2 + cn08: 2 = 4 cpu device(s) of type=cpu" in result.stdout
     monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", "1(x2)")  # 3 one-core replicas do not fit in 2 CPUs
     result = run_cli(conf, "action=dryrun", timeout=300)
     assert result.returncode != 0 and "experiment.runner.hostfile" in result.output, result.output
