@@ -5,8 +5,9 @@ with every retry and resume decision (failover.py, resume.py; what an answer say
 relay of streamed answers (exchange.py, upstream_http.py), the prefill step of disaggregated models (pd.py), the
 replicas' state, policies and circuit breakers (replicas.py, circuit_breaker.py), the routing policies
 (policies/: one module each, one registry), what the router processes of a deployment share (peers.py), the
-process's counters and clients (state.py) and /metrics (metrics.py). `Router` (router.py) is the Ray Serve replica
-that runs them, each part handed only the collaborators it uses; `RouterSpec` (spec.py) is what it is given.
+process's counters and clients (state.py), /metrics (metrics.py), and the client keys it accepts and the key it
+sends the engines (keyring.py). `Router` (router.py) is the Ray Serve replica that runs them, each part handed only
+the collaborators it uses; `RouterSpec` (spec.py) is what it is given.
 
 May import: flagscale's basics, engines (capabilities), config (routing as planned), cluster (Ray's key-value
 store) and replica (the registry the replicas write, CPU layout). This __init__ imports nothing: the config
