@@ -5,7 +5,9 @@ snippet is printed or logged. A secret is a value whose key, flag or variable is
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 SECRET_NAME = re.compile(r"(^|_)(api_?key|token|secret|password|passwd|credentials?)($|_)", re.IGNORECASE)
 MASK = "***"
@@ -60,3 +62,22 @@ def mask_argv(argv: list[str]) -> list[str]:
 def mask_env(env: dict[str, str]) -> dict[str, str]:
     """An environment as it may be shown: the values of variables named like a credential as MASK."""
     return {name: MASK if secret_name(name) else value for name, value in env.items()}
+
+
+def secret_file(path: Path, min_chars: int = 32) -> str:
+    """The secret kept in `path` (a deployment's, in its exp_dir): read, or made there (0600, 64 random hex
+    digits) by the first caller. The same across updates and restarts, so every process `run` starts for the
+    deployment is given the same one. A file cut short (a write interrupted) is made again."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        secret = path.read_text().strip()
+        if len(secret) >= min_chars:
+            path.chmod(0o600)  # (a copy of the exp_dir may have lost its mode)
+            return secret
+        path.unlink()
+        return secret_file(path, min_chars)
+    with os.fdopen(fd, "w") as f:
+        f.write(os.urandom(32).hex())
+    return path.read_text().strip()

@@ -6,7 +6,7 @@ it, and calls `act`. This file is data only (it imports nothing of the project),
 from it.
 
 Beside the actions: run's parts (deploy.py: deploy and wait until serving; update_in_place.py: `run` on a running
-deployment; signals.py: SIGTERM/SIGHUP/Ctrl-C while it starts or stays attached; teardown.py: stop what a run
+deployment; key_rotation.py: the client keys an update hands the router; signals.py: SIGTERM/SIGHUP/Ctrl-C while it starts or stays attached; teardown.py: stop what a run
 started), status's (status_report.py: the typed report; status_table.py: its tables; status_planner.py: the SLO planner table), logs' (log_sources.py: which
 logs; log_reading.py: reading them on their hosts), and what every action shares (context.py: what `act` is handed; invocation.py: how the user called us,
 to say what to type next; console.py: a console that survives a hang-up; runner_log.py: library chatter off the

@@ -40,13 +40,14 @@ def check_fits(plan: Plan) -> None:
             )
 
 
-def deploy(plan: Plan, no_spare: frozenset[str] = frozenset()) -> None:
+def deploy(plan: Plan, no_spare: frozenset[str] = frozenset(), client_keys: tuple | None = None) -> None:
+    """`client_keys`: the keys the router accepts (flagscale/router/keyring.py); None: the plan's key alone."""
     from flagscale.serve.app import build_app  # reason: the application's code (router, replicas) imports in ~0.7 s
 
     route_serve_logger()
     serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
     registry.clear_stopping(plan.app_name)  # (left by a stop that died half-way: this deployment is not stopping)
-    deploy_app(build_app(plan, no_spare), plan.app_name)
+    deploy_app(build_app(plan, no_spare, client_keys), plan.app_name)
 
 
 def wait_until_serving(plan: Plan, console: Console, t0: float) -> None:

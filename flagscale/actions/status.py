@@ -38,7 +38,7 @@ from flagscale.net import health_problem
 from flagscale.plan import ROUTER_DEPLOYMENT
 from flagscale.replica import registry
 from flagscale.replica.slo_policy import planner_records
-from flagscale.router import peers
+from flagscale.router import keyring, peers
 
 # The most a status may take (FLAGSCALE_STATUS_TIMEOUT_S sets another); past it, status says which step did not
 # answer and exits 3.
@@ -75,9 +75,11 @@ def collect(state: RunState, api_key: str | None = None, note: bounded.Note = _q
         report.deployments = _deployments(state, app, note)
     note("reading the replica registry from the cluster's KV store")
     report.replicas = [_replica_row(r) for r in registry.list_replicas(state.app_name)]
+    # the engines' own key (flagscale/router/keyring.py); the client key for a deployment made before there was one
+    engine_key = keyring.engine_key_if_made(state.exp_dir) or api_key
     for replica in report.replicas:
         note(f"reading the engine metrics of {replica.url}")
-        replica.engine = engine_load(engines.get(replica.engine_kind), replica.url, api_key=api_key)
+        replica.engine = engine_load(engines.get(replica.engine_kind), replica.url, api_key=engine_key)
     note("reading the SLO planners' decisions from the cluster's KV store")
     report.planner = planner_records(state.app_name)
     note("asking the router for its counters")

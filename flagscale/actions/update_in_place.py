@@ -1,7 +1,8 @@
 """`run` on a running deployment: the in-place update policy. What changed (flagscale/update.py) is applied by
 redeploying the application; Serve replaces only the replicas whose spec changed, each new one healthy before the old
 one drains. Refused before anything changes: a change the running cluster cannot take, a node whose only replica
-would be replaced with no room for a spare, and a rollout that would wait forever for room (flagscale/rollout.py)."""
+would be replaced with no room for a spare, and a rollout that would wait forever for room (flagscale/rollout.py). A
+new API key reaches the running router in place, the old one kept for deploy.old_key_grace_s (key_rotation.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 
 from rich.console import Console
 
+from flagscale.actions import key_rotation
 from flagscale.actions.deploy import check_fits, deploy, need, wait_until_serving
 from flagscale.actions.invocation import RUN_PY, Invocation
 from flagscale.adaptors import ray
@@ -50,13 +52,20 @@ def update(
     replaced = replaced_nodes(changes)
     no_spare = spares(plan, replaced, console, running, invocation)
     refuse_if_stuck(plan, changed_nodes(changes), replaced, no_spare, invocation)
-    deploy(plan, no_spare)
+    keys = key_rotation.during_update(plan, key_rotation.running_keys(plan.app_name), time.time())
+    deploy(plan, no_spare, keys)
     # Recorded at once: Serve now works toward this config, and a later `run` must diff against it.
     state.extra["config"] = snapshot
     state.models = plan.model_ids
     state.save()
     try:
         wait_until_serving(plan, console, t0)
+
+        def redeploy(final: key_rotation.Keys) -> None:
+            deploy(plan, no_spare, final)
+            wait_until_serving(plan, console, t0)
+
+        key_rotation.finish(plan, keys, redeploy, console)
     except FlagScaleError as exc:
         raise DeployError(
             f"the update did not complete: {exc}. Replicas that were not replaced keep serving "

@@ -38,11 +38,16 @@ class DeployConfig(Strict):
         min_length=1,
         repr=False,
         description="Clients must send `Authorization: Bearer <key>` (every request but GET /health; GET /metrics "
-        "too with protect_metrics); engines get it too, so they refuse direct access. At least 16 characters. Prefer "
-        "api_key_env.",
+        "too with protect_metrics). At least 16 characters. Prefer api_key_env.",
     )
     api_key_env: str | None = Field(
         None, min_length=1, description="Name of an env var holding api_key, so the key stays out of YAML."
+    )
+    old_key_grace_s: float = Field(
+        300,
+        ge=0,
+        description="When `run` changes the API key in place: how long after the update is done the previous key is "
+        "still accepted beside the new one (docs/operations.md, Rotating the key). 0: refused once it is done.",
     )
     protect_metrics: bool = Field(
         True,

@@ -88,6 +88,7 @@ def plan_of(config: ServeConfig, sources: ConfigSources, facts: Facts) -> Plan:
         ray_port=config.experiment.runner.ray_port,
         notes=engine_nodes.notes + share.notes,
         api_key=facts.api_key,
+        old_key_grace_s=deploy.old_key_grace_s,
         protect_metrics=deploy.protect_metrics,
         admission=Admission.of(deploy),
         router_processes=deploy.router_processes or default_router_processes(engine_plans, facts.target.cpus),

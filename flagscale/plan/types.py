@@ -78,6 +78,7 @@ class Plan:
     ray_port: int | None = None  # runner.ray_port; None: a port free on the head's host when the run starts
     notes: list[str] = field(default_factory=list)
     api_key: str | None = field(default=None, repr=False)  # deploy.api_key / api_key_env, resolved
+    old_key_grace_s: float = 300.0  # deploy.old_key_grace_s: the previous key's grace after a rotation
     protect_metrics: bool = False
     admission: Admission = field(default_factory=Admission)  # the router's body cap and queue bounds (deploy.*)
     router_processes: int = 1  # deploy.router_processes, or default_router_processes

@@ -8,10 +8,10 @@ replicas' state, policies and circuit breakers (replicas.py, circuit_breaker.py)
 wiring and metrics), the engines' own KV events that cache_aware routes on (kv_events.py:
 the subscriptions; kv_index.py: the blocks each replica holds; kv_keys.py: a request's block keys as the engine
 computes them), what the router processes of a deployment share (peers.py), the
-process's counters and clients (state.py) and /metrics (metrics.py; the SLO planners' and held requests' series:
+process's counters and clients (state.py), the client keys it accepts and the key it sends the engines
+(keyring.py), /metrics (metrics.py; the SLO planners' and held requests' series:
 planner_metrics.py), requests held for a model at zero replicas while Serve starts one (cold_start.py). `Router`
-(router.py) is the Ray Serve replica
-that runs them, each part handed only the collaborators it uses; `RouterSpec` (spec.py) is what it is given.
+(router.py) is the Ray Serve replica that runs them, each part handed only the collaborators it uses; `RouterSpec` (spec.py) is what it is given.
 
 May import: flagscale's basics, engines (capabilities), config (routing as planned), cluster (Ray's key-value
 store) and replica (the registry the replicas write, CPU layout). This __init__ imports nothing: the config

@@ -34,6 +34,7 @@ class Exchange:
     tried: set[str] = field(default_factory=set)  # replica ids: each gets the request at most once
     moves: int = 0
     engine_deaths: int = 0  # replicas whose connection broke off during this request (RETRIES_AFTER_ENGINE_DEATH)
+    key_refusals: int = 0  # replicas that refused the router's engine key (401) during this request
     unreachable: int = 0
     refreshed: bool = False  # it ran out of replicas and had the router read the registry again (once per request)
     failure: str = ""  # why the last replica that had it failed

@@ -6,7 +6,9 @@ until one answers, each at most once and at most `max_migrations` moves after a 
   (upstream_watch.py, replicas.give_up_on_frozen) counts as a dropped connection, its circuit opened;
 - a completions or chat stream broken off part-way: resumed from the tokens the client has (resume.py), or
   finished when every token is there, else ended with an error event;
-- a 4xx is the client's problem: passed on, the replica not counted as failing;
+- a 4xx is the client's problem: passed on, the replica not counted as failing; but a 401, which refused the
+  router's engine key (the client's key never reaches an engine), is the replica's: never passed on, it counts
+  against the replica and the request moves on as after a 5xx;
 - a 5xx on a path where the engine does not run the model (EngineKind.inference_paths: /tokenize, /version, a
   stored response, ...): passed on as it is, the replica neither counted as failing nor passed over.
 
@@ -299,11 +301,17 @@ class Failover:
             raise Failed(f"{attempt.name} broke off its answer ({exc})", engine_died=True) from exc
         reply = web.Response(status=answer.status, body=body, headers=headers)
         if not attempt.ok:
-            if exchange.response is None:
-                exchange.last_answer = reply  # returned as is when no other replica can take it
             upstream = attempt.upstream
             marker = engines.get(upstream.record.engine).dead_engine_marker
             verdict = judge(answer.status, exchange.inference, body, marker)
+            if verdict is Verdict.KEY_REFUSED:  # never passed on: the key was the router's, not the client's
+                exchange.key_refusals += 1
+                log.warning(
+                    "%s refused the router's engine key (401) during a request of %r", attempt.name, exchange.model
+                )
+                raise Failed(f"{attempt.name} refused the router's engine key (401)")
+            if exchange.response is None:
+                exchange.last_answer = reply  # returned as is when no other replica can take it
             death = await engine_death(self._clients.session, upstream, verdict)
             if death:
                 attempt.upstream.breaker.trip(time.monotonic())

@@ -40,6 +40,7 @@ from flagscale.router.guard import (
     open_file_share,
     own_names,
 )
+from flagscale.router.keyring import accepts
 from flagscale.router.metrics import SCRAPE_TIMEOUT_S, RouterMetrics, merge_replica_metrics
 from flagscale.router.peers import PeerLink
 from flagscale.router.planner_metrics import planner_series
@@ -122,8 +123,7 @@ class Frontend:
         protect_metrics), 401 in OpenAI's shape otherwise (later and later for an address that keeps failing). Any
         other method on those paths needs the key too. Without a key: only Host headers guard.host_allowed takes."""
         spec = self._spec()
-        key = spec.api_key
-        if not key:
+        if not spec.client_keys:
             if not host_allowed(request.headers.get("Host"), self._own_names(spec)):
                 message = "this router has no API key and answers only its own host names (deploy.allowed_hosts)"
                 return error_response(421, message, "MisdirectedRequestError")
@@ -133,7 +133,7 @@ class Frontend:
         )
         if not open_path:
             address = request.remote or ""
-            if not self.keys.matches(request.headers.get("Authorization", ""), key):
+            if not self._key_accepted(request, spec):
                 delay = self.keys.failure_delay(address)
                 if delay:
                     await asyncio.sleep(delay)
@@ -149,9 +149,14 @@ class Frontend:
             self._names = (wanted, own_names(*wanted))
         return self._names[1]
 
+    def _key_accepted(self, request: web.Request | None, spec: RouterSpec) -> bool:
+        """Whether the request carries a client key the router accepts now (keyring.py)."""
+        header = request.headers.get("Authorization", "") if request is not None else ""
+        return accepts(spec.client_keys, spec.peer_secret, header, time.time())
+
     def upstream_headers(self, headers: dict) -> dict:
-        """Headers of a request to an engine: the client's, with the deployment's key (engines require it too)."""
-        key = self._spec().api_key
+        """Headers of a request to an engine: the client's, with the engine key in place of the client's own."""
+        key = self._spec().engine_key
         if key:
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             headers["Authorization"] = f"Bearer {key}"
@@ -197,9 +202,7 @@ class Frontend:
         if self._counters.draining:
             return web.Response(status=503, text="draining\n")
         if missing:
-            told = not spec.api_key or (
-                request is not None and self.keys.matches(request.headers.get("Authorization", ""), spec.api_key)
-            )
+            told = not spec.client_keys or self._key_accepted(request, spec)
             return web.Response(
                 status=503, text=f"no ready replica for: {', '.join(missing)}\n" if told else "unhealthy\n"
             )
@@ -304,6 +307,8 @@ class Frontend:
             m.tokens.labels(model).inc(len(exchange.stream.generated))
         if exchange.stream is not None and exchange.stream.resumed:
             m.resumed.labels(model).inc(exchange.stream.resumed)
+        if exchange.key_refusals:
+            m.key_refusals.labels(model).inc(exchange.key_refusals)
 
     async def run_graph(self, request: web.Request) -> web.Response:
         """The graph's entry: JSON body -> graph driver -> the sink's output as JSON (`?trace=1`: with timings)."""

@@ -3,8 +3,7 @@
 - ConnectionCap + GuardedSite: at most `max_client_connections` open client connections per process (beyond,
   503 and closed at once), so clients that open connections and never finish a request cannot take every file
   descriptor (aiohttp's keepalive_timeout, RUNNER_OPTIONS, closes those that send no whole head in time);
-- KeyCheck: the API key compared in constant time whatever its length, and repeated 401s from one client address
-  slowed down;
+- KeyCheck: repeated 401s from one client address slowed down;
 - host_allowed: without a key, only Host headers that a DNS-rebinding page cannot send;
 - BodyBudget: the bytes of request bodies being read and parsed at once, bounded per process.
 """
@@ -12,8 +11,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import ipaddress
 import resource
 import socket
@@ -109,23 +106,12 @@ class GuardedSite(web.TCPSite):
         self._bound_port = self._server.sockets[0].getsockname()[1]
 
 
-def _digest(value: bytes) -> bytes:
-    return hashlib.sha256(value).digest()
-
-
 class KeyCheck:
-    """`Authorization: Bearer <key>` checked by comparing digests (constant time whatever the lengths); failures
-    counted per client address (bounded table) and, past FREE_FAILURES, answered later and later."""
+    """401s counted per client address (bounded table) and, past FREE_FAILURES, answered later and later (the keys
+    themselves are compared in keyring.accepts)."""
 
     def __init__(self) -> None:
         self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # address -> (count, last failure)
-        self._expected: tuple[str, bytes] | None = None
-
-    def matches(self, header: str, key: str) -> bool:
-        if self._expected is None or self._expected[0] != key:
-            self._expected = (key, _digest(f"Bearer {key}".encode()))
-        # (aiohttp keeps header bytes that are not UTF-8 as surrogates)
-        return hmac.compare_digest(_digest(header.encode(errors="surrogateescape")), self._expected[1])
 
     def succeeded(self, address: str) -> None:
         if self._failures:

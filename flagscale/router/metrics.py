@@ -61,6 +61,13 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        self.key_refusals = Counter(
+            "flagscale_router_engine_key_refusals",
+            "Answers in which an engine replica refused the router's engine key (401): never passed on, the request "
+            "moved to another replica.",
+            ["model"],
+            registry=r,
+        )
         self.scrape_failures = Counter(
             "flagscale_router_metrics_scrape_failures",
             "Engine replicas whose /metrics did not answer in time for a scrape of the endpoint's /metrics.",

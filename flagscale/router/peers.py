@@ -31,7 +31,6 @@ import hmac
 import json
 import logging
 import os
-import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from flagscale.replica.liveness import Liveness
 from flagscale.router.policies import RequestInfo
 from flagscale.router.policies.base import Replica
 from flagscale.router.policies.cache_aware import PREFIX_KEY_BYTES
+from flagscale.secrets import secret_file
 
 if TYPE_CHECKING:  # (types only: `status` reads the reports through this module without loading aiohttp)
     from flagscale.router.metrics import RouterMetrics
@@ -65,20 +65,7 @@ SECRET_FILE = "router_peers.secret"  # in the exp_dir, 0600: the deployment's pe
 def secret_of(exp_dir: str | Path) -> str:
     """The deployment's peer secret: read from the exp_dir's SECRET_FILE, made there (0600) by the first run. The
     same across updates and restarts, so every router process Serve starts for the deployment has it."""
-    path = Path(exp_dir) / SECRET_FILE
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        secret = path.read_text().strip()
-        if len(secret) >= 32:
-            path.chmod(0o600)  # (a copy of the exp_dir may have lost its mode)
-            return secret
-        path.unlink()  # cut short (a write interrupted): made again
-        return secret_of(exp_dir)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    return path.read_text().strip()
+    return secret_file(Path(exp_dir) / SECRET_FILE)
 
 
 @dataclass

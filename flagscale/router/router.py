@@ -186,7 +186,7 @@ class Router:
         self._read_began = float("-inf")  # when the last registry read that completed began (monotonic)
         spec = self._current_spec
         self.peers = peers.PeerLink(spec, self.replicas, self.counters, self.metrics, self.collect_stats)
-        self.waker = Waker(lambda: self.clients.session, lambda: self.spec.api_key, self.metrics)
+        self.waker = Waker(lambda: self.clients.session, lambda: self.spec.engine_key, self.metrics)
         self.prefill = Prefill(spec, self.replicas, self.counters, self.admission, self.clients, self.peers)
         self.failover = Failover(
             spec,

@@ -9,6 +9,7 @@ from typing import Any
 
 from flagscale.config.routing import Admission, RoutingSpec
 from flagscale.replica import registry
+from flagscale.router.keyring import AcceptedKey, current_keys, keys_from_json
 
 GRAPH_MAX_ONGOING = 1000  # the graph driver deployment's max_ongoing_requests (flagscale/serve/app.py)
 
@@ -32,7 +33,11 @@ class RouterSpec:
     routing: dict[str, RoutingSpec] = field(default_factory=dict)  # served model name -> its node's routing
     # Disaggregated models: served model name -> how its prefill replica is picked (docs/disaggregation.md).
     prefill_routing: dict[str, RoutingSpec] = field(default_factory=dict)
-    api_key: str | None = fixed(default=None, repr=False)  # deploy.api_key: required on every route but /health
+    # deploy.api_key: the client keys accepted on every route but /health, as digests with their ends (keyring.py),
+    # so that a new key reaches a running router in place; none: a router without a key
+    client_keys: tuple[AcceptedKey, ...] = ()
+    # what the engines require (keyring.engine_key), sent in place of the client's Authorization; never a client's
+    engine_key: str | None = fixed(default=None, repr=False)
     protect_metrics: bool = True  # deploy.protect_metrics: /metrics needs the key too
     max_ongoing: dict[str, int] = field(default_factory=dict)  # serve_id -> requests one replica is sent at once
     admission: Admission = field(default_factory=Admission)  # body cap; queue bounds, per model
@@ -42,7 +47,8 @@ class RouterSpec:
     # served model name -> its engine kind (flagscale/engines/), whose public paths the router passes on
     # (flagscale/router/surface.py); a model not named here: the default engine's
     engines: dict[str, str] = field(default_factory=dict)
-    # The deployment's secret that authenticates the router processes' routing hints to each other (peers.py):
+    # The deployment's secret that authenticates the router processes' routing hints to each other (peers.py), and
+    # under which client_keys are digested (keyring.py):
     # in the init args only (Serve's status shows user_configs), never in repr, logs or the state file.
     peer_secret: str | None = fixed(default=None, repr=False)
     # deploy.router_processes > 1 (each process a Router): share load, metrics, drains and routing hints with the
@@ -64,6 +70,10 @@ class RouterSpec:
         """This process's share of a deployment-wide limit (at least 1)."""
         return max(1, math.ceil(limit / max(1, self.processes)))
 
+    def with_api_key(self, key: str | None) -> RouterSpec:
+        """One key for clients and engines alike (a router outside a deployment: benchmarks, tests)."""
+        return replace(self, client_keys=current_keys(self.peer_secret, key), engine_key=key)
+
     def user_config(self) -> dict[str, Any]:
         """What a running router takes in place (Serve's user_config -> Router.reconfigure): every field not fixed."""
         return {key: value for key, value in asdict(self).items() if key in RECONFIGURABLE}
@@ -72,6 +82,8 @@ class RouterSpec:
         config = dict(config)
         for key in ("routing", "prefill_routing"):
             config[key] = {model: RoutingSpec.from_json(spec) for model, spec in config.get(key, {}).items()}
+        if "client_keys" in config:
+            config["client_keys"] = keys_from_json(config["client_keys"])
         if "admission" in config:
             bounds = config["admission"]
             config["admission"] = Admission(**bounds | {"allowed_hosts": tuple(bounds.get("allowed_hosts", ()))})

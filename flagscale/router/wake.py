@@ -50,7 +50,7 @@ def prefer_awake(pick: Callable[[list[Upstream]], object], upstreams: list[Upstr
 
 
 class Waker:
-    """Wakes sleeping replicas: `session` gives the router's HTTP session, `api_key` the deployment's key."""
+    """Wakes sleeping replicas: `session` gives the router's HTTP session, `api_key` the key the engines require (RouterSpec.engine_key)."""
 
     def __init__(
         self,

@@ -14,7 +14,8 @@ from flagscale.plan import ROUTER_DEPLOYMENT, EnginePlan, Plan
 from flagscale.replica.autoscaling import with_engine_load_policy
 from flagscale.replica.engine import EngineReplica, EngineSpec
 from flagscale.replica.registry import version_of
-from flagscale.router import own_port, peers
+from flagscale.router import keyring, own_port, peers
+from flagscale.router.keyring import AcceptedKey
 from flagscale.router.router import Router
 from flagscale.router.spec import GRAPH_MAX_ONGOING, RouterSpec
 from flagscale.serve.graph import GRAPH_DRIVER_DEPLOYMENT, CustomNode, GraphDriver, NodeSpec
@@ -30,11 +31,14 @@ HEALTH_CHECK_TIMEOUT_S = 30
 NOT_SERVED_THROUGH_SERVE = {"graceful_shutdown_wait_loop_s": 0.2}
 
 
-def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application:
+def build_app(
+    plan: Plan, no_spare: frozenset[str] = frozenset(), client_keys: tuple[AcceptedKey, ...] | None = None
+) -> Application:
     """Every deployment gets a version derived from what its replicas are built from, so redeploying (an in-place
     update) restarts only the replicas whose spec changed. Engine replicas are replaced one at a time, the new one
     healthy before the old one drains (Serve's surge), except for the nodes in `no_spare` (no room for a spare
-    replica: the old one stops first)."""
+    replica: the old one stops first). `client_keys`: the keys the router accepts (an update's rotation,
+    flagscale/actions/key_rotation.py); None: the plan's key alone."""
     engines = []
     for engine in plan.engines:
         slo = (engine.autoscaling or {}).get("slo")
@@ -56,7 +60,7 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
         )
         spec = engine_spec(plan, engine)
         engines.append(with_version(deployment, engine_version(spec.version, scaling)).bind(spec))
-    spec = router_spec(plan)
+    spec = router_spec(plan, client_keys)
     router = serve.deployment(
         Router,
         name=ROUTER_DEPLOYMENT,
@@ -75,8 +79,8 @@ def build_app(plan: Plan, no_spare: frozenset[str] = frozenset()) -> Application
         # The rest of its spec reaches a running router through reconfigure(): an update never restarts it
         user_config=spec.user_config(),
     )
-    # (the API key is in its init args only: a new key restarts it; version_of keeps a digest, not the key)
-    router = with_version(router, version_of([plan.app_name, plan.host, plan.port, plan.pin_cpus, plan.api_key]))
+    # (a new API key reaches it in its user_config, in place: flagscale/router/keyring.py)
+    router = with_version(router, version_of([plan.app_name, plan.host, plan.port, plan.pin_cpus]))
     graph = {"graph": build_graph_driver(plan)} if plan.graph else {}
     return router.bind(spec, *engines, **graph)
 
@@ -101,11 +105,12 @@ def engine_spec(plan: Plan, engine: EnginePlan) -> EngineSpec:
         # Multi-host: the router on the head reaches engines at their node IP ("node-ip" = not loopback).
         bind_host=launcher.engine_bind_host,
         log_dir=launcher.engine_log_dir(plan),
-        # secret engine args (hf_token) travel in the env, as does the API key (the engine kind's launch puts it
-        # where its server reads it): never in argv
+        # secret engine args (hf_token) travel in the env, as does the engine key (the engine kind's launch puts it
+        # where its server reads it): never in argv. The deployment's own key, not the clients': a new client key
+        # replaces no engine (flagscale/router/keyring.py)
         env={**engine.family_env, **launcher.engine_env(plan), **engine.secret_env, **_sleep_env(engine)},
         family=engine.family,
-        api_key=plan.api_key,
+        api_key=keyring.engine_key(plan.exp_dir) if plan.api_key else None,
         engine=engine.engine,
         parallel=engine.parallel,
         expert_parallel=engine.expert_parallel,
@@ -144,9 +149,11 @@ def _router_runtime_env(plan: Plan) -> dict:
     return {**job, "env_vars": {**job.get("env_vars", {}), own_port.DEPLOYMENT_ENV: deployment_name(plan)}}
 
 
-def router_spec(plan: Plan) -> RouterSpec:
+def router_spec(plan: Plan, client_keys: tuple[AcceptedKey, ...] | None = None) -> RouterSpec:
     """What the router is told: the models (served name -> node), each model's routing (its node's; a disaggregated
-    node's decode pool, and separately its prefill pool's), the graph's route."""
+    node's decode pool, and separately its prefill pool's), the graph's route, the keys it accepts (`client_keys`,
+    else the plan's key alone) and the one it sends the engines."""
+    peer_secret = peers.secret_of(plan.exp_dir)
     models = {name: e.group for e in plan.engines for name in served_models(e)}
     routing = {name: e.routing for e in plan.engines if e.role != "prefill" for name in served_models(e)}
     prefill_routing = {name: e.routing for e in plan.engines if e.role == "prefill" for name in e.model_names}
@@ -159,7 +166,8 @@ def router_spec(plan: Plan) -> RouterSpec:
         pin_cpus=plan.pin_cpus,
         routing=routing,
         prefill_routing=prefill_routing,
-        api_key=plan.api_key,
+        client_keys=keyring.current_keys(peer_secret, plan.api_key) if client_keys is None else client_keys,
+        engine_key=keyring.engine_key(plan.exp_dir),
         protect_metrics=plan.protect_metrics,
         # requests each replica is sent at once (the router queues the rest): per engine deployment
         max_ongoing={e.serve_id: e.max_ongoing_requests or DEFAULT_MAX_ONGOING_REQUESTS for e in plan.engines},
@@ -171,7 +179,7 @@ def router_spec(plan: Plan) -> RouterSpec:
         adapters={name: e.model_names[0] for e in plan.engines for name in e.adapters},
         max_loras={e.serve_id: e.lora.max_loras for e in plan.engines if e.lora},
         # the same for every router process Serve starts for this deployment, in its init args only
-        peer_secret=peers.secret_of(plan.exp_dir),
+        peer_secret=peer_secret,
         processes=plan.router_processes,
         # colocated nodes that may scale to zero: their requests wait (bounded) for a replica to start
         scale_from_zero={

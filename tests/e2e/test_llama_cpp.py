@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from flagscale.demo_model import ensure_demo_model_gguf
+from flagscale.router.keyring import engine_key_if_made
 from tests.conftest import (
     STATUS_WAIT_S,
     demo_engine_args,
@@ -215,12 +216,14 @@ def test_api_key_guards_llama_server(deployment, client):
     (replica, *_) = record_llama_servers(deployment)
     base = replica["url"]
     request = {"model": LLAMA, "prompt": "hi", "max_tokens": 2}
+    key = engine_key_if_made(deployment["exp_dir"])  # the deployment's engine key; the clients' is refused there
     assert http(f"{base}/v1/completions", body=request)[0] == 401
     assert http(f"{base}/v1/completions", "wrong", body=request)[0] == 401
-    assert http(f"{base}/v1/completions", API_KEY, body=request)[0] == 200
+    assert http(f"{base}/v1/completions", API_KEY, body=request)[0] == 401
+    assert http(f"{base}/v1/completions", key, body=request)[0] == 200
     for path in ("/metrics", "/v1/models", "/props"):
         assert http(base + path)[0] == 401, path
-        assert http(base + path, API_KEY)[0] == 200, path
+        assert http(base + path, key)[0] == 200, path
     assert http(f"{base}/health")[0] == 200
     for pid in deployment["llama_pids"]:
         assert API_KEY not in " ".join(psutil.Process(pid).cmdline())
@@ -251,7 +254,7 @@ def test_changing_parallel_updates_in_place(deployment, client):
         replicas = record_llama_servers(deployment)
         assert not before & {r["replica_id"] for r in replicas}, replicas
         for replica in replicas:
-            code, props = http(f"{replica['url']}/props", API_KEY)
+            code, props = http(f"{replica['url']}/props", engine_key_if_made(deployment["exp_dir"]))
             assert code == 200 and props["total_slots"] == 3, props
         return replicas
 

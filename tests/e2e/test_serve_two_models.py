@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from flagscale.cluster.processes import session_members
+from flagscale.router.keyring import engine_key_if_made
 from tests.conftest import (
     STATUS_WAIT_S,
     demo_engine_args,
@@ -240,12 +241,15 @@ def http_status(url: str, key: str | None = None, body: dict | None = None) -> i
 
 
 def test_api_key_is_required_at_the_endpoint_and_at_each_engine(deployment, client):
+    """The clients' key at the endpoint; the deployment's engine key, never the clients', at each engine."""
     engine_url = next(r["url"] for r in status_json(deployment)["replicas"] if r["serve_id"] == "alpha")
     request = {"model": "alpha", "prompt": "hi", "max_tokens": 2}
-    for base in (f"http://127.0.0.1:{PORT}", engine_url):
+    engine_key = engine_key_if_made(deployment["exp_dir"])
+    for base, key, other in ((f"http://127.0.0.1:{PORT}", API_KEY, engine_key), (engine_url, engine_key, API_KEY)):
         assert http_status(f"{base}/v1/completions", body=request) == 401, base
         assert http_status(f"{base}/v1/completions", "wrong", body=request) == 401, base
-        assert http_status(f"{base}/v1/completions", API_KEY, body=request) == 200, base
+        assert http_status(f"{base}/v1/completions", other, body=request) == 401, base
+        assert http_status(f"{base}/v1/completions", key, body=request) == 200, base
         assert http_status(f"{base}/health") == 200, base
     assert API_KEY not in (deployment["exp_dir"] / "state.json").read_text()
     assert API_KEY not in status_cli(deployment["conf"], "output=json").output
@@ -275,7 +279,7 @@ def test_every_engine_path_but_health_needs_the_key(deployment, client):
         for path, body in requests.items():
             assert http_status(base + path, body=body) == 401, (base, path)
             assert http_status(base + path, "wrong", body=body) == 401, (base, path)
-            assert http_status(base + path, API_KEY, body=body) == 200, (base, path)
+            assert http_status(base + path, engine_key_if_made(deployment["exp_dir"]), body=body) == 200, (base, path)
         assert http_status(f"{base}/health") == 200, base
 
 

@@ -70,7 +70,7 @@ class FakeEngine:
 
 async def with_router(engines, api_key=None, protect_metrics=None, calls=()):
     router = bare_router(await started_upstreams(engines), "least_load")
-    router.spec.api_key = api_key
+    router.spec = router.spec.with_api_key(api_key)
     if protect_metrics is not None:
         router.spec.protect_metrics = protect_metrics
     results = []

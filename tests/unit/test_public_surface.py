@@ -61,7 +61,8 @@ async def with_router(engines, calls, api_key=None, protect_metrics=True, max_mi
     """A bare router over `engines` (tried in this order); `calls`: (method, path, json body or None, headers).
     Returns the (status, body text) of each, and the router."""
     router = bare_router(await started_upstreams(engines), "least_load")
-    router.spec.api_key, router.spec.protect_metrics = api_key, protect_metrics
+    router.spec = router.spec.with_api_key(api_key)
+    router.spec.protect_metrics = protect_metrics
     router.spec.routing["m"] = RoutingSpec.of("least_load", max_migrations=max_migrations)
     router.replicas.policies["m"] = make_policy(router.spec.routing["m"])
     results = []

@@ -21,6 +21,7 @@ from aiohttp import web
 from flagscale.config.load import ConfigSources, load_config, resolve_api_key
 from flagscale.errors import ConfigError
 from flagscale.router.guard import KeyCheck, host_allowed
+from flagscale.router.keyring import accepts, current_keys
 from tests.conftest import bare_router, router_listening, serve
 from tests.unit.fakes import healthy_replica, post_head, raw_request, upstream
 
@@ -207,7 +208,7 @@ def test_a_12mb_body_does_not_stall_health(body, status):
 def test_health_names_the_models_only_to_a_client_with_the_key():
     async def main():
         router = bare_router([], "least_load")
-        router.spec.api_key = KEY
+        router.spec = router.spec.with_api_key(KEY)
         async with router_listening(router) as url, aiohttp.ClientSession() as client:
             async with client.get(f"{url}/health") as r:
                 anonymous = r.status, await r.text()
@@ -247,7 +248,7 @@ def test_a_keyless_router_refuses_a_rebound_host_and_a_keyed_one_takes_any():
             async with router_listening(router) as url:
                 body = json.dumps({"model": "m", "prompt": "x"}).encode()
                 for host, key in (("evil.example", None), ("llm.internal", None), ("evil.example", KEY)):
-                    router.spec.api_key = key
+                    router.spec = router.spec.with_api_key(key)
                     head = post_head("/v1/completions", body, b"Connection: close")
                     head = head.replace(b"Host: 127.0.0.1", b"Host: " + host.encode())
                     if key:
@@ -264,10 +265,12 @@ def test_a_keyless_router_refuses_a_rebound_host_and_a_keyed_one_takes_any():
 
 
 def test_keys_are_compared_by_digest_and_repeated_401s_from_one_address_slow_down():
+    keys = current_keys("s" * 64, KEY)
+    assert accepts(keys, "s" * 64, f"Bearer {KEY}", time.time())
+    for wrong in ("", "Bearer", f"bearer {KEY}", f"Bearer {KEY}x", "Bearer " + "k" * 10_000, "Bearer \udcff"):
+        assert not accepts(keys, "s" * 64, wrong, time.time())
+    assert not accepts(keys, "t" * 64, f"Bearer {KEY}", time.time())  # a digest under another deployment's secret
     check = KeyCheck()
-    assert check.matches(f"Bearer {KEY}", KEY)
-    for wrong in ("", "Bearer", f"Bearer {KEY}x", "Bearer " + "k" * 10_000, "Bearer \udcff"):
-        assert not check.matches(wrong, KEY)
     delays = [check.failure_delay("10.0.0.1") for _ in range(9)]
     assert delays[:5] == [0.0] * 5 and delays[5:] == [0.1, 0.2, 0.4, 0.8]
     assert check.failure_delay("10.0.0.2") == 0.0  # another address is not slowed down
@@ -276,7 +279,7 @@ def test_keys_are_compared_by_digest_and_repeated_401s_from_one_address_slow_dow
 
     async def main():
         router = bare_router([], "least_load")
-        router.spec.api_key = KEY
+        router.spec = router.spec.with_api_key(KEY)
         took = []
         async with router_listening(router) as url, aiohttp.ClientSession() as client:
             for _ in range(8):

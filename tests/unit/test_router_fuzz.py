@@ -195,7 +195,7 @@ def test_generated_malformed_requests_never_get_a_5xx_from_the_router():
         try:
             for policy in ("cache_aware", "session"):
                 router = bare_router(ups, policy)
-                router.spec.api_key = "open-sesame-0123456789" if policy == "session" else None
+                router.spec = router.spec.with_api_key("open-sesame-0123456789" if policy == "session" else None)
                 async with router_listening(router) as url:
                     for _ in range(CASES // 2):
                         path, body, headers = rng.choice(PATHS), junk_body(rng), junk_headers(rng)
@@ -203,7 +203,7 @@ def test_generated_malformed_requests_never_get_a_5xx_from_the_router():
                         off_surface = rng.random() < 0.25
                         if off_surface:
                             path = rng.choice(OFF_SURFACE)
-                        if router.spec.api_key and rng.random() < 0.8:
+                        if router.spec.client_keys and rng.random() < 0.8:
                             headers = [h for h in headers if not h.startswith(b"Authorization")]
                             headers.append(b"Authorization: Bearer open-sesame-0123456789")
                         reached = sum(len(e.paths) for e in engines)
@@ -216,7 +216,7 @@ def test_generated_malformed_requests_never_get_a_5xx_from_the_router():
                                 bad.append((status, method, path, "off the surface", headers))
                     async with aiohttp.ClientSession() as client:
                         good = {"model": "m", "prompt": "hello", "max_tokens": 3}
-                        headers = {"Authorization": "Bearer open-sesame-0123456789"} if router.spec.api_key else {}
+                        headers = {"Authorization": "Bearer open-sesame-0123456789"} if router.spec.client_keys else {}
                         async with client.post(f"{url}/v1/completions", json=good, headers=headers) as r:
                             assert r.status == 200 and (await r.json())["choices"][0]["text"] == "ok"
                     assert router.counters.inflight == 0 and all(u.inflight == 0 for u in ups)

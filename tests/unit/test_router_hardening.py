@@ -196,7 +196,7 @@ def test_what_the_engine_refuses_is_its_4xx_not_a_router_500():
         up = upstream("a", 0, sent=0)
         up.record.url = await engine.start()
         router = bare_router([up], "session")
-        router.spec.api_key = "open-sesame-0123456789"
+        router.spec = router.spec.with_api_key("open-sesame-0123456789")
         chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]})
         good = json.dumps({"model": "m", "prompt": "x"}).encode()
         # a resumable stream's body is re-serialized with orjson, which has no integers beyond 64 bits

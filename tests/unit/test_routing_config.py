@@ -101,11 +101,10 @@ def test_the_router_spec_goes_through_serve_user_config_as_json_and_back():
         routing={"m": RoutingSpec.of("session", max_sessions=3), "p": RoutingSpec.of("cache_aware", cache_threshold=0)},
         prefill_routing={"p": RoutingSpec(policy="random")},
         admission=Admission(max_body_bytes=10, max_queued_requests=2, queue_timeout_s=0.5),
-        api_key="k",
         peer_secret="s",
-    )
+    ).with_api_key("k" * 16)
     config = json.loads(json.dumps(spec.user_config()))
-    fixed = {"app", "host", "port", "pin_cpus", "api_key", "peer_secret", "share_with_peers"}
+    fixed = {"app", "host", "port", "pin_cpus", "engine_key", "peer_secret", "share_with_peers"}
     assert fixed.isdisjoint(config) and set(config) | fixed == {f.name for f in fields(RouterSpec)}
-    bare = RouterSpec(app="a", host="127.0.0.1", port=1, models={}, api_key="k", peer_secret="s")
+    bare = RouterSpec(app="a", host="127.0.0.1", port=1, models={}, engine_key="k" * 16, peer_secret="s")
     assert bare.reconfigured(config) == spec

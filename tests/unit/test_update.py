@@ -5,6 +5,7 @@ the router taking a new spec without a restart (Router.reconfigure)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -126,20 +127,23 @@ def test_router_takes_a_new_spec_in_place_keeping_unchanged_policies():
         port=1,
         models={"a": "a", "b": "b"},
         routing={"a": RoutingSpec(policy="cache_aware"), "b": RoutingSpec(policy="least_load")},
-        api_key="k",
-    )
+        peer_secret="s" * 64,
+    ).with_api_key("client-key-0123456789")
     router = Router.__new__(Router)
     router.spec = spec
     router.graph = None
     router._init_state()
     kept = router.replicas.policies["a"]
     config = spec.user_config()
-    assert "api_key" not in config and "port" not in config  # Serve shows user_configs; the listener is fixed
+    # Serve shows user_configs: no secret there (the client key as a digest under the peer secret); the listener
+    # is fixed
+    assert not {"engine_key", "peer_secret", "port"} & set(config) and "client-key" not in json.dumps(config)
     config["models"] = {"a": "a", "c": "c"}
     config["routing"] = {"a": config["routing"]["a"], "c": {"policy": "round_robin"}}
     router.reconfigure(config)
     assert router.replicas.policies["a"] is kept and set(router.replicas.policies) == {"a", "c"}
-    assert router.spec.routing["c"] == RoutingSpec(policy="round_robin") and router.spec.api_key == "k"
+    assert router.spec.routing["c"] == RoutingSpec(policy="round_robin")
+    assert router.spec.engine_key == "client-key-0123456789" and router.spec.client_keys == spec.client_keys
     assert asyncio.run(router.frontend.health(None)).status == 503  # model c has no replica yet
 
 
