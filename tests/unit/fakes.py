@@ -6,7 +6,8 @@ from another test module.
   every completion), `dropping_replica` (reads the request, then closes the connection);
 - the toy model and its engine: `tokenize`, `greedy`, `text_of`, `FakeEngine` (vLLM's streaming format, token ids
   included when asked; it can die part-way or answer an error status);
-- one request through a bare router: `through_router` (colocated), `through_pd_router` (prefill, then decode);
+- one request through a bare router: `through_router` (colocated), `through_pd_router` (prefill, then decode; its
+  router alone: `pd_router`);
 - reading answers: `events`, `streamed_text`; writing requests byte for byte: `raw_request`, `post_head`.
 """
 
@@ -193,7 +194,8 @@ async def through_router(engines: list[FakeEngine], path: str, body: dict, max_m
             await engine.runner.cleanup()
 
 
-async def through_pd_router(prefills, decodes, path, body):
+async def pd_router(prefills, decodes):
+    """A bare router over started prefill and decode engines of model "m": (router, decode upstreams)."""
     ups = []
     for role, engines in (("prefill", prefills), ("decode", decodes)):
         for sent, engine in enumerate(engines):
@@ -204,6 +206,11 @@ async def through_pd_router(prefills, decodes, path, body):
     router = bare_router([u for u in ups if u.record.role == "decode"], "least_load")
     router.replicas.table.prefill_by_model = {"m": [u for u in ups if u.record.role == "prefill"]}
     router.replicas.prefill_policies = {"m": make_policy(RoutingSpec(policy="least_load"))}
+    return router, [u for u in ups if u.record.role == "decode"]
+
+
+async def through_pd_router(prefills, decodes, path, body):
+    router, _ = await pd_router(prefills, decodes)
     try:
         async with router_listening(router) as url, aiohttp.ClientSession() as client:
             async with client.post(f"{url}{path}", json=body) as resp:

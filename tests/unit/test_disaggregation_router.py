@@ -12,19 +12,17 @@ import json
 import aiohttp
 from aiohttp import web
 
-from flagscale.config.routing import RoutingSpec
 from flagscale.router.pd import REMOTE_DECODE
-from flagscale.router.policies import make_policy
-from tests.conftest import bare_router, router_listening, serve
+from tests.conftest import router_listening, serve
 from tests.unit.fakes import (
     FakeEngine,
     events,
     greedy,
+    pd_router,
     streamed_text,
     text_of,
     through_pd_router,
     tokenize,
-    upstream,
 )
 
 
@@ -82,21 +80,6 @@ def test_decode_replica_failing_first_hands_the_request_over_without_kv_paramete
     assert events(raw)[-1] == "[DONE]"
     assert dying.bodies[0][1]["kv_transfer_params"] == {"from": "p0"}
     assert "kv_transfer_params" not in spare.bodies[0][1]
-
-
-async def pd_router(prefills, decodes):
-    """A bare router over started prefill and decode engines of model "m": (router, decode upstreams)."""
-    ups = []
-    for role, engines in (("prefill", prefills), ("decode", decodes)):
-        for sent, engine in enumerate(engines):
-            up = upstream(engine.name, 0, sent=sent)
-            up.record.url = await engine.start()
-            up.record.role = role
-            ups.append(up)
-    router = bare_router([u for u in ups if u.record.role == "decode"], "least_load")
-    router.replicas.table.prefill_by_model = {"m": [u for u in ups if u.record.role == "prefill"]}
-    router.replicas.prefill_policies = {"m": make_policy(RoutingSpec(policy="least_load"))}
-    return router, [u for u in ups if u.record.role == "decode"]
 
 
 def test_prefill_pool_gone_decodes_without_prefill_counted_and_said_in_health():
