@@ -226,6 +226,9 @@ class Router:
 
     async def _start(self) -> None:
         self.clients.session = upstream_session(self.spec.admission.upstream_first_byte_timeout_s)
+        # The replicas are known before the port is bound: the kernel hands a process connections from the moment
+        # it listens (a router process Serve starts again takes its share at once).
+        await self._refresh()
         # every router process of the deployment listens on the same port; the kernel spreads connections
         runner = await self.frontend.listen(
             self.spec.host, self.spec.port, backlog=1024, reuse_address=True, reuse_port=True
@@ -237,7 +240,6 @@ class Router:
                 f"port {self.spec.port} is served by another deployment too: {', '.join(foreign)} listens there "
                 "(stop it, or give this one another experiment.runner.deploy.port)"
             )
-        await self._refresh()
         if self.spec.share_with_peers:
             await self.peers.start_sharing()
         loop = asyncio.get_running_loop()

@@ -389,6 +389,7 @@ def test_killing_a_router_process_loses_only_the_requests_it_held(deployment):
         base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0, http_client=fresh
     )
     results: list[tuple[float, bool]] = []  # (when the request began, whether it succeeded)
+    errors: dict[float, str] = {}  # when a failed request began: what it failed with
     done = threading.Event()
 
     def keep_streaming() -> None:
@@ -396,8 +397,11 @@ def test_killing_a_router_process_loses_only_the_requests_it_held(deployment):
             began = time.monotonic()
             try:
                 ok = bool(stream(client, "completion", "a router process dies"))
-            except (openai.APIError, httpx.HTTPError):
+                if not ok:
+                    errors[began] = "an empty stream"
+            except (openai.APIError, httpx.HTTPError) as exc:
                 ok = False
+                errors[began] = f"{type(exc).__name__}: {exc}"
             results.append((began, ok))
 
     victim = processes[sorted(processes)[0]]
@@ -429,8 +433,8 @@ def test_killing_a_router_process_loses_only_the_requests_it_held(deployment):
     # queued at the dying process's socket), and a worker whose request failed begins another at once.
     failed_before = [began for began in failed if began <= killed_at]
     assert len(failed_before) <= 6, f"{len(failed_before)} failed: more than the 6 requests in flight when it died"
-    late = [round(began - exited_at, 3) for began in failed if began > exited_at]
-    assert not late, f"requests begun after the killed process had exited failed (s after its exit: {late})"
+    late = {round(began - exited_at, 3): errors.get(began) for began in failed if began > exited_at}
+    assert not late, f"requests begun after the killed process had exited failed (s after its exit: error): {late}"
     assert after and all(after), "no request went through the surviving router process"
     # Serve starts the router process again; it takes requests
     restarted = wait_for(
