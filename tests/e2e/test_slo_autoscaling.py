@@ -3,8 +3,8 @@
 
 Shared by the module's tests, in order: the node starts with one replica, idles down to zero after its
 downscale delay, and `status` shows the planner's reason; a request at zero is held by the router while Serve
-starts a replica, and answered (no 5xx); the router's /metrics counts the planner's changes; the node goes back
-to zero.
+starts a replica, and answered (no 5xx); the router's /metrics counts the planner's changes. (That an idle node
+goes back to zero after serving: tests/unit/test_slo_planner.py, on the planner's own clock.)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tests.conftest import demo_engine_args, run_cli, status_cli, wait_for, writ
 
 PORT = 18471
 MODEL = "zero"
-DOWNSCALE_DELAY_S = 30
+DOWNSCALE_DELAY_S = 15
 SLO = {"ttft_ms": 5000, "itl_ms": 1000, "percentile": 90}
 ZERO_WAIT_S = 240  # the delay, the planner's idle forecast decaying (about a minute), a status on a busy machine
 
@@ -92,8 +92,3 @@ def test_first_request_at_zero_is_held_and_served(deployment):
     with urllib.request.urlopen(deployment["url"] + "/metrics", timeout=30) as resp:
         metrics = resp.read().decode()
     assert f'flagscale_router_planner_changes_total{{serve_id="{MODEL}"}}' in metrics
-
-
-def test_goes_back_to_zero(deployment):
-    report = wait_for(lambda: at_zero(deployment["conf"]), ZERO_WAIT_S, "the node back at zero", interval=5)
-    assert report["planner"][MODEL]["changes"] >= 1
