@@ -13,7 +13,7 @@ from flagscale.cluster.ray_compat import SERVE_WAITING_FOR_RESOURCES, deploy_app
 from flagscale.errors import DeployError, error_excerpt
 from flagscale.net import health_ok
 from flagscale.plan import Plan
-from flagscale.replica import registry
+from flagscale.replica import registry, runtime_adapters
 from flagscale.rollout import fmt
 
 FATAL_AT_START = ("EngineStartError", "RouterListenError")  # (flagscale/replica/engine.py, router/router.py)
@@ -40,14 +40,19 @@ def check_fits(plan: Plan) -> None:
             )
 
 
-def deploy(plan: Plan, no_spare: frozenset[str] = frozenset(), client_keys: tuple | None = None) -> None:
-    """`client_keys`: the keys the router accepts (flagscale/router/keyring.py); None: the plan's key alone."""
+def deploy(
+    plan: Plan, no_spare: frozenset[str] = frozenset(), client_keys: tuple | None = None
+) -> dict[str, dict[str, str]]:
+    """`client_keys`: the keys the router accepts (flagscale/router/keyring.py); None: the plan's key alone.
+    Returns the adapter sets given at run time (router's admin call) that the config's sets now replace."""
     from flagscale.serve.app import build_app  # reason: the application's code (router, replicas) imports in ~0.7 s
 
     route_serve_logger()
     serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
     registry.clear_stopping(plan.app_name)  # (left by a stop that died half-way: this deployment is not stopping)
+    replaced = runtime_adapters.clear(plan.app_name)  # the config is the deployment's truth again
     deploy_app(build_app(plan, no_spare, client_keys), plan.app_name)
+    return replaced
 
 
 def wait_until_serving(plan: Plan, console: Console, t0: float) -> None:

@@ -36,7 +36,7 @@ from flagscale.engines.metrics import engine_metrics
 from flagscale.errors import ConfigError
 from flagscale.net import health_problem
 from flagscale.plan import ROUTER_DEPLOYMENT
-from flagscale.replica import registry
+from flagscale.replica import registry, runtime_adapters
 from flagscale.replica.slo_policy import planner_records
 from flagscale.router import keyring, peers
 
@@ -82,6 +82,7 @@ def collect(state: RunState, api_key: str | None = None, note: bounded.Note = _q
         replica.engine = engine_load(engines.get(replica.engine_kind), replica.url, api_key=engine_key)
     note("reading the SLO planners' decisions from the cluster's KV store")
     report.planner = planner_records(state.app_name)
+    report.runtime_adapters = runtime_adapters.read_all(state.app_name)
     note("asking the router for its counters")
     router = _router_stats(state)
     routed = router.pop("replicas", {})

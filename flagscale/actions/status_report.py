@@ -137,6 +137,8 @@ class StatusReport:
     router: RouterTotals | None = None
     hosts: list[HostRow] | None = None  # None: the launcher has no host table
     planner: dict[str, dict[str, Any]] = field(default_factory=dict)  # serve_id -> its SLO planner's last decision
+    # serve_id -> the LoRA adapter set given at run time through the router's admin call (replica/runtime_adapters.py)
+    runtime_adapters: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -152,6 +154,7 @@ class StatusReport:
             "router": asdict(self.router) if self.router else None,
             "http_health": self.http_health,
             "planner": self.planner,
+            "runtime_adapters": self.runtime_adapters,
         }
         if self.hosts is not None:
             out["hosts"] = [asdict(h) for h in self.hosts]

@@ -29,6 +29,13 @@ def render(console: Console, report: StatusReport, wide: bool = False) -> None:
     for r in report.replicas:  # a LoRA adapter a replica could not load: it is not READY for that adapter
         for name, why in r.adapter_errors.items():
             console.print(f"[red]{escape(f'{r.replica_id}: adapter {name!r} not loaded: {why}')}[/]")
+    for serve_id, adapters in sorted(report.runtime_adapters.items()):
+        given = ", ".join(sorted(adapters)) or "none"
+        console.print(
+            f"'{serve_id}': adapters given at run time (POST /admin/adapters): {given}; `run` again replaces them with "
+            "the config's",
+            markup=False,
+        )
     console.print(f"[dim]({LOAD_LEGEND})[/]")
     ranks = [(r, rank) for r in report.replicas for rank in r.ranks or ()]
     if wide and ranks:

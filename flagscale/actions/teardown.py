@@ -25,7 +25,7 @@ from flagscale.cluster.runner import CommandRunner, CommandTimeout, parallel, ru
 from flagscale.cluster.state import HostRecord, RunState
 from flagscale.errors import ClusterError
 from flagscale.plan import ROUTER_DEPLOYMENT
-from flagscale.replica import registry
+from flagscale.replica import registry, runtime_adapters
 from flagscale.router import peers
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,9 @@ def _delete_app(state: RunState, console: Console, drain_timeout_s: float, note:
 
 def forget_app_keys(app: str) -> None:
     """What a deployment keeps in Ray's key-value store, gone with it: its replicas' records and stop mark
-    (replica/registry.py), its router processes' reports and drain mark (router/peers.py). On a cluster the run
+    (replica/registry.py), its router processes' reports and drain mark (router/peers.py), its adapter sets given
+    at run time (replica/runtime_adapters.py). On a cluster the run
     started they would go with the cluster; on an existing cluster (launchers/ray.py) they would stay for good."""
     registry.withdraw_all(app)
     peers.withdraw_all(app)
+    runtime_adapters.clear(app)

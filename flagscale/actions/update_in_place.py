@@ -53,7 +53,12 @@ def update(
     no_spare = spares(plan, replaced, console, running, invocation)
     refuse_if_stuck(plan, changed_nodes(changes), replaced, no_spare, invocation)
     keys = key_rotation.during_update(plan, key_rotation.running_keys(plan.app_name), time.time())
-    deploy(plan, no_spare, keys)
+    for serve_id, adapters in deploy(plan, no_spare, keys).items():
+        console.print(
+            f"  '{serve_id}': its adapters given at run time ({', '.join(adapters) or 'none'}) are replaced by the "
+            "config's",
+            markup=False,
+        )
     # Recorded at once: Serve now works toward this config, and a later `run` must diff against it.
     state.extra["config"] = snapshot
     state.models = plan.model_ids

@@ -202,3 +202,32 @@ def same_base(adapter_base: str, model: str) -> bool:
     if base_full & model_full:
         return True
     return not (_hub_id(adapter_base) and _hub_id(model)) and base_short == model_short
+
+
+def check_adapter(name: str, files: AdapterFiles, model: str, rank_limit: int, default_limit: bool, key: str) -> None:
+    """One adapter against its directory's files, the node's model and the rank bound: a ConfigError naming the
+    adapter, the file and the key that is wrong."""
+    if files.problem:
+        raise ConfigError(f"LoRA adapter {name!r}: {files.problem}", key)
+    config = files.config or {}
+    config_file = Path(files.path) / ADAPTER_CONFIG
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise ConfigError(f"LoRA adapter {name!r}: {config_file}: peft_type is {peft_type!r}, not LORA", key)
+    base = config.get("base_model_name_or_path")
+    if isinstance(base, str) and base and not same_base(base, model):
+        raise ConfigError(
+            f"LoRA adapter {name!r}: {config_file}: base_model_name_or_path is {base!r}, not this node's model "
+            f"{model!r}",
+            key,
+        )
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ConfigError(f"LoRA adapter {name!r}: {config_file}: r is {rank!r}, not a positive rank", key)
+    if rank > rank_limit:
+        bound = f"the engine's default max_lora_rank {rank_limit}" if default_limit else f"max_lora_rank {rank_limit}"
+        raise ConfigError(
+            f"LoRA adapter {name!r}: {config_file}: r is {rank}, above {bound}; set lora.max_lora_rank to at "
+            f"least {rank}",
+            key,
+        )

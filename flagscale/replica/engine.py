@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import math
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from flagscale.cluster.node_logs import engine_log_dir
 from flagscale.cluster.tempdirs import UnsafeDirectory
 from flagscale.engines.metrics import engine_metrics, engine_metrics_and_buckets
 from flagscale.net import free_port, health_ok
-from flagscale.replica import registry
+from flagscale.replica import registry, runtime_adapters
 from flagscale.replica.adapters import AdapterSet, poster, running
 from flagscale.replica.autoscaling import ENGINE_REQUESTS
 from flagscale.replica.cores import RankStartError
@@ -98,6 +99,9 @@ class EngineReplica:
     """One replica = one engine server process (and the processes it starts)."""
 
     adapters: AdapterSet | None = None  # the LoRA adapters its engine has loaded (reconfigure), for nodes with some
+    _configured_adapters: dict[str, str] | None = None  # its config's set (user_config); None: a node without LoRA
+    _synced_adapters: dict[str, str] | None = None  # the set it last loaded/unloaded to
+    _adapter_sync: threading.Thread | None = None  # a sync check_health began (runtime_adapters.py)
 
     def __init__(self, spec: EngineSpec):
         self.spec = spec
@@ -117,6 +121,7 @@ class EngineReplica:
         self.ranks: ReplicaRanks | None = None
         began = time.monotonic()
         self.adapters = AdapterSet()
+        self._adapter_lock = threading.Lock()  # reconfigure (Serve) and check_health's sync take turns
         try:
             self._start(spec, host, self.gpu_ids)
         except (TimeoutError, UnsafeDirectory, RankStartError) as exc:  # GPU start-up lock, cores, other hosts
@@ -280,6 +285,8 @@ class EngineReplica:
             )
         else:
             self._note(f"/health did not answer within {HEALTH_PROBE_TIMEOUT_S:g}s (busy?); not replaced yet")
+        if self._configured_adapters is not None:  # a node with LoRA: its set may have been changed at run time
+            self._sync_adapters_aside()
         if (
             self.adapters is not None and self.adapters.loaded
         ):  # what the router places adapters by, besides its own record (docs/routing.md)
@@ -289,13 +296,31 @@ class EngineReplica:
     def reconfigure(self, config: dict) -> None:
         """Serve's user_config of a node with LoRA adapters ({"adapters": {name: directory}}), at start before the
         replica is READY and on every update that changes it: the engine loads and unloads adapters in place
-        (flagscale/replica/adapters.py), and the replica's record names those loaded as its models."""
-        done = self.adapters.sync(self.spec.kind, config.get("adapters", {}), poster(self.url, self.spec.api_key))
-        for line in done:
-            self._note(line)
-        self.record.models = [*self.spec.model_names, *sorted(self.adapters.loaded)]
-        self.record.adapter_errors = dict(self.adapters.errors)
-        registry.publish(self.record)
+        (flagscale/replica/adapters.py), and the replica's record names those loaded as its models. A set given
+        at run time (the router's admin call: runtime_adapters.py) stands in for the config's while there is one."""
+        self._configured_adapters = dict(config.get("adapters", {}))
+        self._sync_adapters()
+
+    def _sync_adapters(self) -> None:
+        """Load/unload to the node's set, where it differs from the one synced last (check_health looks again)."""
+        with self._adapter_lock:
+            given = runtime_adapters.get(self.spec.app, self.spec.serve_id)
+            desired = self._configured_adapters if given is None else given
+            if desired == self._synced_adapters:
+                return
+            self._synced_adapters = desired
+            done = self.adapters.sync(self.spec.kind, desired, poster(self.url, self.spec.api_key))
+            for line in done:
+                self._note(line)
+            self.record.models = [*self.spec.model_names, *sorted(self.adapters.loaded)]
+            self.record.adapter_errors = dict(self.adapters.errors)
+            registry.publish(self.record)
+
+    def _sync_adapters_aside(self) -> None:
+        """_sync_adapters off the health check's thread (loads may outlast Serve's health check timeout)."""
+        if self._adapter_sync is None or not self._adapter_sync.is_alive():
+            self._adapter_sync = threading.Thread(target=self._sync_adapters, name="adapter-sync", daemon=True)
+            self._adapter_sync.start()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Called by Serve when the node autoscales: this replica's load as its engine counts it

@@ -11,6 +11,7 @@ the engine aborts the request.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from aiohttp import web
 
 from flagscale import engines
 from flagscale.config.routing import RoutingSpec
+from flagscale.router import adapter_admin
 from flagscale.router.admission import RETRY_AFTER_S
 from flagscale.router.client_request import (
     HOP_BY_HOP,
@@ -40,7 +42,7 @@ from flagscale.router.guard import (
     open_file_share,
     own_names,
 )
-from flagscale.router.keyring import accepts
+from flagscale.router.keyring import accepts, header_key
 from flagscale.router.metrics import SCRAPE_TIMEOUT_S, RouterMetrics, merge_replica_metrics
 from flagscale.router.peers import PeerLink
 from flagscale.router.planner_metrics import planner_series
@@ -87,6 +89,7 @@ class Frontend:
         self.bodies = BodyBudget()
         self.connections: ConnectionCap | None = None  # set by listen
         self._names: tuple[tuple[str, tuple[str, ...]], frozenset[str]] | None = None
+        self.admin: adapter_admin.AdapterAdmin | None = None  # /admin/adapters (the engine key), set by the Router
 
     @property
     def surface(self) -> Surface:
@@ -114,6 +117,8 @@ class Frontend:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.models)
+        if self.admin is not None:
+            app.router.add_route("*", adapter_admin.PATH, self.admin.handle)
         app.router.add_route("*", "/{tail:.*}", self.proxy)  # the graph's route too: it may change
         return app
 
@@ -123,6 +128,8 @@ class Frontend:
         protect_metrics), 401 in OpenAI's shape otherwise (later and later for an address that keeps failing). Any
         other method on those paths needs the key too. Without a key: only Host headers guard.host_allowed takes."""
         spec = self._spec()
+        if request.path.startswith("/admin/"):
+            return await self._require_engine_key(request, spec, handler)
         if not spec.client_keys:
             if not host_allowed(request.headers.get("Host"), self._own_names(spec)):
                 message = "this router has no API key and answers only its own host names (deploy.allowed_hosts)"
@@ -141,6 +148,21 @@ class Frontend:
                 body["error"]["code"] = "invalid_api_key"
                 return web.json_response(body, status=401)
             self.keys.succeeded(address)
+        return await handler(request)
+
+    async def _require_engine_key(self, request: web.Request, spec: RouterSpec, handler):
+        """The admin routes (router/adapter_admin.py) take the deployment's engine key alone, never a client key."""
+        given = header_key(request.headers.get("Authorization", "")) or ""
+        if not spec.engine_key or not hmac.compare_digest(
+            given.encode(errors="surrogateescape"), spec.engine_key.encode()
+        ):
+            address = request.remote or ""
+            delay = self.keys.failure_delay(address)
+            if delay:
+                await asyncio.sleep(delay)
+            message = "the admin routes take the deployment's engine key (exp_dir/engine_api_key)"
+            return error_response(401, message, "AuthenticationError")
+        self.keys.succeeded(request.remote or "")
         return await handler(request)
 
     def _own_names(self, spec: RouterSpec) -> frozenset[str]:

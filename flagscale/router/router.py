@@ -36,10 +36,12 @@ from aiohttp import web
 
 from flagscale.adaptors import ray
 from flagscale.config.routing import DEFAULT_MAX_ONGOING_REQUESTS, RoutingSpec
-from flagscale.replica import registry
+from flagscale.replica import registry, runtime_adapters
 from flagscale.replica.cpu_layout import RouterPinning
+from flagscale.replica.registry import ReplicaRecord
 from flagscale.replica.slo_policy import recorded_start_s
 from flagscale.router import own_port, peers
+from flagscale.router.adapter_admin import AdapterAdmin
 from flagscale.router.admission import AdmissionQueue
 from flagscale.router.cold_start import ColdStart
 from flagscale.router.failover import Failover
@@ -114,7 +116,8 @@ class Router:
         """Serve calls this after __init__ and on every update whose router spec changed (models added or
         removed, routing policies): applied on the router's event loop, keeping the policies (and their prefix
         tables) of models whose routing did not change."""
-        spec = self.spec.reconfigured(config)
+        self.configured_spec = self.configured_spec.reconfigured(config)
+        spec = self.configured_spec.with_adapter_sets(self._adapter_sets)
         loop = getattr(self, "_loop", None)
         if loop is None or not loop.is_running():
             self._apply_spec(spec)
@@ -160,6 +163,8 @@ class Router:
 
     def _init_state(self) -> None:
         """The request path's state (the unit tests build a Router with this only: no Ray, no thread)."""
+        self.configured_spec = self.spec  # the spec as Serve gives it; `spec` adds the adapter sets given at run time
+        self._adapter_sets: dict[str, dict[str, str]] = {}  # (replica/runtime_adapters.py)
         self.metrics = RouterMetrics()
         self.adapter_routing = AdapterRouting(self.metrics.registry)  # LoRA adapters' placement (router/lora.py)
         policies: dict[str, Policy] = {
@@ -204,6 +209,7 @@ class Router:
         self.frontend = Frontend(
             spec, self.replicas, self.counters, self.metrics, self.clients, self.peers, self.failover, self.graph
         )
+        self.frontend.admin = AdapterAdmin(spec, self._live_records, self._refresh)
 
     def _current_spec(self) -> RouterSpec:
         """What the parts read the spec through: reconfigure replaces it."""
@@ -301,10 +307,22 @@ class Router:
                 )
             await asyncio.get_running_loop().run_in_executor(None, registry.withdraw_stale, self.spec.app, stale)
         self.waker.wake_held(self.replicas.table.by_replica.values())
+        if self.spec.lora_nodes:
+            await self._adopt_adapter_sets()
         if self._pinning is not None:
             self._pinning.update([r for r in records if r not in stale])
         for key in list(self.admission.waiting):  # replicas may have joined, limits changed: every waiter looks again
             self.admission.wake(key, everyone=True)
+
+    async def _adopt_adapter_sets(self) -> None:
+        """The adapter sets given at run time (the admin call, in any router process): served as they change."""
+        sets = await asyncio.get_running_loop().run_in_executor(None, runtime_adapters.read_all, self.spec.app)
+        if sets != self._adapter_sets:
+            self._adapter_sets = sets
+            self._apply_spec(self.configured_spec.with_adapter_sets(sets))
+
+    def _live_records(self) -> list[ReplicaRecord]:
+        return [upstream.record for upstream in list(self.replicas.table.by_replica.values())]
 
     def _max_ongoing(self, upstream: Upstream) -> int:
         return self.spec.share(self.spec.max_ongoing.get(upstream.record.serve_id, DEFAULT_MAX_ONGOING_REQUESTS))

@@ -20,6 +20,18 @@ def fixed(**kwargs: Any) -> Any:
     return field(metadata={"fixed": True}, **kwargs)
 
 
+@dataclass(frozen=True)
+class LoraNode:
+    """An engine node with LoRA adapters, as the router's admin call needs it (router/adapter_admin.py)."""
+
+    base: str  # the node's first served name: the adapters' `parent`
+    served: list[str]  # every name the node's base model is served by
+    model: str  # the model as its engine loads it: an added adapter's base must be this one
+    max_lora_rank: int  # an added adapter's rank bound
+    default_rank_limit: bool  # whether that bound is the engine's default (the error then says how to raise it)
+    adapters: dict[str, str] = field(default_factory=dict)  # its configured set: name -> directory
+
+
 @dataclass
 class RouterSpec:
     app: str = fixed()
@@ -61,6 +73,7 @@ class RouterSpec:
     # deployment with adapters (serve_id), the adapters one replica runs at once (flagscale/router/lora.py)
     adapters: dict[str, str] = field(default_factory=dict)
     max_loras: dict[str, int] = field(default_factory=dict)
+    lora_nodes: dict[str, LoraNode] = field(default_factory=dict)  # serve_id -> its node, for nodes with LoRA
     graph_max_ongoing: int = GRAPH_MAX_ONGOING  # graph requests in flight at once, all processes together
     # served model name -> the most seconds a request waits for the first replica of its node at zero replicas
     # (min_replicas 0, colocated; flagscale/router/cold_start.py) where no start time was measured yet
@@ -84,10 +97,43 @@ class RouterSpec:
             config[key] = {model: RoutingSpec.from_json(spec) for model, spec in config.get(key, {}).items()}
         if "client_keys" in config:
             config["client_keys"] = keys_from_json(config["client_keys"])
+        if "lora_nodes" in config:
+            config["lora_nodes"] = {serve_id: LoraNode(**node) for serve_id, node in config["lora_nodes"].items()}
         if "admission" in config:
             bounds = config["admission"]
             config["admission"] = Admission(**bounds | {"allowed_hosts": tuple(bounds.get("allowed_hosts", ()))})
         return replace(self, **config)
+
+    def with_adapter_sets(self, sets: dict[str, dict[str, str]]) -> RouterSpec:
+        """This spec with the adapter sets given at run time (serve_id -> set: replica/runtime_adapters.py) in place
+        of those nodes' configured adapters: each adapter a model of its node, routed and served as its base."""
+        models, adapters, routing, engines = (
+            dict(self.models),
+            dict(self.adapters),
+            dict(self.routing),
+            dict(self.engines),
+        )
+        no_resume = set(self.no_resume)
+        for serve_id, given in sets.items():
+            node = self.lora_nodes.get(serve_id)
+            if node is None:  # a node an update removed, or one without LoRA
+                continue
+            for name in [name for name, base in adapters.items() if base == node.base]:
+                for table in (adapters, models, routing, engines):
+                    table.pop(name, None)
+                no_resume.discard(name)
+            for name in given:
+                if name in models:  # another node's model (the admin call refuses such a name)
+                    continue
+                adapters[name], models[name] = node.base, models[node.base]
+                for table in (routing, engines):
+                    if node.base in table:
+                        table[name] = table[node.base]
+                if node.base in no_resume:
+                    no_resume.add(name)
+        return replace(
+            self, models=models, adapters=adapters, routing=routing, engines=engines, no_resume=sorted(no_resume)
+        )
 
 
 RECONFIGURABLE = tuple(spec.name for spec in fields(RouterSpec) if not spec.metadata.get("fixed"))

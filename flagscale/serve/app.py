@@ -17,7 +17,7 @@ from flagscale.replica.registry import version_of
 from flagscale.router import keyring, own_port, peers
 from flagscale.router.keyring import AcceptedKey
 from flagscale.router.router import Router
-from flagscale.router.spec import GRAPH_MAX_ONGOING, RouterSpec
+from flagscale.router.spec import GRAPH_MAX_ONGOING, LoraNode, RouterSpec
 from flagscale.serve.graph import GRAPH_DRIVER_DEPLOYMENT, CustomNode, GraphDriver, NodeSpec
 
 if TYPE_CHECKING:
@@ -178,6 +178,7 @@ def router_spec(plan: Plan, client_keys: tuple[AcceptedKey, ...] | None = None) 
         engines={name: e.engine for e in plan.engines for name in served_models(e)},
         adapters={name: e.model_names[0] for e in plan.engines for name in e.adapters},
         max_loras={e.serve_id: e.lora.max_loras for e in plan.engines if e.lora},
+        lora_nodes={e.serve_id: lora_node(e) for e in plan.engines if e.lora and e.role is None},
         # the same for every router process Serve starts for this deployment, in its init args only
         peer_secret=peer_secret,
         processes=plan.router_processes,
@@ -188,6 +189,19 @@ def router_spec(plan: Plan, client_keys: tuple[AcceptedKey, ...] | None = None) 
             if e.role is None and (e.autoscaling or {}).get("min_replicas") == 0
             for name in e.model_names
         },
+    )
+
+
+def lora_node(engine: EnginePlan) -> LoraNode:
+    """What the router's admin call checks an adapter added to this node against (router/adapter_admin.py)."""
+    lora = engine.lora
+    return LoraNode(
+        engine.model_names[0],
+        engine.model_names,
+        lora.model,
+        lora.max_lora_rank,
+        lora.default_rank_limit,
+        lora.adapters,
     )
 
 

@@ -6,14 +6,16 @@ shared by the tests in order: /v1/models lists each adapter with its base as `pa
 (completion and streamed chat) through the router, differently from the base model for the same prompt at
 temperature 0 -> the router's /metrics count each adapter's requests -> `run` again with one adapter added and one
 removed: loaded and unloaded in place (the engines' processes are the same ones), while a client keeps asking the
-adapters that stay, without a failed request -> a replica whose engine is killed is replaced, and the new one has
-the whole set before it is READY -> stop, nothing left.
+adapters that stay, without a failed request -> the router's admin call (the engine key) adds one adapter and
+removes another, again in place and without a failed request -> a replica whose engine is killed is replaced, and
+the new one has the whole set, the one given at run time, before it is READY -> stop, nothing left.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
 
 import openai
@@ -52,7 +54,7 @@ def test_a_bad_adapter_path_is_refused_before_anything_starts(tmp_path):
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
-    paths = {name: str(ensure_demo_lora(name)) for name in (*ADAPTERS, "new")}
+    paths = {name: str(ensure_demo_lora(name)) for name in (*ADAPTERS, "new", "extra")}
     exp_dir = root / "exp"
     conf = write_config(root / "conf", [node({name: paths[name] for name in ADAPTERS})], exp_dir, PORT)
     result = run_cli(conf, timeout=900)
@@ -125,10 +127,11 @@ def engine_pids(deployment) -> set[int]:
 
 
 class AdapterLoad:
-    """A client asking the adapters that stay (sql, bot) one request after another until stopped."""
+    """A client asking the adapters that stay one request after another until stopped."""
 
-    def __init__(self, client):
+    def __init__(self, client, stay: tuple[str, ...] = ("sql", "bot")):
         self.client, self.stop, self.ok, self.failures = client, threading.Event(), 0, []
+        self.stay = stay
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
@@ -136,7 +139,7 @@ class AdapterLoad:
         while not self.stop.is_set():
             n += 1
             try:
-                complete(self.client, ("sql", "bot")[n % 2])
+                complete(self.client, self.stay[n % len(self.stay)])
                 self.ok += 1
             except Exception as exc:  # noqa: BLE001 - every failure is the finding
                 self.failures.append(f"{type(exc).__name__}: {exc}")
@@ -170,8 +173,48 @@ def test_run_again_adds_and_removes_adapters_in_place(deployment, client):
     assert set(state["extra"]["config"]["serve"]["demo"]["lora"]["adapters"]) == {"sql", "bot", "new"}
 
 
+def admin(body: dict | None, key: str) -> tuple[int, dict]:
+    """GET (body None) or POST /admin/adapters with `key`: (status, JSON answer)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{PORT}/admin/adapters",
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as refused:
+        return refused.code, json.loads(refused.read())
+
+
+def test_the_admin_call_adds_and_removes_adapters_in_place(deployment, client):
+    before = engine_pids(deployment)
+    key = (deployment["exp_dir"] / "engine_api_key").read_text().strip()
+    change = {"model": "demo", "add": {"extra": deployment["paths"]["extra"]}, "remove": ["bot"]}
+    assert admin(change, "none")[0] == 401  # a client's key is no admin key
+    status, answer = admin({"model": "demo", "add": {"bad": "/no/such/adapter"}}, key)
+    assert status == 400 and "LoRA adapter 'bad': /no/such/adapter is no directory" in answer["error"]["message"]
+    with AdapterLoad(client, stay=("sql", "new")) as load:
+        status, answer = admin(change, key)
+        assert status == 200, answer
+        assert all(r["loaded"] == ["extra", "new", "sql"] and not r["dropping"] for r in answer["replicas"].values())
+        assert len(answer["replicas"]) == 2, answer
+        wait_for(lambda: load.ok >= 4, 120, "the client's requests after the change")
+    assert not load.failures, load.failures
+    # every router process serves the new set (the one answering here may not be the one that took the call)
+    wanted = {"demo": None, "sql": "demo", "new": "demo", "extra": "demo"}
+    wait_for(lambda: models(client) == wanted, 30, "/v1/models to list the new set")
+    assert complete(client, "extra") != complete(client, "demo")
+    with pytest.raises(openai.NotFoundError):
+        complete(client, "bot")
+    assert engine_pids(deployment) == before  # loaded in place: no engine restarted
+    assert admin(None, key)[1]["models"]["demo"]["given_at_run_time"] is True
+    table = status_cli(deployment["conf"]).stdout
+    assert "'demo': adapters given at run time (POST /admin/adapters): extra, new, sql" in " ".join(table.split())
+
+
 def test_a_replica_whose_engine_is_killed_comes_back_with_the_full_set(deployment, client):
-    wanted = {"demo", "sql", "bot", "new"}
+    wanted = {"demo", "sql", "new", "extra"}  # the set the admin call gave
     (victim, *_) = status_json(deployment)["replicas"]
     psutil.Process(victim["engine_pid"]).children()[0].kill()  # engine_proc's child: vLLM's server
 
@@ -185,7 +228,7 @@ def test_a_replica_whose_engine_is_killed_comes_back_with_the_full_set(deploymen
 
     replicas = wait_for(replaced, STATUS_WAIT_S, "the killed replica replaced, with every adapter loaded")
     assert all(not r["adapter_errors"] for r in replicas)
-    for name in ("sql", "bot", "new"):
+    for name in ("sql", "new", "extra"):
         assert complete(client, name) != complete(client, "demo")
 
 
