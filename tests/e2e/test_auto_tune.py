@@ -41,7 +41,7 @@ def tuner_conf(tmp_path):
     }
     experiment = {
         "task": {"type": "serve", "backend": "vllm"},
-        "bench": {"input_len": 32, "output_len": 16, "num_prompts": 16, "concurrency": [1, 2, 4]},
+        "bench": {"input_len": 32, "output_len": 16, "num_prompts": 8, "concurrency": [1, 4]},
         "auto_tuner": {
             "space": SPACE,
             "control": {"interval": 0, "run_best": True, "max_time_per_task": 400},
