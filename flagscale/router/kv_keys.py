@@ -27,6 +27,7 @@ from typing import Any
 
 from flagscale.adaptors import cbor2, huggingface_hub, jinja2_sandbox, tokenizers
 from flagscale.router.kv_index import block_key
+from flagscale.router.token_prefixes import TokenPrefixes
 
 # request fields that change what the engine's template renders or tokenizes in ways not repeated here
 CHAT_FIELDS_NOT_KEYED = ("tools", "documents", "chat_template", "chat_template_kwargs", "mm_processor_kwargs")
@@ -95,6 +96,8 @@ class PromptTokens:
         }
         template = self._template(chat_template, config, revision)
         self.template = self._environment().from_string(template) if template else None
+        # a prompt's already-seen chunks are not tokenized again (token_prefixes.py)
+        self.prefixes = TokenPrefixes(lambda text, special: self.tokenizer.encode(text, add_special_tokens=special).ids)
 
     def _file(self, name: str, revision: str | None, required: bool = True) -> Path | None:
         local = Path(self.source) / name
@@ -149,7 +152,7 @@ class PromptTokens:
         if text is None or not isinstance(special, bool):
             return None
         cut = len(text) > max_chars
-        return self.tokenizer.encode(text[:max_chars], add_special_tokens=special).ids, cut
+        return self.prefixes.encode(text[:max_chars], special), cut
 
     def _rendered(self, body: dict[str, Any], messages: Any) -> str | None:
         if self.template is None or any(body.get(name) is not None for name in CHAT_FIELDS_NOT_KEYED):
