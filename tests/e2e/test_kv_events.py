@@ -4,10 +4,11 @@ One deployment: the demo model, 2 replicas whose KV caches are capped (num_gpu_b
 tokens each, so the workload's prefixes do not all fit and the engines evict), cache_aware routing with
 kv_events auto (vLLM: on), one router process.
 
-- hit prediction: requests one at a time (completions and chats sharing long prefixes); for each one, the prompt
-  tokens the router predicted the chosen engine would find cached (its index of that engine's blocks, keyed as
-  the engine keys them) equal the prefix-cache hits the engine itself counts (vllm:prefix_cache_hits). Both are
-  read on the router's /metrics, which carries the engines' own series beside its own.
+- hit prediction: requests one at a time (completions and chats sharing long prefixes, some to a LoRA adapter of
+  the node); for each one, the prompt tokens the router predicted the chosen engine would find cached (its index
+  of that engine's blocks, keyed as the engine keys them, the adapter included) equal the prefix-cache hits the
+  engine itself counts (vllm:prefix_cache_hits). Both are read on the router's /metrics, which carries the
+  engines' own series beside its own.
 - a replica killed and replaced: its entries leave the router's index with it, the new replica's index starts
   empty and live, and requests whose prefixes were on the dead replica are predicted exactly again (none is
   routed on stale blocks: a prediction of blocks the new engine lacks would exceed its hits).
@@ -30,10 +31,12 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from flagscale.demo_model import ensure_demo_lora
 from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, status_cli, wait_for, write_config
 
 PORT = 19431
 CACHE_BLOCKS = 12  # per replica, of 128 tokens: ~4 of the workload's prompts
+ADAPTER = "sql"  # a LoRA adapter of the node: its requests are keyed with it, as the engine keys their blocks
 WORDS = "serve engine prefix cache block token router replica event index keys hash chat model".split()
 
 
@@ -103,28 +106,36 @@ def router_caught_up(sequences: Sequences) -> dict | None:
 
 
 def workload(seed: int, prefixes: int = 12, per_prefix: int = 2) -> list[dict]:
-    """Long shared prefixes (~300 tokens: 2 full blocks), each asked a few short questions, half as chats."""
+    """Long shared prefixes (~300 tokens: 2 full blocks), each asked a few short questions, half as chats; every
+    third prefix's last question to the LoRA adapter (its blocks hash with the adapter: none is a hit of the base
+    model's same prefix)."""
     rng = random.Random(seed)
     heads = [f"manual {seed}.{p}: " + " ".join(rng.choice(WORDS) for _ in range(85)) for p in range(prefixes)]
     requests = []
     for p, head in enumerate(heads):
         for q in range(per_prefix):
             question = f"question {q}: " + " ".join(rng.choice(WORDS) for _ in range(3))
+            model = ADAPTER if p % 3 == 0 and q == per_prefix - 1 else "demo"
             if p % 2:
                 requests.append(
-                    {"messages": [{"role": "system", "content": head}, {"role": "user", "content": question}]}
+                    {
+                        "model": model,
+                        "messages": [{"role": "system", "content": head}, {"role": "user", "content": question}],
+                    }
                 )
             else:
-                requests.append({"prompt": f"{head}\n{question}"})
+                requests.append({"model": model, "prompt": f"{head}\n{question}"})
     rng.shuffle(requests)
     return requests
 
 
 def send(client: openai.OpenAI, request: dict) -> None:
     if "messages" in request:
-        client.chat.completions.create(model="demo", messages=request["messages"], max_tokens=1, temperature=0)
+        client.chat.completions.create(
+            model=request["model"], messages=request["messages"], max_tokens=1, temperature=0
+        )
     else:
-        client.completions.create(model="demo", prompt=request["prompt"], max_tokens=1, temperature=0)
+        client.completions.create(model=request["model"], prompt=request["prompt"], max_tokens=1, temperature=0)
 
 
 def predicted_and_reported(client: openai.OpenAI, requests: list[dict], sequences: Sequences) -> list[tuple]:
@@ -161,6 +172,7 @@ def deployment(tmp_path_factory):
         "serve_id": "demo",
         "engine": "vllm",
         "engine_args": demo_engine_args(served_model_name="demo", num_gpu_blocks_override=CACHE_BLOCKS),
+        "lora": {"adapters": {ADAPTER: str(ensure_demo_lora(ADAPTER))}, "max_loras": 1},
         "resources": {"num_replicas": 2, "num_cpus": 1},
         "routing": "cache_aware",
         "routing_options": {"kv_events": True},

@@ -17,6 +17,7 @@ from flagscale.router.kv_events import KVEvents
 from flagscale.router.kv_index import GPU
 from flagscale.router.kv_keys import PromptTokens
 from flagscale.router.policies import RequestInfo, make_policy
+from flagscale.router.policies.adapters import AdapterAware, Placement
 from tests.unit.fakes import upstream
 
 
@@ -222,3 +223,21 @@ def test_a_lora_adapters_request_is_keyed_with_the_adapter(demo_model_path):
     tokens, _ = PromptTokens(str(demo_model_path)).of(body, 65536)
     assert request.memo["kv_keys"] == hub.model_keys["sql"].hasher.keys(tokens, 16, lora=("sql", "/adapters/sql"))
     assert request.memo["kv_keys"] != hub.model_keys["sql"].hasher.keys(tokens, 16)
+
+
+def test_an_adapters_placed_policy_routes_on_the_events_with_the_adapters_keys(demo_model_path):
+    """An adapter's policy is its node's wrapped in the adapter placement (policies/adapters.py): it is handed the
+    KV events like its node's, and matches the adapter's requests on the adapter's keys."""
+    inner, (r1,) = cache_aware_over("r1")
+    placed = AdapterAware("sql", inner, Placement(max_loras=1))
+    r1.record.models = ["m", "sql"]
+    r1.record.kv_events = {"endpoint": "tcp://127.0.0.1:1", "tokenizer": str(demo_model_path), "loras": {"sql": "/a"}}
+    hub = KVEvents()
+    hub.sync({"sql": [r1.record]}, {"sql": placed})
+    assert placed.uses_kv_events and placed.exact is hub and inner.exact is hub
+    index = hub.index.replicas["r1"]
+    index.synced, index.block_size = True, 16
+    request = RequestInfo("sql", {"model": "sql", "prompt": "Select the rows of a table, many times over. " * 10})
+    assert hub.match(request, [r1], time.monotonic()) is not None
+    tokens, _ = PromptTokens(str(demo_model_path)).of(request.body, 65536)
+    assert request.memo["kv_keys"] == hub.model_keys["sql"].hasher.keys(tokens, 16, lora=("sql", "/a"))

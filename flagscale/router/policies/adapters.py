@@ -122,6 +122,19 @@ class AdapterAware(Policy):
         self.adapter, self.inner, self.placement = adapter, inner, placement
         self.name, self.settings, self.settings_type = inner.name, inner.settings, inner.settings_type
 
+    @property
+    def uses_kv_events(self) -> bool:
+        """The adapter's requests are keyed with it and routed on the engines' KV events as its policy's are."""
+        return getattr(self.inner, "uses_kv_events", False)
+
+    @property
+    def exact(self) -> Any:
+        return getattr(self.inner, "exact", None)
+
+    @exact.setter
+    def exact(self, events: Any) -> None:  # (router/kv_events.py hands the policy its KV events)
+        self.inner.exact = events
+
     def select(self, upstreams: list[Replica], request: RequestInfo, now: float) -> list[Replica]:
         return self.placement.order(self.adapter, self.inner.select(upstreams, request, now))
 
