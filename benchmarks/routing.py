@@ -1,4 +1,5 @@
-"""Routing policies under a multi-turn chat workload: cache_aware vs least_load vs round_robin on 2 replicas.
+"""Routing policies under a multi-turn chat workload: cache_aware on the engines' KV events (`kv_events`) vs on its
+approximate table (`cache_aware`) vs least_load vs round_robin on 2 replicas.
 
 One engine node, 2 CPU replicas (`resources: {num_replicas: 2, num_cpus: 1}`) of a random-weight Llama large
 enough that prefill costs something on a CPU (benchmarks/gpu/model.py's builder with the CPU sizes below; the
@@ -54,7 +55,10 @@ from flagscale.net import port_is_free  # noqa: E402
 
 console = overhead.console
 MODEL_NAME = overhead.MODEL_NAME  # conf/serve/demo.yaml's served_model_name
-POLICIES = ("cache_aware", "least_load", "round_robin")
+POLICIES = ("kv_events", "cache_aware", "least_load", "round_robin")
+# a system -> its node's `routing` and `routing_options.kv_events` (issue 53): `kv_events` is cache_aware on the
+# engines' own KV events, `cache_aware` the same policy on its approximate table
+ROUTING = {"kv_events": ("cache_aware", True), "cache_aware": ("cache_aware", False)}
 BASELINE = "least_load"
 PORT_RANGE = range(8300, 8350)  # clear of overhead.py (8150-8199), the GPU bench (8600-8699) and the e2e tests
 # CPU-sized shapes for model.py's builder (head_dim 64: vLLM's CPU attention needs it). Registered in its SIZES
@@ -108,6 +112,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--size", choices=sorted(SIZES), default=DEFAULT_SIZE, help="model.py size")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--cache-blocks", type=int, default=None, help="num_gpu_blocks_override per replica")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.1, help="on CPU: RAM share for KV cache")
     parser.add_argument("--probe-only", action="store_true", help="deploy once, time prefill and decode, stop")
@@ -146,8 +151,12 @@ class RoutingOrchestrator(overhead.Orchestrator):
             *overhead.engine_args_overrides(engine_args),
             f"serve.0.resources.num_replicas={args.replicas}",
             "++serve.0.resources.num_cpus=1",
-            f"++serve.0.routing={policy}",
+            f"++serve.0.routing={ROUTING.get(policy, (policy,))[0]}",
         ]
+        if policy in ROUTING:
+            self.overrides.append(f"++serve.0.routing_options.kv_events={str(ROUTING[policy][1]).lower()}")
+        if args.cache_blocks:  # capped KV caches: the working set outgrows one replica's (evictions)
+            self.overrides.append(f"++serve.0.engine_args.num_gpu_blocks_override={args.cache_blocks}")
         self.label = f"{name}: "
 
     def status(self) -> dict[str, Any]:
@@ -350,7 +359,7 @@ def measure(
             first_completion_s = orchestrator.start()
             replicas = orchestrator.routed_replicas(args.replicas)
         urls = [r["url"] for r in replicas]
-        assert {r["router"]["routing"] for r in replicas} == {policy}, replicas
+        assert {r["router"]["routing"] for r in replicas} == {ROUTING.get(policy, (policy,))[0]}, replicas
         rng = random.Random(10_000 + round_index)
         with console.status(f"{name}: probing and warming up ..."):
             probes = [probe(u, rng) for u in urls]
