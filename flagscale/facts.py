@@ -19,6 +19,7 @@ from flagscale.config.schema import ServeConfig
 from flagscale.devices import local_gpus
 from flagscale.engines.model_args import model_experts
 from flagscale.launchers.base import TargetFacts
+from flagscale.tune import history
 
 DEFAULT_PORT = 8000
 
@@ -40,6 +41,8 @@ class Facts:
     experts: dict[str, int | None] = dataclasses.field(default_factory=dict)
     # each LoRA adapter directory the config names, as written -> what it holds (flagscale/config/lora.py)
     adapters: dict[str, AdapterFiles] = dataclasses.field(default_factory=dict)
+    # the node auto_tune tuned in this exp_dir -> what one replica of its best trial sustained (history.planner_seeds)
+    tuned: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
     def experts_of(self, model: object) -> int | None:
         """The routed experts of the model a `model` engine arg names, as the config wrote it; None: unknown."""
@@ -72,7 +75,22 @@ def gather(
         weight_bytes={model: model_weight_bytes(os.path.expanduser(model)) for model in models_named(config)},
         experts={model: model_experts(os.path.expanduser(model)) for model in models_named(config)},
         adapters={path: read_adapter(path) for path in adapter_paths(engine_nodes, config.experiment.runner.cli_args)},
+        tuned=tuned_rates(config, resolve_exp_dir(config.experiment.exp_dir)),
     )
+
+
+def tuned_rates(config: ServeConfig, exp_dir: str) -> dict[str, dict[str, float]]:
+    """auto_tune's measured rates for the node it tunes (its `serve_id`, else the only engine node), from the
+    exp_dir's history.csv: the SLO planner's seeds (docs/autoscaling.md). {} where no search finished a trial."""
+    tuner = config.experiment.auto_tuner
+    engine_ids = [node.serve_id for node in config.serve if node.is_engine]
+    serve_id = (
+        tuner.serve_id if tuner is not None and tuner.serve_id else (engine_ids[0] if len(engine_ids) == 1 else None)
+    )
+    if serve_id is None:
+        return {}
+    seeds = history.planner_seeds(history.read(Path(exp_dir) / "auto_tuner" / history.FILE))
+    return {serve_id: seeds} if seeds else {}
 
 
 def gather_target(config: ServeConfig, sources: ConfigSources, check_port: bool = True) -> TargetFacts:

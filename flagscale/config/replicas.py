@@ -51,7 +51,9 @@ class ReplicaSettings:
         on = f" (target {target:g} in flight)" if target is not None else ""
         if slo:
             bounds = [f"{key[:-3].upper()} {slo[key]:g} ms" for key in ("ttft_ms", "itl_ms") if slo.get(key)]
-            on = f" (SLO p{slo['percentile']:g} {', '.join(bounds)})"
+            seeds = slo.get("seeds") or {}
+            seeded = f"; seeded by auto_tune: {seeds['seed_output_tps']:.0f} output tok/s a replica" if seeds else ""
+            on = f" (SLO p{slo['percentile']:g} {', '.join(bounds)}{seeded})"
         return f"autoscale {scaling.get('min_replicas', 1)}..{scaling.get('max_replicas', '?')}{on}"
 
 

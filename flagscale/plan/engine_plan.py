@@ -11,7 +11,7 @@ import math
 from flagscale import devices, engines
 from flagscale.cluster.placement import Reservation, check_gpu_share, check_weights_fit, reserve
 from flagscale.config.lora import ENGINE_LORA_ARGS
-from flagscale.config.replicas import replica_settings
+from flagscale.config.replicas import ReplicaSettings, replica_settings
 from flagscale.config.routing import RoutingSpec
 from flagscale.config.schema import NodeConfig
 from flagscale.errors import ConfigError
@@ -51,6 +51,7 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
         _check_expert_parallel_gpus(node.resources.num_gpus, parallel, reservation.ranks_per_host, res_where)
     host_argv = _host_argv(node, names, reservation, inputs, node_args_ips, lora)
     scaling = replica_settings(node.resources, reservation.ray_actor_options, reservation.auto_replicas)
+    scaling = _seeded(scaling, inputs.facts.tuned.get(node.serve_id) if pool.role is None else None)
     utilization = args.get("gpu_memory_utilization", kind.default_gpu_memory_utilization)
     if reservation.device == "gpu":
         _check_gpu_fit(pool, reservation, parallel, scaling.most_replicas, utilization, inputs, model)
@@ -82,6 +83,15 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
         **vars(scaling),
     )
     return _pinned(engine, pool, inputs) if pool.host is not None else engine
+
+
+def _seeded(scaling: ReplicaSettings, seeds: dict[str, float] | None) -> ReplicaSettings:
+    """An SLO node's planner seeded with what auto_tune measured of one replica of it (Facts.tuned), until it has
+    fitted its own figures (flagscale/planner/capacity.py)."""
+    if not seeds or not scaling.autoscaling or "slo" not in scaling.autoscaling:
+        return scaling
+    autoscaling = {**scaling.autoscaling, "slo": {**scaling.autoscaling["slo"], "seeds": seeds}}
+    return dataclasses.replace(scaling, autoscaling=autoscaling)
 
 
 def _check_gpu_fit(pool: Pool, reservation: Reservation, parallel, most_replicas, utilization, inputs, model) -> None:

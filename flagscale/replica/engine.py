@@ -314,7 +314,9 @@ class EngineReplica:
                 self._note(line)
             self.record.models = [*self.spec.model_names, *sorted(self.adapters.loaded)]
             self.record.adapter_errors = dict(self.adapters.errors)
-            if getattr(self, "kv_events", None):  # the engine hashes an adapter's blocks with (name, path): the router's keys too
+            if getattr(
+                self, "kv_events", None
+            ):  # the engine hashes an adapter's blocks with (name, path): the router's keys too
                 self.kv_events["loras"] = dict(self.adapters.loaded)
             registry.publish(self.record)
 

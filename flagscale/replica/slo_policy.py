@@ -110,8 +110,10 @@ def with_slo_policy(autoscaling: dict[str, Any], role: str | None) -> dict[str, 
     """An SLO node's Serve autoscaling config: the planner as its policy, its bounds and delays as the planner's
     settings, Serve's own delays zero."""
     settings = {key: autoscaling[key] for key in ("upscale_delay_s", "downscale_delay_s") if key in autoscaling}
+    slo = dict(autoscaling["slo"])
+    settings |= slo.pop("seeds", {})  # auto_tune's measured figures (plan/engine_plan.py), where there are some
     kwargs = {
-        "slo": autoscaling["slo"],
+        "slo": slo,
         "min_replicas": autoscaling.get("min_replicas", 1),
         "max_replicas": autoscaling.get("max_replicas", 1),
         "role": role,

@@ -213,3 +213,41 @@ def test_status_planner_table_shows_slo_measured_forecast_target_and_reason():
     record["reason"] = "idle [in 10 s if it lasts]"
     console.print(planner_table({"chat": record}, Table(*["pool", "SLO", "measured", "forecast", "r", "last"])))
     assert "(now: idle [in 10 s if it lasts])" in console.export_text()
+
+
+def test_auto_tunes_best_trial_seeds_the_planner_of_the_node_it_tuned(tmp_path, demo_model_path):
+    """A history.csv in the exp_dir (auto_tune's): the SLO node's planner starts from what one replica of the best
+    trial sustained, per replica (its output and prompt tokens/s), until it has fitted its own figures."""
+    from flagscale.config.load import ConfigSources, load_config
+    from flagscale.facts import TargetFacts, gather
+    from flagscale.plan.build import plan_of
+    from flagscale.tune import history
+
+    rows = [  # two instances in the best trial: per replica is half of what it measured
+        {"instance": 2, "status": "done", "goodput_per_device": 3.0, "output_throughput": 400.0,
+         "total_token_throughput": 1200.0},
+        {"instance": 1, "status": "done", "goodput_per_device": 1.0, "output_throughput": 100.0,
+         "total_token_throughput": 300.0},
+        {"instance": 4, "status": "failed", "reason": "x"},
+    ]  # fmt: skip
+    exp = tmp_path / "exp"
+    history.write(exp / "auto_tuner" / history.FILE, ["instance"], rows)
+    node = {
+        "serve_id": "m",
+        "engine_args": {"model": str(demo_model_path), "max_model_len": 256},
+        "resources": {"min_replicas": 1, "max_replicas": 2, "slo": {"ttft_ms": 500}},
+    }
+    sources = ConfigSources(main="conf/serve.yaml", serve="conf/serve/nodes.yaml")
+    cfg = load_config(
+        {"experiment": {"exp_name": "t", "exp_dir": str(exp), "runner": {"deploy": {"port": 8123}}}, "serve": [node]},
+        sources,
+    )
+    facts = gather(cfg, sources, check_port=False, target=TargetFacts(cpus=8))
+    assert facts.tuned == {"m": {"seed_output_tps": 200.0, "seed_prompt_tps": 400.0}}
+    engine = plan_of(cfg, sources, facts).engines[0]
+    assert "seeded by auto_tune: 200 output tok/s a replica" in engine.describe_replicas()
+    scaling = with_engine_load_policy(engine.serve_scaling(), engine.autoscaling["slo"], None)
+    kwargs = AutoscalingConfig(**scaling["autoscaling_config"]).policy.policy_kwargs
+    assert "seeds" not in kwargs["slo"] and kwargs["seed_output_tps"] == 200.0
+    settings = SloPolicy(**kwargs).planner.settings
+    assert (settings.seed_prompt_tps, settings.seed_output_tps) == (400.0, 200.0)
