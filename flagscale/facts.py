@@ -19,7 +19,7 @@ from flagscale.config.schema import ServeConfig
 from flagscale.devices import local_gpus
 from flagscale.engines.model_args import model_experts
 from flagscale.launchers.base import TargetFacts
-from flagscale.tune import history
+from flagscale.planner.seeds import seeds_in
 
 DEFAULT_PORT = 8000
 
@@ -89,7 +89,7 @@ def tuned_rates(config: ServeConfig, exp_dir: str) -> dict[str, dict[str, float]
     )
     if serve_id is None:
         return {}
-    seeds = history.planner_seeds(history.read(Path(exp_dir) / "auto_tuner" / history.FILE))
+    seeds = seeds_in(exp_dir)
     return {serve_id: seeds} if seeds else {}
 
 

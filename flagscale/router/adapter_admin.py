@@ -15,6 +15,7 @@ loaded, 409 when some replica refused one (each refusal said), 504 when the wait
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -26,6 +27,8 @@ from flagscale.errors import ConfigError
 from flagscale.replica import runtime_adapters
 from flagscale.replica.registry import ReplicaRecord
 from flagscale.router.client_request import error_response
+from flagscale.router.guard import KeyCheck
+from flagscale.router.keyring import header_key
 from flagscale.router.spec import LoraNode, RouterSpec
 
 PATH = "/admin/adapters"
@@ -88,6 +91,21 @@ def progress(records: list[ReplicaRecord], serve_id: str, node: LoraNode, wanted
             "dropping": sorted(serving - set(wanted)),
         }
     return report
+
+
+async def engine_key_only(request: web.Request, spec: RouterSpec, keys: KeyCheck, handler) -> web.StreamResponse:
+    """The admin routes take the deployment's engine key alone, never a client key (later and later answers for an
+    address that keeps failing, as for client keys)."""
+    given = header_key(request.headers.get("Authorization", "")) or ""
+    address = request.remote or ""
+    if not spec.engine_key or not hmac.compare_digest(given.encode(errors="surrogateescape"), spec.engine_key.encode()):
+        delay = keys.failure_delay(address)
+        if delay:
+            await asyncio.sleep(delay)
+        message = "the admin routes take the deployment's engine key (exp_dir/engine_api_key)"
+        return error_response(401, message, "AuthenticationError")
+    keys.succeeded(address)
+    return await handler(request)
 
 
 class AdapterAdmin:

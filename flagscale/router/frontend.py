@@ -11,7 +11,6 @@ the engine aborts the request.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -42,7 +41,7 @@ from flagscale.router.guard import (
     open_file_share,
     own_names,
 )
-from flagscale.router.keyring import accepts, header_key
+from flagscale.router.keyring import accepts
 from flagscale.router.metrics import SCRAPE_TIMEOUT_S, RouterMetrics, merge_replica_metrics
 from flagscale.router.peers import PeerLink
 from flagscale.router.planner_metrics import planner_series
@@ -129,7 +128,7 @@ class Frontend:
         other method on those paths needs the key too. Without a key: only Host headers guard.host_allowed takes."""
         spec = self._spec()
         if request.path.startswith("/admin/"):
-            return await self._require_engine_key(request, spec, handler)
+            return await adapter_admin.engine_key_only(request, spec, self.keys, handler)
         if not spec.client_keys:
             if not host_allowed(request.headers.get("Host"), self._own_names(spec)):
                 message = "this router has no API key and answers only its own host names (deploy.allowed_hosts)"
@@ -148,21 +147,6 @@ class Frontend:
                 body["error"]["code"] = "invalid_api_key"
                 return web.json_response(body, status=401)
             self.keys.succeeded(address)
-        return await handler(request)
-
-    async def _require_engine_key(self, request: web.Request, spec: RouterSpec, handler):
-        """The admin routes (router/adapter_admin.py) take the deployment's engine key alone, never a client key."""
-        given = header_key(request.headers.get("Authorization", "")) or ""
-        if not spec.engine_key or not hmac.compare_digest(
-            given.encode(errors="surrogateescape"), spec.engine_key.encode()
-        ):
-            address = request.remote or ""
-            delay = self.keys.failure_delay(address)
-            if delay:
-                await asyncio.sleep(delay)
-            message = "the admin routes take the deployment's engine key (exp_dir/engine_api_key)"
-            return error_response(401, message, "AuthenticationError")
-        self.keys.succeeded(request.remote or "")
         return await handler(request)
 
     def _own_names(self, spec: RouterSpec) -> frozenset[str]:

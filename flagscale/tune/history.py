@@ -107,20 +107,3 @@ def parse_cell(text: str | None) -> Any:
         except ValueError:
             pass
     return text
-
-
-def planner_seeds(rows: list[dict[str, Any]]) -> dict[str, float] | None:
-    """What one replica of the best finished trial sustained within the search's SLO, as the SLO planner's seeds
-    (flagscale/planner/types.py PlannerSettings.seed_*_tps): prompt and output tokens per second per replica. None
-    without a done trial that measured them."""
-    done = [r for r in rows if r.get("status") == "done" and isinstance(r.get("output_throughput"), (int, float))]
-    if not done:
-        return None
-    best = max(done, key=lambda r: r.get("goodput_per_device") or 0)
-    replicas = best.get("instance") if isinstance(best.get("instance"), int) and best["instance"] > 0 else 1
-    output = best["output_throughput"] / replicas
-    total = best.get("total_token_throughput")
-    prompt = (total - best["output_throughput"]) / replicas if isinstance(total, (int, float)) else None
-    if output <= 0:
-        return None
-    return {"seed_output_tps": output, **({"seed_prompt_tps": prompt} if prompt and prompt > 0 else {})}
