@@ -102,14 +102,14 @@ def serve_controller(cwd) -> psutil.Process | None:
 
 
 def test_status_then_stop(served):
-    # A Serve controller that answers nothing (stopped with SIGSTOP): status gives up at its bound (here 30 s),
+    # A Serve controller that answers nothing (stopped with SIGSTOP): status gives up at its bound (here 20 s),
     # names the step, and exits 3 without the exit handler that would wait on the call left behind.
     controller = wait_for(lambda: serve_controller(served["cwd"]), 60, "the run's Serve controller")
     controller.suspend()
     try:
         late = run_flagscale(
             "serve", "demo", "--status", "output=json", *served["common"], cwd=served["cwd"], timeout=180,
-            env={"FLAGSCALE_STATUS_TIMEOUT_S": "30"},
+            env={"FLAGSCALE_STATUS_TIMEOUT_S": "20"},
         )  # fmt: skip
     finally:
         controller.resume()
@@ -117,7 +117,7 @@ def test_status_then_stop(served):
     report = json.loads(late.stdout)
     assert report["status"] == "NO_ANSWER" and not report["healthy"], report
     assert report["waiting_for"] == "asking Serve's controller for the application's status", report
-    assert f"status: no answer within 30 s while {report['waiting_for']}" in late.stderr, late.output
+    assert f"status: no answer within 20 s while {report['waiting_for']}" in late.stderr, late.output
 
     def healthy() -> dict:
         status = run_flagscale(
@@ -129,7 +129,7 @@ def test_status_then_stop(served):
     report = wait_for(healthy, 300, "a healthy status once the controller runs again")
     assert report["healthy"] is True, report
 
-    # A stop whose controller answers nothing: its Serve part gives up at its bound (here 20 s), names the step,
+    # A stop whose controller answers nothing: its Serve part gives up at its bound (here 12 s), names the step,
     # and still stops the run's Ray nodes (the suspended controller with them); the state file stays for a second
     # stop, which finds nothing left to drain and ends the run.
     controller = wait_for(lambda: serve_controller(served["cwd"]), 60, "the run's Serve controller")
@@ -137,10 +137,10 @@ def test_status_then_stop(served):
     controller.suspend()
     stuck = run_flagscale(
         "serve", "demo", "--stop", *served["common"], cwd=served["cwd"], timeout=300,
-        env={"FLAGSCALE_STOP_SERVE_TIMEOUT_S": "20"},
+        env={"FLAGSCALE_STOP_SERVE_TIMEOUT_S": "12"},
     )  # fmt: skip
     assert stuck.returncode == 1, stuck.output
-    assert "stopping the Serve application: no answer within 20 s while " in stuck.output, stuck.output
+    assert "stopping the Serve application: no answer within 12 s while " in stuck.output, stuck.output
 
     def gone(process: psutil.Process) -> bool:
         with contextlib.suppress(psutil.NoSuchProcess):

@@ -26,7 +26,7 @@ from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, status_cli,
 PORT = 19331
 OLD_KEY = "rotation-old-key-0123456789"
 NEW_KEY = "rotation-new-key-9876543210"
-GRACE_S = 20
+GRACE_S = 10
 TOKENS = 32
 URL = f"http://127.0.0.1:{PORT}"
 
