@@ -43,6 +43,7 @@ def _cbor_sha256(value: Any) -> bytes:
 
 
 HASHES: dict[str, Callable[[Any], bytes]] = {"sha256": _pickle_sha256, "sha256_cbor": _cbor_sha256}
+MAX_SEEN_BLOCKS = 200_000  # block hashes remembered per hasher (~60 MB at 128 tokens a block)
 
 
 class BlockHasher:
@@ -53,6 +54,9 @@ class BlockHasher:
             raise ValueError(f"block hash {algo!r} is not one the router computes ({', '.join(HASHES)})")
         self.hash = HASHES[algo]
         self.none_hash = self.hash(seed)
+        # (parent, block tokens, extra keys) -> its hash: a prefix seen before is hashed by lookups (a tuple's own
+        # hash costs a tenth of pickling and sha256 it); cleared whole when full
+        self._seen: dict[tuple, bytes] = {}
 
     def keys(
         self,
@@ -69,7 +73,14 @@ class BlockHasher:
         for i in range(count):
             extra = lora_keys + ([("cache_salt", cache_salt)] if i == 0 and cache_salt else [])
             block = tuple(tokens[i * block_size : (i + 1) * block_size])
-            parent = self.hash((parent, block, tuple(extra) if extra else None))
+            item = (parent, block, tuple(extra) if extra else None)
+            known = self._seen.get(item)
+            if known is None:
+                known = self.hash(item)
+                if len(self._seen) >= MAX_SEEN_BLOCKS:
+                    self._seen.clear()
+                self._seen[item] = known
+            parent = known
             keys.append(block_key(parent))
         return keys
 
