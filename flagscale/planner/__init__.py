@@ -8,7 +8,7 @@ forecast.py: the load predictor (a level and a trend, smoothed over minutes); ca
 sustains within the SLO, fitted online from the latency it shows at the load it carries; planner.py: the
 decision (size for the forecast, hysteresis, upscale/downscale delays, min/max) and its reason;
 simulate.py: a simulated cluster (replicas with a capacity curve, start and drain times) replaying a trace;
-trace.py: the seeded bursty trace.
+trace.py: the seeded bursty trace; seeds.py: the planner's starting figures from auto_tune's history.csv.
 
 Nothing here imports the rest of the project: it sits with the engines on the floor above the basics.
 """

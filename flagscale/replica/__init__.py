@@ -10,7 +10,8 @@ engine's processes; startup_lock.py: engines sharing a GPU start in turn; autosc
 on; slo_signals.py + slo_policy.py: the SLO planner as Serve's policy (what replicas report, what it decides and
 publishes); sleep.py: an idle engine put to sleep (resources.sleep_delay_s); registry.py: the records the router reads to find replicas;
 liveness.py: which of them are alive, by the reader's own clock; adapters.py: the node's LoRA adapters loaded and
-unloaded through the engine's runtime routes (EngineReplica.reconfigure).
+unloaded through the engine's runtime routes (EngineReplica.reconfigure); runtime_adapters.py: a node's adapter set
+given at run time (the router's admin call), which stands in for its config's.
 
 It talks to its engine only through the engine kind (flagscale.engines: EngineKind) and names none. It may import
 flagscale.engines, flagscale.config, flagscale.cluster (Ray helpers, private directories) and the basics (errors,

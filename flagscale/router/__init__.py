@@ -7,7 +7,8 @@ replicas' state, policies and circuit breakers (replicas.py, circuit_breaker.py)
 (policies/: one module each, one registry; policies/adapters.py: where a LoRA adapter's requests go, lora.py: its
 wiring and metrics), the engines' own KV events that cache_aware routes on (kv_events.py:
 the subscriptions; kv_index.py: the blocks each replica holds; kv_keys.py: a request's block keys as the engine
-computes them), what the router processes of a deployment share (peers.py), the
+computes them; token_prefixes.py: prompt prefixes tokenized once), the LoRA admin call (adapter_admin.py: a node's
+adapters changed at run time, with the engine key), what the router processes of a deployment share (peers.py), the
 process's counters and clients (state.py), the client keys it accepts and the key it sends the engines
 (keyring.py), /metrics (metrics.py; the SLO planners' and held requests' series:
 planner_metrics.py), requests held for a model at zero replicas while Serve starts one (cold_start.py). `Router`
