@@ -134,8 +134,8 @@ class AdapterAdmin:
             loop = asyncio.get_running_loop()
             spec = self._spec()
             sets = await loop.run_in_executor(None, runtime_adapters.read_all, spec.app)
-            try:
-                serve_id, wanted = changed_set(spec, sets, body)
+            try:  # (reads each added adapter's files: off the router's loop)
+                serve_id, wanted = await loop.run_in_executor(None, changed_set, spec, sets, body)
             except BadChange as exc:
                 return error_response(400, str(exc), "BadRequestError")
             await loop.run_in_executor(None, runtime_adapters.put, spec.app, serve_id, wanted)
