@@ -17,11 +17,15 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from flagscale.router.client_request import error_response
+
+if TYPE_CHECKING:
+    from flagscale.router.replicas import Replicas
+    from flagscale.router.spec import RouterSpec
 
 log = logging.getLogger("flagscale.router")
 MAX_HELD_PER_MODEL = 256
@@ -49,6 +53,24 @@ class ColdStart:
             measured = None
         return min(2 * measured + MARGIN_S, fallback_s) if measured else fallback_s
 
+    async def hold_for(
+        self, spec: RouterSpec, model: str, replicas: Replicas, refresh: Callable[[], Awaitable[None]]
+    ) -> web.Response | None:
+        """Hold a request for `model` until the pool that serves it (a disaggregated node's: its decode pool) has a
+        replica (bounded): None then, else the 503 the client gets."""
+        serve_id = spec.zero_pools.get(model, {}).get("decode", spec.models[model])
+        ready = lambda: bool(replicas.pool(model))  # noqa: E731
+        return await self.hold(model, serve_id, spec.scale_from_zero[model], ready, refresh)
+
+    async def waits_for_pools(self, spec: RouterSpec, model: str, replicas: Replicas) -> bool:
+        """A disaggregated model's pools at zero replicas: a prefill pool is asked for a replica (the decode pool
+        computes the prompts itself meanwhile: decode-only); True when the request must wait for its decode pool,
+        before any prefill (whose KV blocks would otherwise wait for a decode replica's start)."""
+        pools = spec.zero_pools.get(model, {})
+        if "prefill" in pools and not replicas.pool(model, prefill=True):
+            await self.wake(pools["prefill"])
+        return "decode" in pools and not replicas.pool(model)
+
     async def hold(
         self,
         model: str,
@@ -66,7 +88,7 @@ class ColdStart:
         try:
             deadline = time.monotonic() + bound
             while time.monotonic() < deadline:
-                await self._wake(serve_id)
+                await self.wake(serve_id)
                 await refresh()
                 if ready():
                     return None
@@ -76,7 +98,8 @@ class ColdStart:
         self.timeouts += 1
         return self._refused(f"no replica of {model!r} started within {bound:.0f} s (twice its start time + margin)")
 
-    async def _wake(self, serve_id: str) -> None:
+    async def wake(self, serve_id: str) -> None:
+        """Ask Serve for a replica of `serve_id` (at most once every REWAKE_S): its handle queues the call."""
         now = time.monotonic()
         handle = self._handles.get(serve_id)
         if handle is None or now - self._woken.get(serve_id, -math.inf) < REWAKE_S:

@@ -107,6 +107,11 @@ class Failover:
         """Prefill (disaggregated models), then replicas in the policy's order until one answers, bounded."""
         model, request = exchange.model, exchange.http
         if self._replicas.disaggregated(model) and request.method == "POST" and request.path in (COMPLETIONS, CHAT):
+            # a disaggregated model's pools at zero replicas (cold_start.py): wait for its decode pool before prefill
+            if self.cold_start and await self.cold_start.waits_for_pools(self._spec(), model, self._replicas):
+                refused = await self._hold(exchange) if self._scales_from_zero(exchange) else None
+                if refused is not None:
+                    return refused
             kv = await self._prefill.kv_params(exchange, payload)
             if kv is DECODE_ONLY:  # no prefill replica took it: a decode replica computes the prompt itself
                 pass
@@ -155,13 +160,10 @@ class Failover:
         """A request no replica has seen, for a model whose node is at zero replicas and may start one."""
         fresh = exchange.response is None and exchange.last_answer is None
         fresh = fresh and not exchange.failure and not exchange.unreachable
-        model = exchange.model
-        return self.cold_start is not None and fresh and model in self._spec().scale_from_zero
+        return self.cold_start is not None and fresh and exchange.model in self._spec().scale_from_zero
 
     async def _hold(self, exchange: Exchange) -> web.StreamResponse | None:
-        spec, model = self._spec(), exchange.model
-        ready = lambda: bool(self._replicas.pool(model))  # noqa: E731
-        return await self.cold_start.hold(model, spec.models[model], spec.scale_from_zero[model], ready, self._refresh)
+        return await self.cold_start.hold_for(self._spec(), exchange.model, self._replicas, self._refresh)
 
     def _moves_on(self, exchange: Exchange, failure: Failed) -> bool:
         """May the request a replica failed go to another one? (Counts the move.)"""

@@ -204,7 +204,8 @@ class Frontend:
         only "unhealthy" (the models' names are not the public's)."""
         spec = self._spec()
         # a model at zero replicas that starts one on its next request is ready (flagscale/router/cold_start.py)
-        missing = [m for m in self._replicas.missing(spec.models) if m not in spec.scale_from_zero]
+        prefill_at_zero = {m for m, pools in spec.zero_pools.items() if "prefill" in pools}
+        missing = self._replicas.missing(spec.models, spec.scale_from_zero, prefill_at_zero)
         if self._counters.draining:
             return web.Response(status=503, text="draining\n")
         if missing:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -99,13 +99,16 @@ class Replicas:
         """Does `model` have a prefill pool (its requests are prefilled first: pd.py)?"""
         return model in self.prefill_policies
 
-    def missing(self, models: Iterable[str]) -> list[str]:
-        """Which of `models` (and of the disaggregated models' prefill pools) have no replica now."""
+    def missing(
+        self, models: Iterable[str], at_zero: Container[str] = (), prefill_at_zero: Container[str] = ()
+    ) -> list[str]:
+        """Which of `models` (and of the disaggregated models' prefill pools) have no replica now, but those that
+        may be at zero (`at_zero`, `prefill_at_zero`: they start one on their next request)."""
         missing = [m for m in models if not self.table.by_model.get(m)]
-        return missing + [
+        return [m for m in missing if m not in at_zero] + [
             f"{m} (prefill{'' if m in missing else '; decoding without it'})"
             for m in self.prefill_policies
-            if not self.table.prefill_by_model.get(m)
+            if not self.table.prefill_by_model.get(m) and m not in prefill_at_zero
         ]
 
     def update(

@@ -78,6 +78,10 @@ class RouterSpec:
     # served model name -> the most seconds a request waits for the first replica of its node at zero replicas
     # (min_replicas 0, colocated; flagscale/router/cold_start.py) where no start time was measured yet
     scale_from_zero: dict[str, float] = field(default_factory=dict)
+    # disaggregated models with a pool that may scale to zero: model -> {"prefill" / "decode": that pool's serve_id}.
+    # A request waits (as above) for a decode pool at zero; a prefill pool at zero is asked for a replica while the
+    # decode pool computes the prompts itself (decode-only)
+    zero_pools: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def share(self, limit: int) -> int:
         """This process's share of a deployment-wide limit (at least 1)."""

@@ -182,14 +182,31 @@ def router_spec(plan: Plan, client_keys: tuple[AcceptedKey, ...] | None = None) 
         # the same for every router process Serve starts for this deployment, in its init args only
         peer_secret=peer_secret,
         processes=plan.router_processes,
-        # colocated nodes that may scale to zero: their requests wait (bounded) for a replica to start
+        # nodes (a disaggregated node: its decode pool) that may scale to zero: their requests wait (bounded) for a
+        # replica to start
         scale_from_zero={
             name: plan.startup_timeout_s
             for e in plan.engines
-            if e.role is None and (e.autoscaling or {}).get("min_replicas") == 0
+            if e.role != "prefill" and at_zero(e)
             for name in e.model_names
         },
+        zero_pools=zero_pools(plan),
     )
+
+
+def at_zero(engine: EnginePlan) -> bool:
+    """May this engine deployment (a node, or a disaggregated node's pool) scale to zero replicas?"""
+    return (engine.autoscaling or {}).get("min_replicas") == 0
+
+
+def zero_pools(plan: Plan) -> dict[str, dict[str, str]]:
+    """Disaggregated models -> their pools that may scale to zero (role -> serve_id)."""
+    pools: dict[str, dict[str, str]] = {}
+    for e in plan.engines:
+        if e.role is not None and at_zero(e):
+            for name in e.model_names:
+                pools.setdefault(name, {})[e.role] = e.serve_id
+    return pools
 
 
 def lora_node(engine: EnginePlan) -> LoraNode:

@@ -194,6 +194,36 @@ async def through_router(engines: list[FakeEngine], path: str, body: dict, max_m
             await engine.runner.cleanup()
 
 
+class FakePrefill:
+    def __init__(self, name: str, status: int = 200):
+        self.name, self.status, self.bodies = name, status, []
+
+    async def start(self) -> str:
+        async def complete(request):
+            body = await request.json()
+            self.bodies.append(body)
+            if self.status != 200:
+                return web.json_response({"error": {"message": "prefill failed"}}, status=self.status)
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": {"from": self.name}})
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", complete)
+        app.router.add_post("/v1/chat/completions", complete)
+        self.runner, port = await serve(app)
+        return f"http://127.0.0.1:{port}"
+
+
+class FakeHandle:
+    """A Serve deployment handle whose `wake.remote()` is counted (Serve would queue it)."""
+
+    def __init__(self):
+        self.wakes = 0
+        self.wake = self
+
+    def remote(self):
+        self.wakes += 1
+
+
 async def pd_router(prefills, decodes):
     """A bare router over started prefill and decode engines of model "m": (router, decode upstreams)."""
     ups = []

@@ -10,12 +10,12 @@ import asyncio
 import json
 
 import aiohttp
-from aiohttp import web
 
 from flagscale.router.pd import REMOTE_DECODE
-from tests.conftest import router_listening, serve
+from tests.conftest import router_listening
 from tests.unit.fakes import (
     FakeEngine,
+    FakePrefill,
     events,
     greedy,
     pd_router,
@@ -24,25 +24,6 @@ from tests.unit.fakes import (
     through_pd_router,
     tokenize,
 )
-
-
-class FakePrefill:
-    def __init__(self, name: str, status: int = 200):
-        self.name, self.status, self.bodies = name, status, []
-
-    async def start(self) -> str:
-        async def complete(request):
-            body = await request.json()
-            self.bodies.append(body)
-            if self.status != 200:
-                return web.json_response({"error": {"message": "prefill failed"}}, status=self.status)
-            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": {"from": self.name}})
-
-        app = web.Application()
-        app.router.add_post("/v1/completions", complete)
-        app.router.add_post("/v1/chat/completions", complete)
-        self.runner, port = await serve(app)
-        return f"http://127.0.0.1:{port}"
 
 
 def test_prompt_is_prefilled_then_decoded_with_the_kv_transfer_parameters():

@@ -15,6 +15,7 @@ from flagscale.replica.slo_policy import SloPolicy, with_slo_policy
 from flagscale.replica.slo_signals import observe, replica_stats
 from flagscale.router import cold_start
 from flagscale.router.planner_metrics import planner_text
+from tests.unit.fakes import FakeHandle
 
 VLLM = engines.get("vllm")
 TTFT = "vllm:time_to_first_token_seconds"
@@ -92,17 +93,6 @@ def test_serve_takes_the_slo_nodes_config_with_the_planner_holding_the_delays():
     )
     assert plain.policy.policy_function.endswith(":engine_load_policy") and plain.downscale_delay_s == 600
     assert "slo" not in with_slo_policy({"slo": {"ttft_ms": 1}}, None)
-
-
-class FakeHandle:
-    """A deployment handle whose `wake.remote()` is counted (Serve would queue it)."""
-
-    def __init__(self):
-        self.wakes = 0
-        self.wake = self
-
-    def remote(self):
-        self.wakes += 1
 
 
 def test_held_requests_wait_bounded_and_past_the_bound_get_one_503_with_retry_after(monkeypatch):
