@@ -145,4 +145,6 @@ def test_pass_sets_interleave_the_workloads_so_a_budget_cut_keeps_each():
     assert lora_bench.schedule(["hot"], 2, 1) == [("hot", 0)]
     assert lora_bench.schedule(["zipf"], 3, 1) == [("zipf", 0), ("zipf", 1), ("zipf", 2)]
     gpu = lora_bench.parse_args(["--gpu"])
-    assert gpu.budget_s == 390 and gpu.pass_max_s == 45 and lora_bench.parse_args([]).budget_s == 0
+    assert (
+        gpu.budget_s == 400 and gpu.pass_max_s == 30 and gpu.requests == 256 and lora_bench.parse_args([]).budget_s == 0
+    )
