@@ -129,38 +129,60 @@ def ensure_demo_model(seed: int = DEMO_SEED, cache_dir: Path | None = None) -> P
     return materialize(demo_model_dir(seed, cache_dir), build, "generating the demo model (tokenizer + weights, once)")
 
 
-# A demo LoRA adapter: PEFT's layout (adapter_config.json + adapter_model.safetensors) for the demo model's attention
-# projections, with random A and B (B nonzero, so the adapter's answers differ from the base model's).
+# A LoRA adapter of a Llama-form model (the demo model, or benchmarks/gpu/model.py's random-weight Llamas): PEFT's
+# layout (adapter_config.json + adapter_model.safetensors) for the attention projections, with random A and B (B
+# nonzero, so the adapter's answers differ from the base model's).
 DEMO_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def demo_lora_dir(name: str, rank: int = 8, cache_dir: Path | None = None) -> Path:
-    base = demo_model_dir(DEMO_SEED, cache_dir)
+def lora_module_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each attention projection of a Llama-form model's config.json: k/v project to the
+    key-value heads (grouped-query attention), q/o keep the hidden size."""
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    kv = head_dim * config.get("num_key_value_heads", config["num_attention_heads"])
+    return {"q_proj": (hidden, head_dim * config["num_attention_heads"]), "k_proj": (hidden, kv),
+            "v_proj": (hidden, kv), "o_proj": (head_dim * config["num_attention_heads"], hidden)}  # fmt: skip
+
+
+def lora_dir(base: Path, name: str, rank: int = 8) -> Path:
+    """Where the adapter `name` of the model directory `base` lives: beside it, keyed by name, rank and base."""
     key = hashlib.sha256(json.dumps({"name": name, "rank": rank, "base": base.name}).encode()).hexdigest()[:12]
     return base.with_name(f"{base.name}-lora-{key}")
 
 
-def ensure_demo_lora(name: str, rank: int = 8, cache_dir: Path | None = None) -> Path:
-    """A rank-`rank` LoRA adapter of the demo model, generated on first use (its weights seeded by `name`)."""
-    base = ensure_demo_model(DEMO_SEED, cache_dir)
+def ensure_lora(base: Path, name: str, rank: int = 8) -> Path:
+    """A rank-`rank` LoRA adapter of the model in `base` (its config.json gives the shapes), generated on first use,
+    its weights seeded by `name`."""
 
     def build(staging: Path) -> None:
         _write_lora(staging, base, name, rank)
 
-    return materialize(demo_lora_dir(name, rank, cache_dir), build, f"generating the demo LoRA adapter {name!r} (once)")
+    return materialize(lora_dir(base, name, rank), build, f"generating the LoRA adapter {name!r} (once)")
+
+
+def demo_lora_dir(name: str, rank: int = 8, cache_dir: Path | None = None) -> Path:
+    return lora_dir(demo_model_dir(DEMO_SEED, cache_dir), name, rank)
+
+
+def ensure_demo_lora(name: str, rank: int = 8, cache_dir: Path | None = None) -> Path:
+    """A rank-`rank` LoRA adapter of the demo model, generated on first use (its weights seeded by `name`)."""
+    return ensure_lora(ensure_demo_model(DEMO_SEED, cache_dir), name, rank)
 
 
 def _write_lora(out_dir: Path, base: Path, name: str, rank: int) -> None:
     generator = torch.Generator().manual_seed(int(hashlib.sha256(name.encode()).hexdigest()[:8], 16))
-    hidden, layers = DEMO_SHAPE["hidden_size"], DEMO_SHAPE["num_hidden_layers"]
+    config = json.loads((base / "config.json").read_text())
+    shapes = lora_module_shapes(config)
     tensors = {}
-    for layer in range(layers):
+    for layer in range(config["num_hidden_layers"]):
         for module in DEMO_LORA_MODULES:
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) / hidden**0.5
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(hidden, rank, generator=generator)
+            fan_in, fan_out = shapes[module]
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator)
     safetensors_torch.save_file(tensors, str(out_dir / "adapter_model.safetensors"))
-    config = {
+    adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": str(base),
@@ -172,7 +194,7 @@ def _write_lora(out_dir: Path, base: Path, name: str, rank: int) -> None:
         "fan_in_fan_out": False,
         "inference_mode": True,
     }
-    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
 
 
 # The demo tokenizer's pre-tokenizer is byte-level BPE with GPT-2's split pattern (pre_tokenizers.ByteLevel), which
