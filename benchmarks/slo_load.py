@@ -15,11 +15,12 @@ processes (flagscale/actions/bench.py), so a slow step's tail does not delay the
 --worker-rps is split into independent Poisson streams on several workers. Each part records how late it started
 (no free worker) and the CPU share its worker used (a worker near one core limits what it sends).
 
-Calibration (--calibrate, the GPU default; skipped when --rate is given): before the systems, one replica alone
-(the static_min deployment when it runs, else a deployment of its own) takes closed-loop passes at rising
-concurrency (--ladder); the most streams whose steady requests meet the SLO at >= 90 % give --rate (their request
-rate, streams / latency) and --target (the streams: auto_tune's in-flight count), and the SLO planner is seeded
-with that replica's tokens/s through an auto_tuner/history.csv in its exp_dir, as auto_tune would leave one.
+Calibration (--calibrate, the GPU default; skipped when --rate is given): before its trace, the first deployment
+(static_min's one replica when it runs, else static_max's replicas, balanced by the router, else one replica of a
+deployment of its own) takes closed-loop passes at rising streams per replica (--ladder); one replica's share of the
+most streams whose steady requests meet the SLO at >= 90 % gives --rate (streams / latency) and --target (its
+streams: auto_tune's in-flight count), and the SLO planner is seeded with that replica's tokens/s through an
+auto_tuner/history.csv in its exp_dir, as auto_tune would leave one.
 
 Replicas are counted every --poll-s from the router's /metrics (the engines' series carry a `replica` label):
 replica-seconds over the trace, and the reaction to the ramp and the spike (seconds from the segment's start until
@@ -66,10 +67,12 @@ from model import SIZES, ensure_model  # noqa: E402  (benchmarks/gpu/model.py)
 from routing import CPU_SIZES  # noqa: E402,F401  (benchmarks/routing.py: registers its CPU shapes in model.SIZES)
 from slo_trace import (  # noqa: E402  (benchmarks/slo_trace.py)
     TRACE,
+    calibration_order,
     ladder_pass,
     least_replica_s,
     met,
     parts,
+    per_replica,
     split_streams,
     steps,
     sustainable,
@@ -98,7 +101,7 @@ DEFAULTS = {
     "workers": (4, 32),
     "worker_rps": (None, 25.0),
     "worker_streams": (64, 64),
-    "ladder": ([1, 2, 4, 8], [32, 64, 128, 192, 256, 384, 512, 768]),
+    "ladder": ([1, 2, 4, 8], [64, 128, 256, 384, 512, 768]),
     "calibrate": (False, True),
 }
 
@@ -111,7 +114,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target", type=float, help="request_count's target_ongoing_requests; default 2 or calibrated")
     parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, help="measure --rate and --target "
                         "first on one replica (GPU default, unless --rate is given)")  # fmt: skip
-    parser.add_argument("--ladder", type=int, nargs="+", help="calibration streams, rising")
+    parser.add_argument("--ladder", type=int, nargs="+", help="calibration streams per replica, rising")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--max-replicas", type=int, default=2)
     parser.add_argument("--ttft-ms", type=float, help="SLO: TTFT at p90 (CPU 2000, GPU 500)")
@@ -301,12 +304,13 @@ def outcomes(result: dict[str, Any], **labels: Any) -> list[dict[str, Any]]:
     ]
 
 
-def calibrate(url: str, args: argparse.Namespace, workers: Workers) -> dict[str, Any]:
-    """Closed-loop passes on one replica at rising streams, until the SLO is missed: each stream's first request
-    (the wave that arrives at once) left out, 2.5 requests a stream in all. Sets args.rate and args.target."""
+def calibrate(url: str, args: argparse.Namespace, workers: Workers, replicas: int) -> dict[str, Any]:
+    """Closed-loop passes at rising streams (--ladder per replica, times `replicas`: the router balances them),
+    until the SLO is missed: each stream's first request (the wave that arrives at once) left out, 2.5 requests a
+    stream in all. One replica's share of the last pass within the SLO sets args.rate and args.target."""
     passes = []
     for index, streams in enumerate(args.ladder):
-        split = split_streams(streams, args.worker_streams)
+        split = split_streams(streams * replicas, args.worker_streams)
 
         def run(i: int, split: list[int] = split, index: int = index) -> list[dict[str, Any]]:
             n = split[i]
@@ -316,15 +320,17 @@ def calibrate(url: str, args: argparse.Namespace, workers: Workers) -> dict[str,
 
         with ThreadPoolExecutor(len(split)) as pool:
             steady = [r for rows in pool.map(run, range(len(split))) for r in rows]
-        passes.append(ladder_pass(streams, steady, args.ttft_ms, args.itl_ms))
+        passes.append(per_replica(ladder_pass(streams * replicas, steady, args.ttft_ms, args.itl_ms), replicas))
         print(f"calibration: {json.dumps(passes[-1])}", flush=True)
         if passes[-1]["attainment"] < 0.9:
             break
     point = sustainable(passes, 0.9) or passes[0]
+    if point is passes[-1] and point["attainment"] >= 0.9:
+        print("calibration: the SLO held at the ladder's top: --rate is a lower bound", flush=True)
     args.rate = round(point["rate"], 3)
     if args.target is None:
         args.target = float(point["concurrency"])
-    return {"passes": passes, "point": point, "rate": args.rate, "target": args.target}
+    return {"replicas": replicas, "passes": passes, "point": point, "rate": args.rate, "target": args.target}
 
 
 def load(url: str, args: argparse.Namespace, workers: Workers) -> dict[str, Any]:
@@ -364,7 +370,7 @@ def load(url: str, args: argparse.Namespace, workers: Workers) -> dict[str, Any]
         finished.set()
         poller.join()
     end = began + sum(step["seconds"] for step in plan)
-    return {"requests": requests, "counts": [(t - began, n) for t, n in counts if t <= end], "plan": plan,
+    return {"requests": requests, "counts": [(t - began, n) for t, n in counts if began <= t <= end], "plan": plan,
             "drive": drive}  # fmt: skip
 
 
@@ -421,7 +427,8 @@ def run_system(system: str, args: argparse.Namespace, work: Path, workers: Worke
         out["start_s"][system] = round(deployment.start(), 1)
         print(f"{system}: serving after {out['start_s'][system]} s", flush=True)
         if args.calibrate and "calibration" not in out:
-            out["calibration"] = calibrate(deployment.url, args, workers)
+            replicas = args.max_replicas if system == "static_max" else max(1, args.min_replicas)
+            out["calibration"] = calibrate(deployment.url, args, workers, replicas)
             print(f"calibrated: --rate {args.rate} --target {args.target}", flush=True)
         if system != "calibrate":
             measured = load(deployment.url, args, workers)
@@ -442,12 +449,7 @@ def main() -> None:
     out_path = args.out if args.out.suffix == ".json" else args.out / f"slo-load-{time.strftime('%Y%m%d-%H%M')}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="flagscale-slo-load-"))
-    # the calibration's one replica: static_min's deployment when it runs (first), else one of its own
-    order = list(args.systems)
-    if args.calibrate:
-        order = (
-            ["static_min", *(s for s in order if s != "static_min")] if "static_min" in order else ["calibrate", *order]
-        )
+    order = calibration_order(args.systems, args.calibrate)
     began = time.monotonic()
     print(f"work dir {work}; systems {order}; trace {sum(s[1] for s in TRACE) * args.time_scale:.0f} s", flush=True)
     out: dict[str, Any] = {"systems": [], "start_s": {}, "drive": {}}

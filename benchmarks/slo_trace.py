@@ -76,6 +76,12 @@ def ladder_pass(concurrency: int, requests: list[dict[str, Any]], ttft_ms: float
     }
 
 
+def per_replica(p: dict[str, Any], replicas: int) -> dict[str, Any]:
+    """A pass over `replicas` balanced replicas as one replica's share: streams, request rate and tokens/s divided."""
+    share = {k: p[k] / replicas for k in ("rate", "output_tps")}
+    return {**p, **share, "concurrency": p["concurrency"] / replicas, "replicas": replicas}
+
+
 def sustainable(passes: list[dict[str, Any]], share: float) -> dict[str, Any] | None:
     """The pass of the most streams before the first whose attainment falls under `share` (the ladder in
     order of streams): one replica's sustainable point. None when even the first pass misses."""
@@ -95,6 +101,17 @@ def least_replica_s(plan: list[dict[str, Any]], rate: float, low: int, high: int
         need = math.ceil(step["rps"] / rate - 1e-9) if rate > 0 else low
         total += min(high, max(low, need)) * step["seconds"]
     return total
+
+
+def calibration_order(systems: list[str], calibrating: bool) -> list[str]:
+    """The systems in the order they run: the calibration's deployment first (static_min's one replica, else static
+    max's replicas, else one replica of its own, `calibrate`, that takes no trace)."""
+    if not calibrating:
+        return list(systems)
+    for first in ("static_min", "static_max"):
+        if first in systems:
+            return [first, *(s for s in systems if s != first)]
+    return ["calibrate", *systems]
 
 
 def target_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -92,3 +92,17 @@ def test_target_lines_state_each_ratio_and_whether_it_is_met():
     worse = slo_trace.target_lines([row("slo", 0.85, 150, 150), row("request_count", 0.90, 200, 100)])
     assert worse[0].endswith("not met")  # 2x the goodput per replica-s, but a lower attainment
     assert len(slo_trace.target_lines([row("static_min", 0.9, 100, 90)])) == 1
+
+
+def test_a_pass_over_balanced_replicas_counts_as_one_replicas_share():
+    p = slo_trace.per_replica({"concurrency": 512, "rate": 120.0, "output_tps": 15000.0, "attainment": 0.95}, 2)
+    assert (p["concurrency"], p["rate"], p["output_tps"], p["replicas"]) == (256, 60.0, 7500.0, 2)
+    assert p["attainment"] == 0.95
+
+
+def test_the_calibration_runs_first_on_static_min_else_static_max_else_its_own_deployment():
+    every = ["slo", "request_count", "static_max", "static_min"]
+    assert slo_trace.calibration_order(every, True) == ["static_min", "slo", "request_count", "static_max"]
+    assert slo_trace.calibration_order(every[:3], True) == ["static_max", "slo", "request_count"]
+    assert slo_trace.calibration_order(["slo"], True) == ["calibrate", "slo"]
+    assert slo_trace.calibration_order(every[:3], False) == every[:3]
