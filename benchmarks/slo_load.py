@@ -6,29 +6,44 @@ benchmark (`vllm bench serve`), on one deployment per system, one after another 
   the in-flight requests of one replica at the rate it sustains within the SLO, as auto_tune measures it);
 - static_max / static_min: a fixed count at max and at min.
 
-The trace: --rate is one replica's sustainable request rate; the segments (TRACE) are multiples of it: idle, a ramp
-in steps to twice it, a plateau, a spike to three times it, a fall, idle again. Each step is one `vllm bench serve`
-pass (Poisson arrivals at the step's rate, --seed + the step's index: the same requests for every system; random
-dataset, prompt and output lengths uniform within +-50 % of --input-len / --output-len), started at its own time
-on one of a few pre-imported benchmark workers (flagscale/actions/bench.py), so a slow step's tail does not delay
-the next step's arrivals. Replicas are counted every --poll-s from the router's /metrics (the engines' series carry
-a `replica` label): replica-seconds over the trace, and the reaction to the ramp and the spike (seconds from the
-segment's start until a second replica serves).
+The trace (slo_trace.py): --rate is one replica's sustainable request rate; the segments are multiples of it: idle,
+a ramp in steps to twice it, a plateau, a spike to three times it, a fall, idle again (290 s, times --time-scale).
+Each step is `vllm bench serve` passes (Poisson arrivals at the step's rate, seeded by --seed, the step and the
+part: the same requests for every system; random dataset, prompt and output lengths uniform within +-50 % of
+--input-len / --output-len), started at the step's own time on free workers of a pool of pre-imported benchmark
+processes (flagscale/actions/bench.py), so a slow step's tail does not delay the next step's arrivals; a step over
+--worker-rps is split into independent Poisson streams on several workers. Each part records how late it started
+(no free worker) and the CPU share its worker used (a worker near one core limits what it sends).
 
-Per system: SLO attainment (share of requests whose TTFT and mean inter-token latency both meet --ttft-ms /
---itl-ms), goodput (such requests per second of trace), replica-seconds, goodput per replica-second, failed
-requests, reactions. JSON to benchmarks/results/slo-load-<ts>.json, a markdown table printed. Every deployment is
-stopped (`action=stop` on its exp_dir), also on error or Ctrl-C.
+Calibration (--calibrate, the GPU default; skipped when --rate is given): before its trace, the first deployment
+(static_min's one replica when it runs, else static_max's replicas, balanced by the router, else one replica of a
+deployment of its own) takes closed-loop passes at rising streams per replica (--ladder); one replica's share of the
+most streams whose steady requests meet the SLO at >= 90 % gives --rate (streams / latency) and --target (its
+streams: auto_tune's in-flight count), and the SLO planner is seeded with that replica's tokens/s through an
+auto_tuner/history.csv in its exp_dir, as auto_tune would leave one.
 
-  .venv/bin/python benchmarks/slo_load.py                                  # every system, --rate 2
+Replicas are counted every --poll-s from the router's /metrics (the engines' series carry a `replica` label):
+replica-seconds over the trace, and the reaction to the ramp and the spike (seconds from the segment's start until
+max replicas serve). Per system: SLO attainment (share of requests whose TTFT and mean inter-token latency both
+meet --ttft-ms / --itl-ms), goodput (such requests per second of trace), replica-seconds, goodput per
+replica-second, failed requests, reactions; then the issue's targets as ratios. JSON to --out (a directory:
+slo-load-<ts>.json in it; a .json path: that file), a markdown table printed. Every deployment is stopped
+(`action=stop` on its exp_dir), also on error or Ctrl-C.
+
+  .venv/bin/python benchmarks/slo_load.py                                  # CPU, every system, --rate 2
   .venv/bin/python benchmarks/slo_load.py --systems slo request_count --rate 3 --target 2
+  python3 benchmarks/slo_load.py --gpu --size 1b --out /tmp/slo/slo-load-gpu.json  # 2 GPUs, one per replica
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import importlib.util
 import json
+import os
+import queue
 import subprocess
 import sys
 import tempfile
@@ -39,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,86 +63,104 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
-from model import ensure_model  # noqa: E402  (benchmarks/gpu/model.py)
-from routing import CPU_SIZES  # noqa: E402  (benchmarks/routing.py: registers its CPU shapes in model.SIZES)
+from model import SIZES, ensure_model  # noqa: E402  (benchmarks/gpu/model.py)
+from routing import CPU_SIZES  # noqa: E402,F401  (benchmarks/routing.py: registers its CPU shapes in model.SIZES)
+from slo_trace import (  # noqa: E402  (benchmarks/slo_trace.py)
+    TRACE,
+    calibration_order,
+    ladder_pass,
+    least_replica_s,
+    met,
+    parts,
+    per_replica,
+    split_streams,
+    steps,
+    sustainable,
+    target_lines,
+)
 
 from flagscale.actions.bench import vllm_bench_worker  # noqa: E402
 from flagscale.demo_model import ensure_demo_model  # noqa: E402
+from flagscale.devices.nvidia import MULTICAST_OFF  # noqa: E402
 
 PORT = 8370  # clear of overhead.py (8150-8199), routing.py (8300-8349), auto_tune.py (8360), the GPU bench (86xx)
 SYSTEMS = ("slo", "request_count", "static_max", "static_min")
-# (label, seconds, rate at its start, rate at its end) in multiples of --rate; a ramp goes in STEP_S steps
-TRACE = (
-    ("idle", 20, 0.0, 0.0),
-    ("ramp", 90, 0.3, 2.0),
-    ("plateau", 60, 1.6, 1.6),
-    ("spike", 20, 3.0, 3.0),
-    ("fall", 60, 0.5, 0.5),
-    ("idle", 40, 0.0, 0.0),
-)
-STEP_S = 15
-WORKERS = 4  # benchmark processes taking steps in turn (a step's tail overlaps the next step's start)
-ENGINE_ARGS = {
-    "served_model_name": "demo",
-    "max_model_len": 512,
-    "max_num_seqs": 16,
-    "enforce_eager": True,
-    "gpu_memory_utilization": 0.1,
-    "dtype": "float32",
+CPU_ENGINE_ARGS = {"max_model_len": 512, "max_num_seqs": 16, "gpu_memory_utilization": 0.1, "dtype": "float32"}
+# benchmarks/gpu/bench_gpu.py's GPU engine args, without CUDA graphs (a start in ~40-60 s, not ~100 s)
+GPU_ENGINE_ARGS = {"max_model_len": 2048, "max_num_seqs": 1024, "gpu_memory_utilization": 0.4, "dtype": "bfloat16"}
+GPU_ENVS = {**MULTICAST_OFF, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+# (CPU, GPU) defaults of the options that differ
+DEFAULTS = {
+    "systems": (list(SYSTEMS), ["slo", "request_count", "static_max"]),
+    "size": ("cpu-40m", "1b"),
+    "ttft_ms": (2000.0, 500.0),
+    "itl_ms": (250.0, 50.0),
+    "input_len": (128, 512),
+    "output_len": (32, 128),
+    "time_scale": (1.0, 0.4),
+    "workers": (4, 32),
+    "worker_rps": (None, 25.0),
+    "worker_streams": (64, 64),
+    "ladder": ([1, 2, 4, 8], [64, 128, 256, 384, 512, 768]),
+    "calibrate": (False, True),
 }
 
 
-def arguments() -> argparse.Namespace:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    parser.add_argument("--rate", type=float, default=2.0, help="one replica's sustainable request rate (req/s)")
-    parser.add_argument("--target", type=float, default=2.0, help="request_count's target_ongoing_requests")
+    parser.add_argument("--gpu", action="store_true", help="one whole GPU per replica (the GPU defaults below)")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: all (CPU); static_min left out (GPU)")
+    parser.add_argument("--rate", type=float, help="one replica's sustainable request rate (req/s); CPU default 2")
+    parser.add_argument("--target", type=float, help="request_count's target_ongoing_requests; default 2 or calibrated")
+    parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, help="measure --rate and --target "
+                        "first on one replica (GPU default, unless --rate is given)")  # fmt: skip
+    parser.add_argument("--ladder", type=int, nargs="+", help="calibration streams per replica, rising")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--max-replicas", type=int, default=2)
-    parser.add_argument("--ttft-ms", type=float, default=2000.0)
-    parser.add_argument("--itl-ms", type=float, default=250.0)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--downscale-delay-s", type=float, default=30.0)
+    parser.add_argument("--ttft-ms", type=float, help="SLO: TTFT at p90 (CPU 2000, GPU 500)")
+    parser.add_argument("--itl-ms", type=float, help="SLO: inter-token latency at p90 (CPU 250, GPU 50)")
+    parser.add_argument("--input-len", type=int, help="CPU 128, GPU 512")
+    parser.add_argument("--output-len", type=int, help="CPU 32, GPU 128")
+    parser.add_argument("--time-scale", type=float, help="the trace's and the delays' length factor (CPU 1, GPU 0.4)")
+    parser.add_argument("--downscale-delay-s", type=float, default=30.0, help="at time scale 1")
+    parser.add_argument("--workers", type=int, help="benchmark processes (CPU 4, GPU 32)")
+    parser.add_argument("--worker-rps", type=float, help="most req/s one worker sends (GPU 25; CPU: no split)")
+    parser.add_argument("--worker-streams", type=int, help="most calibration streams one worker drives (64)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
-        "--size", choices=["demo", *sorted(CPU_SIZES)], default="cpu-40m",
-        help="the model: the demo model (too fast on CPU for the engine to be what saturates), or a random-weight "
-        "Llama of benchmarks/gpu/model.py's CPU shapes (benchmarks/routing.py)",
+        "--size", choices=["demo", *sorted(SIZES)],
+        help="the model: the demo model, or a random-weight Llama of benchmarks/gpu/model.py (CPU default cpu-40m, "
+        "benchmarks/routing.py's CPU shapes; GPU default 1b)",
     )  # fmt: skip
     parser.add_argument("--poll-s", type=float, default=2.0)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
-    return parser.parse_args()
-
-
-def steps(rate: float) -> list[dict[str, Any]]:
-    """The trace as steps: {segment, start_s, seconds, rps}; idle segments have rps 0 (nothing is sent)."""
-    out, t = [], 0.0
-    for label, seconds, first, last in TRACE:
-        count = max(1, round(seconds / STEP_S)) if first != last else 1
-        for i in range(count):
-            share = first + (last - first) * (i + 0.5) / count if count > 1 else first
-            out.append({"segment": label, "start_s": t, "seconds": seconds / count, "rps": share * rate})
-            t += seconds / count
-    return out
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="a directory or a .json")
+    args = parser.parse_args(argv)
+    for key, (cpu, gpu) in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, gpu if args.gpu else cpu)
+    if args.rate is not None:
+        args.calibrate = False
+    elif not args.calibrate:
+        args.rate = 2.0
+    return args
 
 
 def resources(system: str, args: argparse.Namespace) -> dict[str, Any]:
-    common = {"num_cpus": 1}
+    common: dict[str, Any] = {"num_cpus": 1, **({"num_gpus": 1} if args.gpu else {})}
     if system == "static_max":
         return {**common, "num_replicas": args.max_replicas}
-    if system == "static_min":
+    if system in ("static_min", "calibrate"):
         return {**common, "num_replicas": max(1, args.min_replicas)}
     scaled = {
         **common,
         "min_replicas": args.min_replicas,
         "max_replicas": args.max_replicas,
         "upscale_delay_s": 0,
-        "downscale_delay_s": args.downscale_delay_s,
+        "downscale_delay_s": args.downscale_delay_s * args.time_scale,
     }
     if system == "slo":
         return {**scaled, "slo": {"ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms, "percentile": 90}}
-    return {**scaled, "target_ongoing_requests": args.target}
+    return {**scaled, "target_ongoing_requests": args.target if args.target is not None else 2.0}
 
 
 class Deployment:
@@ -135,37 +169,93 @@ class Deployment:
     def __init__(self, system: str, args: argparse.Namespace, work: Path):
         self.system, self.url = system, f"http://127.0.0.1:{PORT}"
         self.conf, self.log = work / system / "conf", work / system / "orchestrator.log"
+        self.exp_dir = work / system / "exp"
         (self.conf / "serve").mkdir(parents=True)
+        envs = GPU_ENVS if args.gpu else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         main = {
             "defaults": ["_self_", {"serve": "nodes"}],
             "experiment": {
                 "exp_name": f"slo-load-{system}",
-                "exp_dir": str(work / system / "exp"),
+                "exp_dir": str(self.exp_dir),
                 "task": {"type": "serve"},
                 "runner": {"hostfile": None, "deploy": {"host": "127.0.0.1", "port": PORT, "startup_timeout_s": 900}},
-                "envs": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                "envs": dict(envs),
             },
             "action": "run",
             "hydra": {"run": {"dir": "${experiment.exp_dir}/hydra"}},
         }
-        engine_args = {"model": str(args.model_dir), **ENGINE_ARGS}
+        engine = GPU_ENGINE_ARGS if args.gpu else CPU_ENGINE_ARGS
+        engine_args = {"model": str(args.model_dir), "served_model_name": "demo", **engine, "enforce_eager": True}
         node = {"serve_id": "demo", "engine": "vllm", "engine_args": engine_args, "resources": resources(system, args)}
         (self.conf / "serve.yaml").write_text(yaml.safe_dump(main, sort_keys=False))
         (self.conf / "serve" / "nodes.yaml").write_text(yaml.safe_dump([node], sort_keys=False))
+
+    def seed_planner(self, point: dict[str, Any], args: argparse.Namespace) -> None:
+        """auto_tune's history.csv as one finished trial would leave it: what one replica sustained within the SLO
+        (flagscale/planner/seeds.py reads it at `run`)."""
+        history = self.exp_dir / "auto_tuner" / "history.csv"
+        history.parent.mkdir(parents=True, exist_ok=True)
+        prompt_tps = point["rate"] * args.input_len
+        history.write_text(
+            "status,instance,output_throughput,total_token_throughput,goodput_per_device\n"
+            f"done,1,{point['output_tps']:.1f},{point['output_tps'] + prompt_tps:.1f},{point['rate']:.3f}\n"
+        )
 
     def cli(self, action: str) -> list[str]:
         return [sys.executable, str(REPO / "run.py"), "--config-path", str(self.conf), "--config-name", "serve",
                 f"action={action}"]  # fmt: skip
 
-    def start(self) -> None:
+    def start(self) -> float:
+        began = time.monotonic()
         with open(self.log, "ab") as log:
             done = subprocess.run(self.cli("run"), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=1200)
         if done.returncode != 0:
             raise RuntimeError(f"{self.system}: `run` exited with {done.returncode}; see {self.log}")
+        return time.monotonic() - began
 
     def stop(self) -> None:
         with open(self.log, "ab") as log:
             subprocess.run(self.cli("stop"), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=600)
+
+
+class Workers:
+    """Pre-imported `vllm bench serve` processes, each taking one pass at a time: a pass waits for a free one."""
+
+    def __init__(self, stack: contextlib.ExitStack, count: int, work: Path):
+        managers = [vllm_bench_worker(work / f"bench-{i}.log") for i in range(count)]
+        with ThreadPoolExecutor(count) as pool:  # each imports vLLM: at once, not one after another
+            entered = list(pool.map(lambda m: _enter(m), managers))
+        for manager, worker in zip(managers, entered, strict=True):
+            if not isinstance(worker, BaseException):
+                stack.push(manager)
+        errors = [w for w in entered if isinstance(w, BaseException)]
+        if errors:
+            raise errors[0]
+        self.free: queue.Queue = queue.Queue()
+        for worker in entered:
+            self.free.put(worker)
+
+    def run(self, argv: list[str], due: float) -> tuple[dict[str, Any], dict[str, float]]:
+        """One pass of `argv` on a free worker (due: when it should start, monotonic): vLLM's result, and how late
+        it started and the CPU share its worker used during it."""
+        worker = self.free.get()
+        try:
+            began = time.monotonic()
+            proc = psutil.Process(worker.pid)
+            cpu0 = sum(proc.cpu_times()[:2])
+            result = worker(argv)
+            wall = time.monotonic() - began
+            share = (sum(proc.cpu_times()[:2]) - cpu0) / wall if wall > 0 else 0.0
+            return result, {"late_s": max(0.0, began - due), "worker_cpu": share}
+        finally:
+            self.free.put(worker)
+
+
+def _enter(manager: Any) -> Any:
+    try:
+        return manager.__enter__()
+    except BaseException as exc:  # noqa: BLE001  (reported by the caller, after the others are registered)
+        return exc
 
 
 def serving_replicas(url: str) -> int | None:
@@ -179,20 +269,75 @@ def serving_replicas(url: str) -> int | None:
                 if line.startswith("vllm:num_requests_running{") and 'replica="' in line})  # fmt: skip
 
 
-def bench_argv(url: str, step: dict[str, Any], index: int, args: argparse.Namespace) -> list[str]:
-    prompts = max(1, round(step["rps"] * step["seconds"]))
-    return [
+@functools.lru_cache(maxsize=1)
+def no_ready_check() -> tuple[str, ...]:
+    """`--ready-check-timeout-sec 0` where the installed `vllm bench serve` has it (0.32 here): without it, each pass
+    sends one test request first and waits for its answer, which would delay the part's arrivals. Read from the
+    source, so vLLM is not imported here."""
+    spec = importlib.util.find_spec("vllm")
+    source = Path(spec.origin).parent / "benchmarks" / "serve.py" if spec and spec.origin else None
+    known = source is not None and source.is_file() and "--ready-check-timeout-sec" in source.read_text()
+    return ("--ready-check-timeout-sec", "0") if known else ()
+
+
+def bench_argv(url: str, args: argparse.Namespace, prompts: int, seed: int, rps: float | None = None,
+               streams: int | None = None) -> list[str]:  # fmt: skip
+    """`vllm bench serve` for one pass: Poisson arrivals at `rps`, or `streams` closed-loop streams."""
+    argv = [
         "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", "demo",
         "--tokenizer", str(args.model_dir), "--dataset-name", "random", "--input-len", str(args.input_len),
         "--output-len", str(args.output_len), "--random-range-ratio", "0.5", "--num-prompts", str(prompts),
-        "--request-rate", f"{step['rps']:.4f}", "--seed", str(args.seed + index), "--ignore-eos",
-        "--ready-check-timeout-sec", "0", "--disable-tqdm", "--save-detailed", "--percentile-metrics", "ttft,itl",
+        "--seed", str(seed), "--ignore-eos", "--disable-tqdm", "--save-detailed", "--percentile-metrics", "ttft,itl",
+        *no_ready_check(),
     ]  # fmt: skip
+    if rps is not None:
+        argv += ["--request-rate", f"{rps:.4f}"]
+    if streams is not None:
+        argv += ["--max-concurrency", str(streams)]
+    return argv
 
 
-def load(system: str, args: argparse.Namespace, work: Path, url: str) -> dict[str, Any]:
-    """The trace against `url`: every request's outcome, and the replica count over time."""
-    plan = steps(args.rate)
+def outcomes(result: dict[str, Any], **labels: Any) -> list[dict[str, Any]]:
+    return [
+        {**labels, "ttft_s": ttft, "itl_s": itls, "error": error}
+        for ttft, itls, error in zip(result["ttfts"], result["itls"], result["errors"], strict=True)
+    ]
+
+
+def calibrate(url: str, args: argparse.Namespace, workers: Workers, replicas: int) -> dict[str, Any]:
+    """Closed-loop passes at rising streams (--ladder per replica, times `replicas`: the router balances them),
+    until the SLO is missed: each stream's first request (the wave that arrives at once) left out, 2.5 requests a
+    stream in all. One replica's share of the last pass within the SLO sets args.rate and args.target."""
+    passes = []
+    for index, streams in enumerate(args.ladder):
+        split = split_streams(streams * replicas, args.worker_streams)
+
+        def run(i: int, split: list[int] = split, index: int = index) -> list[dict[str, Any]]:
+            n = split[i]
+            argv = bench_argv(url, args, max(2, round(2.5 * n)), 10_000 + 100 * index + i, streams=n)
+            result, _ = workers.run(argv, time.monotonic())
+            return outcomes(result)[n:]
+
+        with ThreadPoolExecutor(len(split)) as pool:
+            steady = [r for rows in pool.map(run, range(len(split))) for r in rows]
+        passes.append(per_replica(ladder_pass(streams * replicas, steady, args.ttft_ms, args.itl_ms), replicas))
+        print(f"calibration: {json.dumps(passes[-1])}", flush=True)
+        if passes[-1]["attainment"] < 0.9:
+            break
+    point = sustainable(passes, 0.9) or passes[0]
+    if point is passes[-1] and point["attainment"] >= 0.9:
+        print("calibration: the SLO held at the ladder's top: --rate is a lower bound", flush=True)
+    args.rate = round(point["rate"], 3)
+    if args.target is None:
+        args.target = float(point["concurrency"])
+    return {"replicas": replicas, "passes": passes, "point": point, "rate": args.rate, "target": args.target}
+
+
+def load(url: str, args: argparse.Namespace, workers: Workers) -> dict[str, Any]:
+    """The trace against `url`: every request's outcome, each part's start lag and worker CPU, and the replica
+    count over time."""
+    plan = steps(args.rate, args.time_scale)
+    tasks = [(index, part) for index, step in enumerate(plan) for part in parts(step, args.worker_rps)]
     counts: list[tuple[float, int]] = []
     finished = threading.Event()
 
@@ -203,56 +348,54 @@ def load(system: str, args: argparse.Namespace, work: Path, url: str) -> dict[st
                 counts.append((time.monotonic(), n))
             finished.wait(args.poll_s)
 
-    with contextlib.ExitStack() as stack:
-        workers = [stack.enter_context(vllm_bench_worker(work / system / f"bench-{i}.log")) for i in range(WORKERS)]
-        poller = threading.Thread(target=poll, daemon=True)
-        began = time.monotonic() + 2
-        poller.start()
+    poller = threading.Thread(target=poll, daemon=True)
+    began = time.monotonic() + 2
+    poller.start()
+    drive: list[dict[str, Any]] = []
 
-        def run_step(index: int) -> list[dict[str, Any]]:
-            step = plan[index]
-            time.sleep(max(0.0, began + step["start_s"] - time.monotonic()))
-            if step["rps"] <= 0:
-                return []
-            result = workers[index % WORKERS](bench_argv(url, step, index, args))
-            return [
-                {"step": index, "segment": step["segment"], "ttft_s": ttft, "itl_s": itls, "error": error}
-                for ttft, itls, error in zip(result["ttfts"], result["itls"], result["errors"], strict=True)
-            ]
+    def run_part(task: tuple[int, dict[str, Any]]) -> list[dict[str, Any]]:
+        index, part = task
+        step = plan[index]
+        due = began + step["start_s"]
+        time.sleep(max(0.0, due - time.monotonic()))
+        seed = args.seed + 1000 * index + part["part"]
+        result, how = workers.run(bench_argv(url, args, part["prompts"], seed, rps=part["rps"]), due)
+        drive.append({"step": index, "part": part["part"], "rps": part["rps"], **how})
+        return outcomes(result, step=index, segment=step["segment"])
 
-        with ThreadPoolExecutor(len(plan)) as pool:  # each step waits for its own start time
-            requests = [r for rows in pool.map(run_step, range(len(plan))) for r in rows]
+    try:
+        with ThreadPoolExecutor(max(1, len(tasks))) as pool:  # each part waits for its own start time
+            requests = [r for rows in pool.map(run_part, tasks) for r in rows]
+    finally:
         finished.set()
         poller.join()
     end = began + sum(step["seconds"] for step in plan)
-    return {"requests": requests, "counts": [(t - began, n) for t, n in counts if t <= end], "plan": plan}
+    return {"requests": requests, "counts": [(t - began, n) for t, n in counts if began <= t <= end], "plan": plan,
+            "drive": drive}  # fmt: skip
 
 
 def summary(system: str, measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     requests, counts, plan = measured["requests"], measured["counts"], measured["plan"]
     duration = sum(step["seconds"] for step in plan)
-    failed = sum(1 for r in requests if r["error"])
-
-    def met(r: dict[str, Any]) -> bool:
-        itl = sum(r["itl_s"]) / len(r["itl_s"]) if r["itl_s"] else 0.0
-        return not r["error"] and r["ttft_s"] * 1000 <= args.ttft_ms and itl * 1000 <= args.itl_ms
-
-    good = sum(1 for r in requests if met(r))
+    good = sum(1 for r in requests if met(r, args.ttft_ms, args.itl_ms))
     replica_s = sum(n * (t1 - t0) for (t0, n), (t1, _) in zip(counts, counts[1:], strict=False))
     reactions = {}
     for segment in ("ramp", "spike"):
         start = next(step["start_s"] for step in plan if step["segment"] == segment)
         reached = next((t for t, n in counts if t >= start and n >= args.max_replicas), None)
         reactions[segment] = None if reached is None else round(reached - start, 1)
+    drive = measured.get("drive") or [{"late_s": 0.0, "worker_cpu": 0.0}]
     return {
         "system": system,
         "requests": len(requests),
-        "failed": failed,
+        "failed": sum(1 for r in requests if r["error"]),
         "attainment": good / len(requests) if requests else 0.0,
         "goodput_req_s": good / duration,
         "replica_s": replica_s,
         "goodput_per_replica_s": good / replica_s if replica_s else 0.0,
         "reaction_s": reactions,
+        "max_part_late_s": round(max(d["late_s"] for d in drive), 2),
+        "max_worker_cpu": round(max(d["worker_cpu"] for d in drive), 2),
         "replicas": counts,
     }
 
@@ -260,41 +403,76 @@ def summary(system: str, measured: dict[str, Any], args: argparse.Namespace) -> 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| system | requests | failed | SLO attainment | goodput req/s | replica-s | goodput per replica-s | "
-        "to max replicas after ramp / spike start (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "to max replicas after ramp / spike start (s) | client: most late start s / worker CPU |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         react = " / ".join("-" if v is None else f"{v:g}" for v in r["reaction_s"].values())
         lines.append(
             f"| {r['system']} | {r['requests']} | {r['failed']} | {100 * r['attainment']:.1f} % | "
-            f"{r['goodput_req_s']:.2f} | {r['replica_s']:.0f} | {r['goodput_per_replica_s']:.3f} | {react} |"
+            f"{r['goodput_req_s']:.2f} | {r['replica_s']:.0f} | {r['goodput_per_replica_s']:.3f} | {react} | "
+            f"{r['max_part_late_s']:g} / {r['max_worker_cpu']:g} |"
         )
     return "\n".join(lines)
 
 
+def run_system(system: str, args: argparse.Namespace, work: Path, workers: Workers, out: dict[str, Any]) -> None:
+    """Deploy `system`, calibrate on it if it is the calibration's one replica, load the trace (not for the
+    calibration-only deployment), stop it."""
+    deployment = Deployment(system, args, work)
+    if system == "slo" and out.get("calibration"):
+        deployment.seed_planner(out["calibration"]["point"], args)
+    try:
+        print(f"{system}: starting", flush=True)
+        out["start_s"][system] = round(deployment.start(), 1)
+        print(f"{system}: serving after {out['start_s'][system]} s", flush=True)
+        if args.calibrate and "calibration" not in out:
+            replicas = args.max_replicas if system == "static_max" else max(1, args.min_replicas)
+            out["calibration"] = calibrate(deployment.url, args, workers, replicas)
+            print(f"calibrated: --rate {args.rate} --target {args.target}", flush=True)
+        if system != "calibrate":
+            measured = load(deployment.url, args, workers)
+    finally:
+        deployment.stop()
+    if system != "calibrate":
+        out["systems"].append(summary(system, measured, args))
+        out["drive"][system] = measured["drive"]
+        print(table(out["systems"][-1:]), flush=True)
+
+
 def main() -> None:
     args = arguments()
-    args.model_dir = ensure_demo_model() if args.size == "demo" else ensure_model(args.size, device="cpu")
-    args.out.mkdir(parents=True, exist_ok=True)
+    if args.gpu:
+        os.environ.update(GPU_ENVS)  # the workers and run.py inherit it
+    device = "cuda" if args.gpu else "cpu"
+    args.model_dir = ensure_demo_model() if args.size == "demo" else ensure_model(args.size, device=device)
+    out_path = args.out if args.out.suffix == ".json" else args.out / f"slo-load-{time.strftime('%Y%m%d-%H%M')}.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="flagscale-slo-load-"))
-    print(f"work dir {work}; trace: {len(steps(args.rate))} steps, {sum(s[1] for s in TRACE)} s", flush=True)
-    rows = []
-    for system in args.systems:
-        deployment = Deployment(system, args, work)
-        try:
-            print(f"{system}: starting", flush=True)
-            deployment.start()
-            measured = load(system, args, work, deployment.url)
-        finally:
-            deployment.stop()
-        rows.append(summary(system, measured, args))
-        print(table(rows[-1:]), flush=True)
-    stamp = time.strftime("%Y%m%d-%H%M")
-    out = args.out / f"slo-load-{stamp}.json"
-    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "trace": TRACE, "systems": rows},
-                              indent=1))  # fmt: skip
-    print(table(rows))
-    print(f"JSON: {out}")
+    order = calibration_order(args.systems, args.calibrate)
+    began = time.monotonic()
+    print(f"work dir {work}; systems {order}; trace {sum(s[1] for s in TRACE) * args.time_scale:.0f} s", flush=True)
+    out: dict[str, Any] = {"systems": [], "start_s": {}, "drive": {}}
+    with contextlib.ExitStack() as stack:
+        workers = Workers(stack, args.workers, work)
+        print(f"{args.workers} benchmark workers ready after {time.monotonic() - began:.0f} s", flush=True)
+        for system in order:
+            run_system(system, args, work, workers, out)
+    plan = steps(args.rate, args.time_scale)
+    floor = least_replica_s(plan, args.rate, args.min_replicas, args.max_replicas)
+    static = args.max_replicas * sum(step["seconds"] for step in plan)
+    lines = [
+        *target_lines(out["systems"]),
+        f"- the fewest replica-seconds any {args.min_replicas}..{args.max_replicas} system could spend on this trace "
+        f"(instant starts, one replica per --rate {args.rate:g} req/s): {floor:.0f}, {100 * floor / static:.0f} % "
+        f"of static max's {static:.0f}",
+    ]
+    record = {"args": {k: str(v) for k, v in vars(args).items()}, "trace": TRACE, "plan": plan,
+              "wall_s": round(time.monotonic() - began), **out, "targets": lines}  # fmt: skip
+    out_path.write_text(json.dumps(record, indent=1))
+    print(table(out["systems"]))
+    print("\n".join(lines))
+    print(f"deploy starts (s): {out['start_s']}; wall {record['wall_s']} s; JSON: {out_path}")
 
 
 if __name__ == "__main__":

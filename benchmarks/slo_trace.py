@@ -1,0 +1,143 @@
+"""benchmarks/slo_load.py's pure parts (issue 51): the step trace, its split over benchmark workers, the choice of
+one replica's sustainable rate from a calibration ladder, the least replica-seconds the trace allows, and the
+issue's targets as ratios between systems. No engine, no network: tests/unit/test_slo_trace.py."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# (label, seconds, rate at its start, rate at its end) in multiples of one replica's sustainable rate; a ramp goes in
+# steps of STEP_S (both scaled by --time-scale)
+TRACE = (
+    ("idle", 20, 0.0, 0.0),
+    ("ramp", 90, 0.3, 2.0),
+    ("plateau", 60, 1.6, 1.6),
+    ("spike", 20, 3.0, 3.0),
+    ("fall", 60, 0.5, 0.5),
+    ("idle", 40, 0.0, 0.0),
+)
+STEP_S = 15
+
+
+def steps(rate: float, time_scale: float = 1.0) -> list[dict[str, Any]]:
+    """The trace as steps: {segment, start_s, seconds, rps}; idle segments have rps 0 (nothing is sent). The same
+    steps at any `time_scale`, each `time_scale` times as long."""
+    out, t = [], 0.0
+    for label, seconds, first, last in TRACE:
+        count = max(1, round(seconds / STEP_S)) if first != last else 1
+        length = seconds * time_scale / count
+        for i in range(count):
+            share = first + (last - first) * (i + 0.5) / count if count > 1 else first
+            out.append({"segment": label, "start_s": t, "seconds": length, "rps": share * rate})
+            t += length
+    return out
+
+
+def parts(step: dict[str, Any], worker_rps: float | None) -> list[dict[str, Any]]:
+    """A step's arrivals split over as few benchmark workers as keep each at or under `worker_rps` (None: one):
+    k independent Poisson streams at rps / k are one Poisson stream at rps. Each part: {part, rps, prompts}."""
+    if step["rps"] <= 0:
+        return []
+    k = 1 if not worker_rps else max(1, math.ceil(step["rps"] / worker_rps - 1e-9))
+    rps = step["rps"] / k
+    return [{"part": i, "rps": rps, "prompts": max(1, round(rps * step["seconds"]))} for i in range(k)]
+
+
+def split_streams(concurrency: int, per_worker: int) -> list[int]:
+    """`concurrency` closed-loop streams over as few workers as keep each at or under `per_worker` streams."""
+    k = max(1, math.ceil(concurrency / per_worker))
+    return [concurrency // k + (1 if i < concurrency % k else 0) for i in range(k)]
+
+
+def met(request: dict[str, Any], ttft_ms: float, itl_ms: float) -> bool:
+    """A request meets the SLO: no error, TTFT and mean inter-token latency within bounds."""
+    itls = request["itl_s"]
+    itl = sum(itls) / len(itls) if itls else 0.0
+    return not request["error"] and request["ttft_s"] * 1000 <= ttft_ms and itl * 1000 <= itl_ms
+
+
+def ladder_pass(concurrency: int, requests: list[dict[str, Any]], ttft_ms: float, itl_ms: float) -> dict[str, Any]:
+    """One closed-loop calibration pass at `concurrency` streams from its steady requests (the first wave left out
+    by the caller): SLO attainment, and the request rate and output tokens/s by Little's law (streams / latency)."""
+    if not requests:
+        return {"concurrency": concurrency, "requests": 0, "attainment": 0.0, "rate": 0.0, "output_tps": 0.0}
+    latency = sum(r["ttft_s"] + sum(r["itl_s"]) for r in requests) / len(requests)
+    tokens = sum(len(r["itl_s"]) + 1 for r in requests) / len(requests)
+    rate = concurrency / latency if latency > 0 else 0.0
+    good = sum(1 for r in requests if met(r, ttft_ms, itl_ms))
+    return {
+        "concurrency": concurrency,
+        "requests": len(requests),
+        "attainment": good / len(requests),
+        "rate": rate,
+        "output_tps": rate * tokens,
+        "latency_s": latency,
+    }
+
+
+def per_replica(p: dict[str, Any], replicas: int) -> dict[str, Any]:
+    """A pass over `replicas` balanced replicas as one replica's share: streams, request rate and tokens/s divided."""
+    share = {k: p[k] / replicas for k in ("rate", "output_tps")}
+    return {**p, **share, "concurrency": p["concurrency"] / replicas, "replicas": replicas}
+
+
+def sustainable(passes: list[dict[str, Any]], share: float) -> dict[str, Any] | None:
+    """The pass of the most streams before the first whose attainment falls under `share` (the ladder in
+    order of streams): one replica's sustainable point. None when even the first pass misses."""
+    best = None
+    for p in passes:
+        if p["attainment"] < share:
+            break
+        best = p
+    return best
+
+
+def least_replica_s(plan: list[dict[str, Any]], rate: float, low: int, high: int) -> float:
+    """The fewest replica-seconds any min..max system could spend on the trace: replicas that start at once, one per
+    `rate` of load (at least `low`, at most `high`)."""
+    total = 0.0
+    for step in plan:
+        need = math.ceil(step["rps"] / rate - 1e-9) if rate > 0 else low
+        total += min(high, max(low, need)) * step["seconds"]
+    return total
+
+
+def calibration_order(systems: list[str], calibrating: bool) -> list[str]:
+    """The systems in the order they run: the calibration's deployment first (static_min's one replica, else static
+    max's replicas, else one replica of its own, `calibrate`, that takes no trace)."""
+    if not calibrating:
+        return list(systems)
+    for first in ("static_min", "static_max"):
+        if first in systems:
+            return [first, *(s for s in systems if s != first)]
+    return ["calibrate", *systems]
+
+
+def target_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets as ratios, for the systems present: the planner's goodput per replica-second against
+    request counting's at equal or better attainment (>= 1.37x); its attainment within 5 points of static max's at
+    <= 60 % of static max's replica-seconds; no failed request anywhere."""
+    by = {r["system"]: r for r in rows}
+    slo, lines = by.get("slo"), []
+    if slo and "request_count" in by:
+        rc = by["request_count"]
+        ratio = slo["goodput_per_replica_s"] / rc["goodput_per_replica_s"] if rc["goodput_per_replica_s"] else math.inf
+        points = 100 * (slo["attainment"] - rc["attainment"])
+        ok = ratio >= 1.37 and points >= 0
+        lines.append(
+            f"- planner vs request_count: goodput per replica-s {ratio:.2f}x (target >= 1.37x), attainment "
+            f"{points:+.1f} points (target >= 0): {'met' if ok else 'not met'}"
+        )
+    if slo and "static_max" in by:
+        sm = by["static_max"]
+        points = 100 * (slo["attainment"] - sm["attainment"])
+        share = slo["replica_s"] / sm["replica_s"] if sm["replica_s"] else math.inf
+        ok = points >= -5 and share <= 0.6
+        lines.append(
+            f"- planner vs static_max: attainment {points:+.1f} points (target >= -5), replica-s {100 * share:.0f} % "
+            f"of static max's (target <= 60 %): {'met' if ok else 'not met'}"
+        )
+    failed = {r["system"]: r["failed"] for r in rows}
+    lines.append(f"- failed requests: {failed} (target 0)")
+    return lines
