@@ -56,6 +56,14 @@
 # SGLang (issue 32; after benchmarks/gpu/sglang_pack.sh's install into /tmp/sgl-site, FLAGSCALE_SGLANG_PATH):
 #   sgl1   plain `python -m sglang.launch_server` vs the orchestrator's `engine: sglang` replica on a 1B shape, c=1/16/64
 #          (tests/gpu/test_sglang.py first: TP=1, and TP=2 where there are 2 GPUs)
+# The fleet issues (51, 52, 53), 2026-11-29:
+#   lora2  issue 52: benchmarks/lora_bench.py --gpu: 50 generated rank-8 adapters of the 1B shape, Zipf and a hot
+#          adapter, 2 engines (one per visible GPU; LORA2_ARGS=--same-gpu: both on the first), max_loras 4,
+#          max_cpu_loras 8: the adapter placement vs the same router adapter-oblivious vs one plain engine
+#   slo2   issue 51: benchmarks/slo_load.py --gpu: the SLO planner vs request-count autoscaling vs static max (1..2
+#          replicas, one GPU each) on the seeded bursty trace (x0.4), one replica's rate calibrated first
+#   awake  issue 51 item 3: benchmarks/gpu/sleep_share.py --systems awake: the three 1B models always awake on one
+#          GPU (the sleep system ran on 2026-11-29), the same trace
 # On the GPU machine after ../shared/gpu/README.md's install, from the repo root, in a session of its own:
 #   setsid nohup bash benchmarks/gpu/multi_gpu.sh /tmp/bench tp2 dp2 tests > /tmp/bench/chain.log 2>&1 < /dev/null &
 set -u
@@ -182,6 +190,9 @@ for step in $steps; do
               --junitxml="$out/tests-pd.xml" ;;
     dptest) python3 -m pytest tests/gpu/test_placement.py -v -p no:cacheprovider -k dp2_inside \
               --junitxml="$out/tests-dp.xml" ;;
+    lora2) python3 benchmarks/lora_bench.py --gpu ${LORA2_ARGS:-} --output "$out/lora2.json" ;;
+    slo2) python3 benchmarks/slo_load.py --gpu --size 1b ${SLO2_ARGS:-} --out "$out/slo2.json" ;;
+    awake) (cd benchmarks/gpu && python3 sleep_share.py --size 1b --systems awake --phase-s 15 --out "$out/awake") ;;
     *) echo "unknown step $step" ;;
   esac
   echo "=== $step exit $? $(date -u +%T)"
