@@ -216,9 +216,14 @@ class Engines:
             self.kv_events.append(made[1])
 
     def reset_caches(self) -> None:
+        """Every engine's prefix cache emptied, and its AllBlocksCleared published: an idle engine publishes its
+        queued events only with its next step, so each is sent a one-token request (before the pass's counters)."""
         for url in self.urls:
             request = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
             urllib.request.urlopen(request, timeout=30).read()
+            body = json.dumps({"model": MODEL, "prompt": "reset", "max_tokens": 1}).encode()
+            step = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+            urllib.request.urlopen(step, timeout=60).read()
 
     def hit_counters(self) -> tuple[float, float]:
         from flagscale.engines.metrics import engine_metrics
