@@ -1,6 +1,6 @@
-"""KV-event routing (issue 53): the parts measurable without engines. A sketch; the issue's full comparison
-(KV events vs the approximate table vs round_robin vs vllm-router on live engines, workloads (a)-(e)) is not
-written yet.
+"""KV-event routing (issue 53): the parts measurable without engines. The comparison on live engines (KV
+events vs the approximate table vs round_robin vs vllm-router, workloads (a)-(e)) is benchmarks/kv_routing.py,
+which feeds its own traces to `simulate` here.
 
 - `keying`: the router's CPU per request to key a prompt as the engine does (tokenize with the model's
   tokenizer.json + chat template, hash the blocks: flagscale/router/kv_keys.py), p50/p99 over --repeats, for
@@ -69,28 +69,40 @@ def keying(tokenizer: str, tokens: list[int], block_size: int, repeats: int) -> 
 
 
 def oracle(replicas: int, cache_blocks: int, customers: int, prefix_blocks: int, requests: int, seed: int) -> dict:
-    """Each request: a customer's prefix (Zipf), then one new block. The oracle sends it to the replica holding
-    the most of its prefix (least-used replica on ties), and counts the blocks it reuses."""
+    """Each request: a customer's prefix (Zipf), then one new block; simulated as `simulate` does."""
     rng = random.Random(seed)
     weights = [1 / (rank + 1) for rank in range(customers)]
-    caches = [OrderedDict() for _ in range(replicas)]
-    load = [0] * replicas
-    hits = queries = 0
+    trace = []
     for n in range(requests):
         customer = rng.choices(range(customers), weights)[0]
         blocks = [(customer, i) for i in range(prefix_blocks)] + [("question", n)]
-        held = [sum(1 for _ in _leading(blocks, cache)) for cache in caches]
+        trace.append((blocks, [], len(blocks)))  # (the question block, the last, is new: never a hit)
+    return simulate(trace, replicas, cache_blocks, block_tokens=1)
+
+
+def simulate(trace, replicas: int, cache_blocks: int, block_tokens: int) -> dict:
+    """The oracle: each request of `trace` -- (its prompt's full-block keys in order, the keys of the further blocks
+    it stores (its output's), its prompt's tokens) -- goes to the replica holding the most of its prefix (the
+    least-used replica on ties), which reuses those blocks (at most the prompt less its last token, as vLLM does),
+    then holds every block of the request (LRU, `cache_blocks` per replica). The hit rate is in tokens, as the
+    engines count it: tokens reused / prompt tokens."""
+    caches = [OrderedDict() for _ in range(replicas)]
+    load = [0] * replicas
+    hits = queries = 0
+    for blocks, stored, prompt_tokens in trace:
+        usable = max(0, (prompt_tokens - 1) // block_tokens)
+        held = [sum(1 for _ in _leading(blocks[:usable], cache)) for cache in caches]
         best = max(range(replicas), key=lambda r: (held[r], -load[r]))
-        hits += held[best]
-        queries += len(blocks)
+        hits += held[best] * block_tokens
+        queries += prompt_tokens
         load[best] += 1
         cache = caches[best]
-        for block in blocks:
+        for block in [*blocks, *stored]:
             cache.pop(block, None)
             cache[block] = None
             while len(cache) > cache_blocks:
                 cache.popitem(last=False)
-    return {"oracle_hit_rate": round(hits / queries, 4), "requests_per_replica": load}
+    return {"oracle_hit_rate": round(hits / queries, 4) if queries else None, "requests_per_replica": load}
 
 
 def _leading(blocks, cache):

@@ -1,0 +1,118 @@
+"""benchmarks/kv_routing.py's pure parts (traces, cache sizing, the oracle's trace, targets) and
+benchmarks/fixed_router.py's file stand-in for the GCS's key-value store."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import fixed_router  # noqa: E402
+import kv_events_bench  # noqa: E402
+import kv_routing  # noqa: E402
+
+
+def test_block_keys_are_a_chain_of_full_blocks():
+    a = kv_routing.block_keys(list(range(10)), 4)
+    b = kv_routing.block_keys([*range(8), 99, 98, 97, 96], 4)
+    assert len(a) == 2 and len(b) == 3  # a trailing partial block is not a key
+    assert a == b[:2]  # equal prefixes, equal keys
+    assert kv_routing.block_keys([9, *range(1, 8)], 4)[1] != a[1]  # a block's key depends on what precedes it
+
+
+def test_oracle_trace_counts_output_blocks_and_prompt_tokens():
+    trace = kv_routing.oracle_trace([list(range(10))], block_size=4, output_len=7)
+    keys, stored, tokens = trace[0]
+    assert len(keys) == 2 and tokens == 10
+    assert stored == [("output", 0, 2), ("output", 0, 3)]  # 17 tokens fill blocks 2 and 3
+
+
+def test_simulate_reuses_at_most_the_prompt_less_its_last_token():
+    keys = [1, 2]
+    trace = [(keys, [], 8), (keys, [], 8)]  # whole blocks: the engine recomputes the last one
+    result = kv_events_bench.simulate(trace, replicas=2, cache_blocks=10, block_tokens=4)
+    assert result["oracle_hit_rate"] == pytest.approx(4 / 16)
+    assert result["requests_per_replica"] == [2, 0]  # the second request goes where its prefix is
+
+
+def test_simulate_evicts_least_recently_used():
+    trace = [([1, 2], [], 9), ([3, 4], [], 9), ([1, 2], [], 9)]
+    result = kv_events_bench.simulate(trace, replicas=1, cache_blocks=2, block_tokens=4)
+    assert result["oracle_hit_rate"] == 0  # [1, 2] were evicted by [3, 4]
+
+
+def test_the_old_oracle_gives_what_it_gave():
+    assert kv_events_bench.oracle(2, 64, 32, 8, 2000, 0)["oracle_hit_rate"] == 0.5756
+
+
+def test_cache_sizing_makes_the_working_set_outgrow_one_engine_but_fit_all():
+    blocks = kv_routing.cache_blocks_for([5] * 8, engines=2, fill=1.5, floor_blocks=3)
+    assert 40 > blocks and 2 * blocks >= 40
+    assert kv_routing.cache_blocks_for([1], engines=4, fill=1.5, floor_blocks=17) == 17
+
+
+def test_traces_are_the_same_for_the_same_seed_and_zipf_favours_the_first():
+    args = kv_routing.parse_args(["--requests", "400", "--customers", "10"])
+    one = kv_routing.shared_prefix_trace(args, 3, 1.0)
+    assert one == kv_routing.shared_prefix_trace(args, 3, 1.0)
+    picks = kv_routing.zipf_picks(random.Random(0), 10, 2000, 1.0)
+    assert picks.count(0) > 3 * picks.count(9)
+    assert len(set(p.split(" ")[0] for p in kv_routing.random_trace(args, 0, 1.0))) == 200  # nothing shared
+
+
+def test_parse_args_takes_the_gpu_sizes_with_gpu():
+    gpu = kv_routing.parse_args(["--gpu", "--engines", "3"])
+    assert (gpu.engines, gpu.block_size, gpu.size) == (3, 16, "8b")
+    assert kv_routing.parse_args([]).engines == 2
+
+
+def _row(workload, system, **values):
+    base = {"hit_rate": 0.5, "oracle_hit_rate": 0.52, "ttft_p50_ms": 10.0, "ttft_p90_ms": 20.0, "output_tok_s": 100}
+    return {"workload": workload, "system": system, "failed": 0, **base, **values}
+
+
+def test_targets_judge_the_kv_events_system():
+    rows = [
+        _row("a", "kv_events", output_tok_s=250),
+        _row("a", "round_robin", hit_rate=0.1, output_tok_s=100),
+        _row("c", "kv_events", ttft_p50_ms=13.0, output_tok_s=99),
+        _row("c", "table", ttft_p50_ms=10.0),
+        _row("d", "kv_events", ttft_p90_ms=10.0),
+        _row("d", "table", hit_rate=0.45),
+    ]
+    found = {(t["workload"], t["target"][:12]): t["met"] for t in kv_routing.targets(kv_routing.medians(rows))}
+    assert found[("a", "hit rate wit")] is True
+    assert found[("a", ">= 2x round_")] is True
+    assert found[("c", ">= 0.98x the")] is False  # +3 ms TTFT p50
+    assert found[("d", ">= 1.2x the ")] is True  # P90 TTFT 0.5x
+    assert found[("e", ">= 1.2x the ")] is None  # not run
+    assert "| a | kv_events |" in kv_routing.markdown(
+        kv_routing.medians(rows), kv_routing.targets(kv_routing.medians(rows))
+    )
+
+
+def test_medians_sum_failures_over_rounds():
+    rows = [_row("a", "table", failed=1, hit_rate=0.2), _row("a", "table", failed=2, hit_rate=0.4)]
+    meds = kv_routing.medians(rows)["a"]["table"]
+    assert meds["failed"] == 3 and meds["hit_rate"] == pytest.approx(0.3)
+
+
+def test_file_kv_stands_in_for_the_gcs(tmp_path):
+    kv = fixed_router.FileKV(tmp_path)
+    kv.put(b"routers/app/h:1", b"one", namespace="ns")
+    kv.put(b"routers/app/h:2", b"two", namespace="ns")
+    kv.put(b"router-drain/app", b"x", namespace="ns")
+    assert sorted(kv.list(b"routers/app/", "ns")) == [b"routers/app/h:1", b"routers/app/h:2"]
+    assert kv.get(b"routers/app/h:1", "ns") == b"one" and kv.get(b"nothing", "ns") is None
+    kv.delete(b"routers/app/h:1", "ns")
+    assert kv.list(b"routers/app/", "ns") == [b"routers/app/h:2"]
+
+
+def test_fixed_records_carry_the_kv_events_endpoints():
+    records = fixed_router.records("app", [{"url": "http://a", "kv_events": {"endpoint": "tcp://a:1"}}], ["demo"])
+    assert records[0].replica_id == "r0" and records[0].kv_events == {"endpoint": "tcp://a:1"}
