@@ -115,6 +115,15 @@ def gpu_layout(replicas: int, gpus: int, same_gpu: bool) -> list[tuple[str, floa
     return layout
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this script may use: CUDA_VISIBLE_DEVICES where set (another benchmark may hold the others), else
+    every GPU nvidia-smi lists."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return [d.strip() for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    return [str(i) for i, line in enumerate(ln for ln in listing.splitlines() if ln.startswith("GPU "))]
+
+
 def engine_argv(model_dir: Path, port: int, args, gpu_memory: float) -> list[str]:
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
@@ -383,11 +392,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def start_engines(args, procs: Processes, model_dir: Path, adapters: dict[str, str]) -> tuple[list[str], list]:
     """The engines, each with every adapter loaded; engines sharing a GPU start one after another (each measures
     the memory left to it). Returns their URLs and argvs."""
-    gpus = 0
-    if args.gpu:
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
-        gpus = sum(line.startswith("GPU ") for line in listing.splitlines())
-    layout = gpu_layout(args.replicas, gpus, args.same_gpu)
+    visible = visible_gpus() if args.gpu else []
+    layout = [(visible[int(d)] if visible else d, m) for d, m in gpu_layout(args.replicas, len(visible), args.same_gpu)]
     sequential = args.gpu and len({device for device, _ in layout}) < len(layout)
     urls, argvs, pending = [], [], []
     for i, (device, memory) in enumerate(layout):

@@ -62,6 +62,9 @@
 #          max_cpu_loras 8: the adapter placement vs the same router adapter-oblivious vs one plain engine
 #   slo2   issue 51: benchmarks/slo_load.py --gpu: the SLO planner vs request-count autoscaling vs static max (1..2
 #          replicas, one GPU each) on the seeded bursty trace (x0.4), one replica's rate calibrated first
+#   kv4    issue 53: benchmarks/kv_routing.py --gpu: 4 engines of the 8B shape (dummy weights) on one GPU, capped
+#          KV caches; cache_aware on KV events vs the approximate table vs round_robin vs vllm-router, workloads
+#          (a) shared prefixes, (c) no reuse, (d) router restarted, (e) 2 router processes; the oracle's hit rate
 #   awake  issue 51 item 3: benchmarks/gpu/sleep_share.py --systems awake: the three 1B models always awake on one
 #          GPU (the sleep system ran on 2026-11-29), the same trace
 # On the GPU machine after ../shared/gpu/README.md's install, from the repo root, in a session of its own:
@@ -190,6 +193,7 @@ for step in $steps; do
               --junitxml="$out/tests-pd.xml" ;;
     dptest) python3 -m pytest tests/gpu/test_placement.py -v -p no:cacheprovider -k dp2_inside \
               --junitxml="$out/tests-dp.xml" ;;
+    kv4) python3 benchmarks/kv_routing.py --gpu --pass-s 12 ${KV4_ARGS:-} --output "$out/kv4.json" ;;
     lora2) python3 benchmarks/lora_bench.py --gpu ${LORA2_ARGS:-} --output "$out/lora2.json" ;;
     slo2) python3 benchmarks/slo_load.py --gpu --size 1b ${SLO2_ARGS:-} --out "$out/slo2.json" ;;
     awake) (cd benchmarks/gpu && python3 sleep_share.py --size 1b --systems awake --phase-s 15 --out "$out/awake") ;;
