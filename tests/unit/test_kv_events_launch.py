@@ -8,9 +8,9 @@ import tempfile
 import pytest
 
 from flagscale import engines
+from flagscale.cluster.placement import Reservation
 from flagscale.config.routing import RoutingSpec
 from flagscale.errors import ConfigError
-from flagscale.cluster.placement import Reservation
 from flagscale.net import free_ports, port_is_free
 from flagscale.plan.engine_plan import _kv_events
 
