@@ -102,28 +102,38 @@ def free_port(host: str = "127.0.0.1") -> int:
 
     Drawn at random from below the ephemeral range, where no outgoing connection is given it meanwhile; the OS's
     choice (bind to port 0) when that range holds none free and unreserved."""
+    return free_ports(host, 1)
+
+
+def free_ports(host: str = "127.0.0.1", count: int = 1) -> int:
+    """The first of `count` consecutive ports, each as free_port hands one out (free now, reserved together): for
+    a server whose processes bind a base port plus their rank (vLLM's data-parallel ranks publish their KV events
+    on the base port + rank). Above one port, no OS fallback: OSError when the range holds no such run."""
     low, high = _PICK_RANGE[0], min(_PICK_RANGE[1], _ephemeral_low() - 1)
+    starts = range(low, high - count + 2)
     try:
         with _ledger() as held:
-            port = _pick(host, [p for p in range(low, high + 1) if p not in held])
+            port = _pick(host, [p for p in starts if all(p + i not in held for i in range(count))], count)
             if port is not None:
-                held[port] = time.time() + PORT_HOLD_S
+                held.update(dict.fromkeys(range(port, port + count), time.time() + PORT_HOLD_S))
                 return port
     except (
         OSError,
         UnsafeDirectory,
     ):  # no private directory to keep the ledger in: this process's own choice, unreserved
-        port = _pick(host, list(range(low, high + 1)))
+        port = _pick(host, list(starts), count)
         if port is not None:
             return port
+    if count > 1:
+        raise OSError(f"no {count} consecutive free ports on {host} in {low}-{high}")
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
-def _pick(host: str, candidates: list[int]) -> int | None:
+def _pick(host: str, candidates: list[int], count: int = 1) -> int | None:
     for port in random.sample(candidates, min(len(candidates), 64)):
-        if port_is_free(host, port):
+        if all(port_is_free(host, port + i) for i in range(count)):
             return port
     return None
 

@@ -148,10 +148,18 @@ def _replica_row(record) -> ReplicaRow:
         ranks=record.ranks,
         log=record.log_path,
         asleep=record.asleep,
-        kv_events=(record.kv_events or {}).get("endpoint", ""),
+        kv_events=_kv_endpoints(record.kv_events or {}),
         models=record.models,
         adapter_errors=record.adapter_errors,
     )
+
+
+def _kv_endpoints(info: dict) -> str:
+    """Where a replica's engine publishes its KV events: its endpoint, or each data-parallel rank's ("" none)."""
+    ranks = info.get("ranks") or []
+    if len(ranks) > 1:
+        return " ".join(rank["endpoint"] for rank in ranks)
+    return info.get("endpoint", "")
 
 
 def engine_load(

@@ -150,11 +150,13 @@ def _kv_events(r: ReplicaRow) -> str:
     if not r.kv_events:
         return "approximate"
     if not index:
-        return r.kv_events.rpartition("/")[2]
+        return " ".join(endpoint.rpartition("/")[2] for endpoint in r.kv_events.split())
     state = "live" if index.get("live") else f"[red]{index.get('state', 'not live')}[/]"
+    seq = index.get("last_seq", "-")  # a replica of DP ranks: each rank's, and its blocks summed over them
+    ranks = f" over {len(seq)} DP ranks" if isinstance(seq, list) else ""
     return (
-        f"{state} {index.get('blocks', 0)} blocks {index.get('events_per_s', 0):g}/s "
-        f"seq {index.get('last_seq', '-')} replays {index.get('replays', 0)}"
+        f"{state} {index.get('blocks', 0)} blocks{ranks} {index.get('events_per_s', 0):g}/s "
+        f"seq {'/'.join(map(str, seq)) if isinstance(seq, list) else seq} replays {index.get('replays', 0)}"
     )
 
 

@@ -305,11 +305,19 @@ class EngineKind(ABC):
         disaggregated node (only engines with kv_transfer)."""
 
     def kv_events_launch(
-        self, argv: list[str], host: str, pub_port: int, replay_port: int, topic: str, env: dict[str, str]
+        self,
+        argv: list[str],
+        host: str,
+        pub_port: int,
+        replay_port: int,
+        topic: str,
+        env: dict[str, str],
+        ranks: int = 1,
     ) -> tuple[list[str], dict[str, Any]] | None:
         """Engines with capabilities.kv_events: the args that make the server publish its KV cache's block events
         on host:pub_port (replays on replay_port) under `topic`, and what the replica's record tells the router of
-        them (flagscale/router/kv_events.py); None when this server cannot publish events the router can use."""
+        them (flagscale/router/kv_events.py); None when this server cannot publish events the router can use.
+        `ranks`: the server's data-parallel engines, rank r publishing on both ports + r (reserved by the caller)."""
         return None
 
     def bind_ranks(self, launch: ServerLaunch, share: HostShare) -> ServerLaunch:

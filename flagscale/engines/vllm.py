@@ -338,8 +338,8 @@ class VLLM(EngineKind):
             command += ["--middleware", MIDDLEWARE]
         return ServerLaunch(command, env=env, env_defaults=defaults, secret_env=secret)
 
-    def kv_events_launch(self, argv, host, pub_port, replay_port, topic, env):
-        return kv_events_launch(argv, host, pub_port, replay_port, topic, env)
+    def kv_events_launch(self, argv, host, pub_port, replay_port, topic, env, ranks=1):
+        return kv_events_launch(argv, host, pub_port, replay_port, topic, env, ranks)
 
     def bind_ranks(self, launch: ServerLaunch, share: HostShare) -> ServerLaunch:
         env = {**launch.env, **rank_env(share)}

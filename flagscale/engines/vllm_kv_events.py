@@ -39,11 +39,15 @@ def _flags(argv: list[str]) -> dict[str, str | bool]:
 
 
 def kv_events_launch(
-    argv: list[str], host: str, pub_port: int, replay_port: int, topic: str, env: dict[str, str]
+    argv: list[str], host: str, pub_port: int, replay_port: int, topic: str, env: dict[str, str], ranks: int = 1
 ) -> tuple[list[str], dict[str, Any]] | None:
     """The flags that make the engine publish on host:pub_port (replays on host:replay_port), and what its registry
     record tells the router: the endpoints and how to compute the engine's block keys. None when the engine has no
-    prefix cache, publishes by a config of the user's own, or hashes in a way the router cannot repeat."""
+    prefix cache, publishes by a config of the user's own, or hashes in a way the router cannot repeat.
+
+    A server of `ranks` data-parallel engines (one API server, an engine core per rank, all on this host): each
+    rank's publisher binds the ports given plus its rank (vLLM's offset_endpoint_port), so pub_port .. + ranks - 1
+    and replay_port .. + ranks - 1 are the caller's to reserve; the record lists every rank's endpoints."""
     flags = _flags(argv)
     algo = str(flags.get("--prefix-caching-hash-algo", "sha256"))
     seed = env.get("PYTHONHASHSEED")
@@ -64,6 +68,12 @@ def kv_events_launch(
         "endpoint": f"tcp://{host}:{pub_port}",
         "replay_endpoint": f"tcp://{host}:{replay_port}",
         "topic": topic,
+        # each DP rank's publisher, in rank order (the router follows each, and pins a request to a rank by the
+        # X-data-parallel-rank header); one entry for a single engine
+        "ranks": [
+            {"endpoint": f"tcp://{host}:{pub_port + r}", "replay_endpoint": f"tcp://{host}:{replay_port + r}"}
+            for r in range(ranks)
+        ],
         "tokenizer": str(flags.get("--tokenizer") or flags.get("--model") or ""),
         "tokenizer_revision": flags.get("--tokenizer-revision") or flags.get("--revision") or None,
         "trust_remote_code": flags.get("--trust-remote-code") is True,

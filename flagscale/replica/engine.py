@@ -22,7 +22,7 @@ from flagscale.adaptors import ray, serve
 from flagscale.cluster.node_logs import engine_log_dir
 from flagscale.cluster.tempdirs import UnsafeDirectory
 from flagscale.engines.metrics import engine_metrics, engine_metrics_and_buckets
-from flagscale.net import free_port, health_ok
+from flagscale.net import free_port, free_ports, health_ok
 from flagscale.replica import registry, runtime_adapters
 from flagscale.replica.adapters import AdapterSet, poster, running
 from flagscale.replica.autoscaling import ENGINE_REQUESTS
@@ -155,18 +155,23 @@ class EngineReplica:
 
     def _with_kv_events(self, spec: EngineSpec, launch: engines.ServerLaunch, host: str, env: dict[str, str]):
         """The launch with the engine publishing its KV-cache events on two ports of this host planned like its
-        others (free_port: reserved host-wide), when the node routes on them; self.kv_events: what the record
-        tells the router of them ({}: none)."""
+        others (free_ports: reserved host-wide), when the node routes on them; a server of several data-parallel
+        engines (all on this host: the plan says so) gets two runs of ports, rank r publishing on each first port
+        + r. self.kv_events: what the record tells the router of them ({}: none)."""
         self.kv_events: dict = {}
         if not spec.kv_events:
             return launch
-        topic = f"kv@{self.replica_id}"
-        made = spec.kind.kv_events_launch(launch.argv, host, free_port(host), free_port(host), topic, env)
+        topic, ranks = f"kv@{self.replica_id}", spec.parallel[2]
+        pub, replay = free_ports(host, ranks), free_ports(host, ranks)
+        made = spec.kind.kv_events_launch(launch.argv, host, pub, replay, topic, env, ranks)
         if made is None:
             self._note("publishes no KV-cache events (its args rule them out): routed on the approximate table")
             return launch
         extra_argv, self.kv_events = made
-        self._note(f"KV-cache events on {self.kv_events['endpoint']} (replays {self.kv_events['replay_endpoint']})")
+        where = f"{self.kv_events['endpoint']} (replays {self.kv_events['replay_endpoint']})"
+        self._note(
+            f"KV-cache events on {where}" + (f", DP rank r on both ports + r (r < {ranks})" if ranks > 1 else "")
+        )
         return dataclasses.replace(launch, argv=[*launch.argv, *extra_argv])
 
     def _after_start(self, spec: EngineSpec) -> None:

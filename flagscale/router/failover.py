@@ -31,6 +31,7 @@ from flagscale.router.admission import AdmissionQueue, Overloaded, first_untried
 from flagscale.router.client_request import HOP_BY_HOP, error_response
 from flagscale.router.cold_start import ColdStart
 from flagscale.router.exchange import Exchange
+from flagscale.router.kv_ranks import with_headers
 from flagscale.router.pd import DECODE_ONLY, Prefill
 from flagscale.router.peers import PeerLink
 from flagscale.router.replicas import Replicas, Upstream, engine_death
@@ -236,6 +237,7 @@ class Failover:
             path = exchange.target
             data = stream.first_request(exchange.body) if stream is not None else exchange.body
         attempt = _Attempt(upstream)
+        exchange.info.upstream_headers = {}  # (what the policy asks of this replica, below)
         exchange.policy.before_request(upstream, exchange.info)
         self._peers.send_hint("serve", exchange.model, upstream, exchange.info)
         upstream.inflight += 1
@@ -270,7 +272,7 @@ class Failover:
                 exchange.http.method,
                 upstream.record.url + path,
                 data,
-                exchange.headers,
+                with_headers(exchange.headers, exchange.info.upstream_headers),  # e.g. a DP rank pinned
                 # no pooled connection it may have closed
                 keep_alive=engines.get(upstream.record.engine).capabilities.keeps_connections,
             )

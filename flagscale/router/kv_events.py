@@ -1,7 +1,8 @@
 """The engines' own KV-cache events, followed by this router process (docs/routing.md, "The engines' own KV
 events"): one subscription per replica whose record names a publisher (EngineKind.kv_events_launch), feeding
 that replica's index (kv_index.py); the `cache_aware` policies of models routed on them ask `match` for each
-request and tell `sent` where it went.
+request and tell `sent` where it went. A replica of several data-parallel engines publishes a stream per rank:
+each is followed into an index of its own, and a request sent there is pinned to one rank (kv_ranks.py).
 
 Each router process subscribes itself (ZMQ PUB/SUB; the engine's PUB socket serves any number of subscribers), so
 KV state needs no gossip between router processes. A new subscription first asks the replica's replay endpoint
@@ -24,6 +25,7 @@ from typing import Any
 from flagscale.adaptors import msgspec_msgpack, zmq, zmq_asyncio
 from flagscale.router.kv_index import GAP, RESTARTED, KVIndex, ReplicaIndex
 from flagscale.router.kv_keys import BlockHasher, PromptTokens
+from flagscale.router.kv_ranks import RANK_HEADER, RankLoad, parts, pick_rank, ranks_stats
 
 log = logging.getLogger("flagscale.router")
 
@@ -72,10 +74,12 @@ class KVEvents:
 
     def __init__(self) -> None:
         self.index = KVIndex()
-        self.tasks: dict[str, tuple[str, asyncio.Task | None]] = {}  # replica id -> (its publisher, follower)
+        self.tasks: dict[str, tuple[str, asyncio.Task | None]] = {}  # index id -> (its publisher, follower)
+        self.parts: dict[str, list[str]] = {}  # replica id -> the index ids of its ranks' streams, in rank order
+        self.rank_loads: dict[str, RankLoad] = {}  # a DP rank's index id -> what this router pinned there
         self.keys: dict[str, ModelKeys] = {}  # by the tokenizer source of the records
         self.model_keys: dict[str, ModelKeys] = {}  # model -> its keys
-        self.model_replicas: dict[str, set[str]] = {}  # model -> its replicas followed
+        self.model_replicas: dict[str, set[str]] = {}  # model -> the index ids of its replicas followed
         # a LoRA adapter's served name -> (name, path), as the records list them (`loras` of their kv_events): a
         # request for it is keyed with the adapter, as the engine keys its blocks
         self.loras: dict[str, tuple[str, str]] = {}
@@ -86,12 +90,37 @@ class KVEvents:
 
     def sync(self, records_by_model: dict[str, Iterable[Any]], policies: dict[str, Any]) -> None:
         """The replica table changed: follow the publishers of the replicas of models whose policy routes on KV
-        events (and hand those policies this), stop following the rest and drop their entries."""
+        events (and hand those policies this), a stream per DP rank; stop following the rest, drop their entries."""
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:  # a router built without its loop (unit tests): no subscriptions
             loop = None
+        wanted = self._wanted(records_by_model, policies, loop)
+        for index_id, (endpoint, task) in list(self.tasks.items()):
+            if wanted.get(index_id, {}).get("endpoint") != endpoint:
+                if task is not None:
+                    task.cancel()
+                del self.tasks[index_id]
+                self.index.forget(index_id)
+                self.rank_loads.pop(index_id, None)
+                if self.metrics is not None:
+                    with contextlib.suppress(KeyError):  # no batch applied yet: no series
+                        self.metrics.kv_last_seq.remove(index_id)
+        for index_id, info in wanted.items():
+            if index_id not in self.tasks:
+                self.index.follow(index_id)
+                task = loop.create_task(self._follow(index_id, info)) if loop is not None else None
+                self.tasks[index_id] = (info["endpoint"], task)
+
+    def _wanted(
+        self,
+        records_by_model: dict[str, Iterable[Any]],
+        policies: dict[str, Any],
+        loop: asyncio.AbstractEventLoop | None,
+    ) -> dict[str, dict]:
+        """The streams to follow (index id -> its kv_events info); self.parts and model_replicas set to them."""
         wanted: dict[str, dict] = {}
+        self.parts = {}
         for model, policy in policies.items():
             if not getattr(policy, "uses_kv_events", False):
                 continue
@@ -100,24 +129,13 @@ class KVEvents:
             for record in records_by_model.get(model, ()):
                 info = record.kv_events
                 if info:
-                    wanted[record.replica_id] = info
-                    self.model_replicas[model].add(record.replica_id)
+                    streams = parts(record.replica_id, info)
+                    wanted.update(streams)
+                    self.parts[record.replica_id] = [index_id for index_id, _ in streams]
+                    self.model_replicas[model].update(self.parts[record.replica_id])
                     self.loras.update({name: (name, path) for name, path in (info.get("loras") or {}).items()})
                     self._keys_of(model, info, loop)
-        for replica_id, (endpoint, task) in list(self.tasks.items()):
-            if wanted.get(replica_id, {}).get("endpoint") != endpoint:
-                if task is not None:
-                    task.cancel()
-                del self.tasks[replica_id]
-                self.index.forget(replica_id)
-                if self.metrics is not None:
-                    with contextlib.suppress(KeyError):  # no batch applied yet: no series
-                        self.metrics.kv_last_seq.remove(replica_id)
-        for replica_id, info in wanted.items():
-            if replica_id not in self.tasks:
-                self.index.follow(replica_id)
-                task = loop.create_task(self._follow(replica_id, info)) if loop is not None else None
-                self.tasks[replica_id] = (info["endpoint"], task)
+        return wanted
 
     def _keys_of(self, model: str, info: dict, loop: asyncio.AbstractEventLoop | None) -> None:
         source = repr((info.get("tokenizer"), info.get("chat_template"), info.get("hash_algo"), info.get("hash_seed")))
@@ -129,9 +147,11 @@ class KVEvents:
     # ---- the policy's questions ------------------------------------------------------------------------------
 
     def match(self, request: Any, replicas: list[Any], now: float) -> Match | None:
-        """How much of the request's prompt each replica holds, by the engines' own events; None when the
-        request goes by the approximate table instead (counted by reason)."""
-        followed = [u for u in replicas if u.replica_id in self.index.replicas]
+        """How much of the request's prompt each replica holds, by the engines' own events (a replica of DP ranks:
+        its deepest rank's, each rank's in memo["kv_rank_depths"]); None when the request goes by the approximate
+        table instead (counted by reason)."""
+        request.memo.pop("kv_rank_depths", None)
+        followed = [u for u in replicas if u.replica_id in self.parts]
         if not followed:
             return None  # replicas that publish nothing (llama.cpp, a user's own publisher): the table, always
         why = self._keys(request, followed, now)
@@ -139,29 +159,39 @@ class KVEvents:
             self._fell_back(request.model, why)
             return None
         keys, block_tokens, tokens = request.memo["kv_keys"], request.memo["kv_block"], request.memo["kv_tokens"]
-        depths = {}
+        depths, rank_depths = {}, {}
         for upstream in followed:
-            on_gpu, anywhere = self.index.replicas[upstream.replica_id].depth(keys)
-            depths[upstream.replica_id] = on_gpu + CPU_TIER_WEIGHT * (anywhere - on_gpu)
-        request.memo["kv_depths"] = depths
+            per_rank = [self._depth(index_id, keys) for index_id in self.parts[upstream.replica_id]]
+            depths[upstream.replica_id] = max(per_rank)
+            if len(per_rank) > 1:
+                rank_depths[upstream.replica_id] = per_rank
+        request.memo["kv_depths"], request.memo["kv_rank_depths"] = depths, rank_depths
         return Match(depths, block_tokens, tokens)
+
+    def _depth(self, index_id: str, keys: list[int]) -> float:
+        on_gpu, anywhere = self.index.replicas[index_id].depth(keys)
+        return on_gpu + CPU_TIER_WEIGHT * (anywhere - on_gpu)
+
+    def has_ranks(self, replicas: list[Any]) -> bool:
+        """Whether any of these replicas runs several data-parallel engines followed apart."""
+        return any(len(self.parts.get(u.replica_id, ())) > 1 for u in replicas)
 
     def _keys(self, request: Any, followed: list[Any], now: float) -> str | None:
         """The request's block keys into its memo (unless prepare put them there); else why not."""
-        if any(not self.index.replicas[u.replica_id].live(now) for u in followed):
+        index_ids = [index_id for u in followed for index_id in self.parts[u.replica_id]]
+        if any(not self.index.replicas[index_id].live(now) for index_id in index_ids):
             return "index not live"
         keys = self.model_keys.get(request.model)
         if keys is None or keys.tokens is None:
             return "no tokenizer" if keys is not None and keys.failed else "tokenizer loading"
         if "kv_keys" not in request.memo and not request.memo.get("kv_unkeyable"):
-            block = self._block_size(u.replica_id for u in followed)
-            made = _keyed(keys, request.body, block, self.loras.get(request.model))
+            made = _keyed(keys, request.body, self._block_size(index_ids), self.loras.get(request.model))
             request.memo.update(made or {"kv_unkeyable": True})
         return "not tokenizable" if request.memo.get("kv_unkeyable") else None
 
-    def _block_size(self, replica_ids: Iterable[str]) -> int | None:
-        """The block size the engines of these replicas store blocks of (from their events), None before any."""
-        sizes = (self.index.replicas[r].block_size for r in replica_ids if r in self.index.replicas)
+    def _block_size(self, index_ids: Iterable[str]) -> int | None:
+        """The block size the engines of these streams store blocks of (from their events), None before any."""
+        sizes = (self.index.replicas[i].block_size for i in index_ids if i in self.index.replicas)
         return next((size for size in sizes if size), None)
 
     async def prepare(self, request: Any, policy: Any) -> None:
@@ -182,11 +212,35 @@ class KVEvents:
         if self.metrics is not None:
             self.metrics.kv_fallbacks.labels(model, why).inc()
 
+    def pin(self, upstream: Any, request: Any, balance_abs_threshold: int, cache_threshold: float) -> None:
+        """The request goes to `upstream`: a replica of DP ranks, matched on the events, gets it on the rank
+        kv_ranks.pick_rank chooses, by the X-data-parallel-rank header (request.upstream_headers)."""
+        request.memo.pop("kv_rank", None)
+        depths = request.memo.get("kv_rank_depths", {}).get(upstream.replica_id)
+        index_ids = self.parts.get(upstream.replica_id, [])
+        if depths is None or len(depths) != len(index_ids):
+            return  # the table or the events: vLLM's own balancer picks the rank
+        loads = [self.rank_loads.setdefault(index_id, RankLoad()) for index_id in index_ids]
+        block, tokens = request.memo["kv_block"], request.memo["kv_tokens"]
+        rank = pick_rank(depths, loads, block, tokens, balance_abs_threshold, cache_threshold)
+        loads[rank].inflight += 1
+        loads[rank].sent += 1
+        request.memo["kv_rank"] = index_ids[rank]
+        request.upstream_headers[RANK_HEADER] = str(rank)
+
+    def done(self, request: Any) -> None:
+        """The request's attempt is over: its rank's in-flight count goes down."""
+        load = self.rank_loads.get(request.memo.pop("kv_rank", None) or "")
+        if load is not None and load.inflight > 0:
+            load.inflight -= 1
+
     def sent(self, upstream: Any, request: Any, now: float) -> None:
-        """The request went to `upstream`: the prefix tokens the engine should find cached (the router's
-        prediction, beside the engine's own prefix-cache counters on /metrics), and an event to expect if it
-        stores new blocks."""
-        index = self.index.replicas.get(upstream.replica_id)
+        """The request went to `upstream` (a DP replica: to the rank pinned): the prefix tokens the engine should
+        find cached (the router's prediction, beside the engine's own prefix-cache counters on /metrics), and an
+        event to expect if it stores new blocks. A DP replica's rank left to vLLM is predicted nothing."""
+        index_ids = self.parts.get(upstream.replica_id, [])
+        index_id = index_ids[0] if len(index_ids) == 1 else request.memo.get("kv_rank")
+        index = self.index.replicas.get(index_id or "")
         keys = request.memo.get("kv_keys")
         if index is None or keys is None:
             return
@@ -200,13 +254,17 @@ class KVEvents:
             index.expect(now)
 
     def stats(self, replica_id: str) -> dict[str, Any]:
-        index = self.index.replicas.get(replica_id)
-        return {} if index is None else {"kv_index": index.stats(time.monotonic())}
+        """The replica's index for status: a DP replica's ranks summed (kv_ranks.ranks_stats)."""
+        now = time.monotonic()
+        indexes = [self.index.replicas[i] for i in self.parts.get(replica_id, []) if i in self.index.replicas]
+        if len(indexes) > 1:
+            return {"kv_index": ranks_stats([index.stats(now) for index in indexes])}
+        return {"kv_index": indexes[0].stats(now)} if indexes else {}
 
     # ---- one replica's stream ------------------------------------------------------------------------------
 
-    async def _follow(self, replica_id: str, info: dict) -> None:
-        index = self.index.replicas[replica_id]
+    async def _follow(self, index_id: str, info: dict) -> None:
+        index = self.index.replicas[index_id]
         sub = zmq_asyncio.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.connect(info["endpoint"])
@@ -218,7 +276,7 @@ class KVEvents:
                         await asyncio.sleep(RETRY_S)
                         continue
                     if self.metrics is not None:
-                        self.metrics.kv_last_seq.labels(replica_id).set(index.last_seq)
+                        self.metrics.kv_last_seq.labels(index_id).set(index.last_seq)
                 if not await sub.poll(POLL_S * 1000):
                     continue
                 frames = await sub.recv_multipart()
@@ -227,12 +285,12 @@ class KVEvents:
                     if index.apply(seq, _decoded(frames[2]), time.monotonic()) in (GAP, RESTARTED):
                         index.synced = False
                     elif self.metrics is not None:
-                        self.metrics.kv_last_seq.labels(replica_id).set(index.last_seq)
+                        self.metrics.kv_last_seq.labels(index_id).set(index.last_seq)
         except asyncio.CancelledError:
             raise
         except Exception:  # never let a bad stream take the router down: this replica goes by the table
             log.exception(
-                "following the KV events of replica %s failed; it is routed on the approximate table", replica_id
+                "following the KV events of %s failed; its replica is routed on the approximate table", index_id
             )
         finally:
             sub.close(linger=0)

@@ -108,6 +108,7 @@ class FakeEngine:
         self.fingerprint = fingerprint  # of the model it serves (an update may change it)
         self.pace_s, self.freeze_after = pace_s, freeze_after
         self.bodies: list[tuple[str, dict]] = []
+        self.headers: list[dict[str, str]] = []  # each request's headers, as the engine got them
 
     async def start(self, port: int = 0) -> str:
         app = web.Application()
@@ -120,6 +121,7 @@ class FakeEngine:
     async def handle(self, request: web.Request):
         body = await request.json()
         self.bodies.append((request.path, body))
+        self.headers.append(dict(request.headers))
         if self.status != 200:
             return web.json_response({"error": {"message": f"{self.name} failed"}}, status=self.status)
         chat = request.path.endswith("chat/completions")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import tempfile
 
 import pytest
 
 from flagscale import engines
+from flagscale.cluster.placement import Reservation
 from flagscale.config.routing import RoutingSpec
 from flagscale.errors import ConfigError
+from flagscale.net import free_ports, port_is_free
 from flagscale.plan.engine_plan import _kv_events
 
 
@@ -43,14 +46,55 @@ def test_xxhash_with_a_shared_seed_can_be_keyed():
     assert record["hash_seed"] == "7"
 
 
+ONE_HOST = Reservation("cpu", None, {}, 1)
+TWO_HOSTS = Reservation("gpu", None, {}, 1, placement_bundles=[{"GPU": 4}, {"GPU": 4}])
+
+
 def test_which_nodes_publish():
     vllm, llama = engines.get("vllm"), engines.get("llama_cpp")
     auto, on, off = (RoutingSpec.of("cache_aware", kv_events=v) for v in ("auto", True, False))
-    assert _kv_events(vllm, auto, (1, 1, 1), None, "serve[0]")
-    assert not _kv_events(vllm, off, (1, 1, 1), None, "serve[0]")
+    assert _kv_events(vllm, auto, (1, 1, 1), ONE_HOST, None, "serve[0]")
+    assert not _kv_events(vllm, off, (1, 1, 1), ONE_HOST, None, "serve[0]")
     # other policies too: a switch to cache_aware in place then finds the engines publishing
-    assert _kv_events(vllm, RoutingSpec.of("least_load"), (1, 1, 1), None, "serve[0]")
-    assert not _kv_events(llama, auto, (1, 1, 1), None, "serve[0]")  # auto: llama.cpp keeps the table
-    assert not _kv_events(vllm, auto, (1, 1, 2), None, "serve[0]")
+    assert _kv_events(vllm, RoutingSpec.of("least_load"), (1, 1, 1), ONE_HOST, None, "serve[0]")
+    assert not _kv_events(llama, auto, (1, 1, 1), ONE_HOST, None, "serve[0]")  # auto: llama.cpp keeps the table
+    # data-parallel engines of one replica publish a stream per rank, when they all run on its host
+    assert _kv_events(vllm, on, (1, 1, 2), ONE_HOST, None, "serve[0]")
+    assert _kv_events(vllm, auto, (4, 1, 1), TWO_HOSTS, None, "serve[0]")  # one engine core, on the first host
+    assert not _kv_events(vllm, auto, (4, 1, 2), TWO_HOSTS, None, "serve[0]")
+    with pytest.raises(ConfigError, match="data-parallel engines over several hosts"):
+        _kv_events(vllm, on, (4, 1, 2), TWO_HOSTS, None, "serve[0]")
     with pytest.raises(ConfigError, match="llama.cpp publishes no KV-cache events"):
-        _kv_events(llama, on, (1, 1, 1), None, "serve[0]")
+        _kv_events(llama, on, (1, 1, 1), ONE_HOST, None, "serve[0]")
+
+
+def test_a_data_parallel_server_publishes_each_rank_on_the_ports_given_plus_its_rank():
+    argv = ["--model", "/m", "--data-parallel-size", "3"]
+    extra, record = engines.get("vllm").kv_events_launch(argv, "10.0.0.5", 31010, 31020, "kv@r1", {}, ranks=3)
+    config = json.loads(extra[1])  # one config: vLLM offsets both ports by each engine core's DP rank
+    assert config["endpoint"] == "tcp://*:31010" and config["replay_endpoint"] == "tcp://10.0.0.5:31020"
+    assert record["endpoint"] == "tcp://10.0.0.5:31010"
+    assert record["ranks"] == [
+        {"endpoint": f"tcp://10.0.0.5:{31010 + r}", "replay_endpoint": f"tcp://10.0.0.5:{31020 + r}"} for r in range(3)
+    ]
+    _, single = engines.get("vllm").kv_events_launch(["--model", "/m"], "10.0.0.5", 31010, 31020, "kv@r1", {})
+    assert single["ranks"] == [{"endpoint": "tcp://10.0.0.5:31010", "replay_endpoint": "tcp://10.0.0.5:31020"}]
+
+
+def test_vllm_offsets_a_dp_ranks_ports_as_the_record_says():
+    """The record's per-rank endpoints are where vLLM's own publisher binds rank r (offset_endpoint_port)."""
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    offset = kv_events.ZmqEventPublisher.offset_endpoint_port
+    _, record = engines.get("vllm").kv_events_launch(["--model", "/m"], "10.0.0.5", 31010, 31020, "t", {}, ranks=2)
+    for rank, ends in enumerate(record["ranks"]):
+        assert offset(record["endpoint"], rank) == ends["endpoint"]
+        assert offset(record["replay_endpoint"], rank) == ends["replay_endpoint"]
+
+
+def test_free_ports_reserves_a_run_of_consecutive_free_ports(monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    first = free_ports("127.0.0.1", 4)
+    assert all(port_is_free("127.0.0.1", first + i) for i in range(4))
+    again = [free_ports("127.0.0.1", 4) for _ in range(5)]  # reserved: no run overlaps another
+    taken = [set(range(p, p + 4)) for p in [first, *again]]
+    assert all(not (a & b) for i, a in enumerate(taken) for b in taken[i + 1 :])

@@ -122,6 +122,12 @@ def test_wide_table_says_which_cache_knowledge_each_replica_is_routed_on():
     assert cell == "live 40 blocks 2.5/s seq 17 replays 1"
     silent = {**live, "live": False, "state": "silent"}
     assert "silent" in _kv_events(replica("m", "a", kv_events=events, router={"kv_index": silent}))
+    # a replica of two data-parallel engines: a stream per rank, their blocks summed, each rank's sequence
+    ranks = "tcp://10.77.0.12:31001 tcp://10.77.0.12:31002"
+    assert _kv_events(replica("m", "a", kv_events=ranks)) == "10.77.0.12:31001 10.77.0.12:31002"
+    both = {**live, "last_seq": [17, 9]}
+    cell = _kv_events(replica("m", "a", kv_events=ranks, router={"kv_index": both}))
+    assert cell == "live 40 blocks over 2 DP ranks 2.5/s seq 17/9 replays 1"
 
 
 def test_decode_only_requests_are_said_and_an_unknown_heartbeat_age_is_a_dash():
@@ -135,3 +141,12 @@ def test_decode_only_requests_are_said_and_an_unknown_heartbeat_age_is_a_dash():
     assert "router: 7 disaggregated requests decoded without prefill (decode-only" in text, text
     assert "None" not in text and "Nones ago" not in text
     assert "decoded without prefill" not in render(wide=False, width=80)  # said only when it happened
+
+
+def test_status_lists_each_dp_ranks_kv_event_endpoint():
+    from flagscale.actions.status import _kv_endpoints
+
+    ranks = [{"endpoint": "tcp://h:31001", "replay_endpoint": "tcp://h:31011"}, {"endpoint": "tcp://h:31002"}]
+    assert _kv_endpoints({"endpoint": "tcp://h:31001", "ranks": ranks}) == "tcp://h:31001 tcp://h:31002"
+    assert _kv_endpoints({"endpoint": "tcp://h:31001", "ranks": ranks[:1]}) == "tcp://h:31001"
+    assert _kv_endpoints({}) == ""

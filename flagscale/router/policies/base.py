@@ -4,7 +4,7 @@ replica, and the least_load order the others fall back on.
 - `select(upstreams, request, now)`: the replicas to try, in order (the router tries them in turn while a
   replica refuses the connection, i.e. while nothing was sent yet);
 - `before_request(upstream, request)` / `after_request(upstream, request, ok)`: hooks around the request sent
-  to the replica chosen;
+  to the replica chosen (before_request may set `request.upstream_headers` for that replica);
 - `on_replica_joined(upstream)` / `on_replica_left(replica_id)`: the registry's replica list changed;
 - `learn(replica_id, prefix_keys)`: another router process sent a prompt there (routing hints);
 - `stats(replica_id)`: the policy's table for `stats`.
@@ -65,6 +65,9 @@ class RequestInfo:
     body: dict[str, Any]
     headers: dict[str, str] = field(default_factory=dict)
     memo: dict[str, Any] = field(default_factory=dict)  # what a policy computed in select, for its hooks
+    # headers the policy's before_request asks to send to the replica it was handed (this attempt only): e.g. the
+    # data-parallel rank of that replica the request is pinned to (router/kv_ranks.py)
+    upstream_headers: dict[str, str] = field(default_factory=dict)
 
 
 def rank_replicas(upstreams: list[Replica], turn: int, now: float) -> list[Replica]:

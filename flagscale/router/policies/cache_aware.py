@@ -146,6 +146,8 @@ class CacheAware(Policy):
     `balance_abs_threshold`: then the least_load order. No match, or a match shorter than `cache_threshold` of
     the prompt (e.g. only a shared system prompt): least_load, so new conversations still spread. The replica
     picked is recorded as holding the prompt's blocks (when the request is sent: the engine caches it as it runs).
+    On the engines' KV events, a replica of several data-parallel engines counts its deepest rank, and the request
+    is pinned to a rank of it by the same rule (router/kv_ranks.py).
     """
 
     name = "cache_aware"
@@ -172,8 +174,8 @@ class CacheAware(Policy):
     def select(self, upstreams, request, now):
         ranked = rank_replicas(upstreams, self.next_turn(), now)
         keys = self._prompt_keys(request)
-        if len(ranked) < 2:
-            return ranked
+        if len(ranked) < 2 and not (self.exact is not None and self.exact.has_ranks(ranked)):
+            return ranked  # (one replica of DP ranks is matched still: before_request picks its rank)
         found = self.exact.match(request, ranked, now) if self.exact is not None else None
         if found is not None:  # blocks each replica's engine holds, in tokens
             matched, unit, size = found.depths, found.block_tokens, found.prompt_tokens
@@ -194,7 +196,12 @@ class CacheAware(Policy):
     def before_request(self, upstream, request):
         self.table.insert(self._prompt_keys(request), upstream.replica_id)
         if self.exact is not None:
+            self.exact.pin(upstream, request, self.settings.balance_abs_threshold, self.settings.cache_threshold)
             self.exact.sent(upstream, request, time.monotonic())
+
+    def after_request(self, upstream, request, ok):
+        if self.exact is not None:
+            self.exact.done(request)
 
     def learn(self, replica_id, prefix_keys):
         self.table.insert(prefix_keys, replica_id)
