@@ -200,7 +200,9 @@ class Engines:
                 "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--prefix-caching-hash-algo", "sha256",
             ]  # fmt: skip
             argv += ["--load-format", "dummy"] if args.gpu else ["--dtype", "float32", "--max-num-seqs", "16"]
-            env = {"VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache between passes
+            # /reset_prefix_cache between passes; a hash seed shared by every engine and the router (vLLM 0.26
+            # draws a random first parent without one), as the orchestrator gives its engines
+            env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONHASHSEED": "1234"}
             if not args.gpu:  # each engine's model worker on a core of its own, as the orchestrator binds them
                 env |= {"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}
             made = kv_events_launch(argv, "127.0.0.1", free_port(), free_port(), f"kv@r{i}", env)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import asdict
 from typing import TYPE_CHECKING
@@ -108,7 +109,13 @@ def engine_spec(plan: Plan, engine: EnginePlan) -> EngineSpec:
         # secret engine args (hf_token) travel in the env, as does the engine key (the engine kind's launch puts it
         # where its server reads it): never in argv. The deployment's own key, not the clients': a new client key
         # replaces no engine (flagscale/router/keyring.py)
-        env={**engine.family_env, **launcher.engine_env(plan), **engine.secret_env, **_sleep_env(engine)},
+        env={
+            **_block_hash_seed(plan, engine),
+            **engine.family_env,
+            **launcher.engine_env(plan),
+            **engine.secret_env,
+            **_sleep_env(engine),
+        },
         family=engine.family,
         api_key=keyring.engine_key(plan.exp_dir) if plan.api_key else None,
         engine=engine.engine,
@@ -121,6 +128,18 @@ def engine_spec(plan: Plan, engine: EnginePlan) -> EngineSpec:
         drain_timeout_s=plan.drain_timeout_s,
         sleep_delay_s=engine.sleep_delay_s,
     )
+
+
+def _block_hash_seed(plan: Plan, engine: EnginePlan) -> dict[str, str]:
+    """For engines publishing KV-cache events: one prefix-cache hash seed for every engine of the deployment, which
+    their records tell the router (engines/vllm_kv_events.py). Without PYTHONHASHSEED, vLLM 0.26 (the GPU recipe's)
+    draws the first block's parent at random in each engine, and no router could key a block as it does. Derived
+    from the deployment's secret: the same across updates and restarts, not guessable from outside (the seed also
+    sets the engine's Python string hashing). A PYTHONHASHSEED of the user's (experiment.envs) wins."""
+    if not engine.kv_events:
+        return {}
+    digest = hashlib.sha256(f"{peers.secret_of(plan.exp_dir)}:block-hash-seed".encode()).digest()
+    return {"PYTHONHASHSEED": str(int.from_bytes(digest[:4], "big"))}
 
 
 def _sleep_env(engine: EnginePlan) -> dict[str, str]:

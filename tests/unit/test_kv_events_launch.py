@@ -98,3 +98,27 @@ def test_free_ports_reserves_a_run_of_consecutive_free_ports(monkeypatch, tmp_pa
     again = [free_ports("127.0.0.1", 4) for _ in range(5)]  # reserved: no run overlaps another
     taken = [set(range(p, p + 4)) for p in [first, *again]]
     assert all(not (a & b) for i, a in enumerate(taken) for b in taken[i + 1 :])
+
+
+def test_every_engine_of_a_deployment_gets_one_block_hash_seed_from_its_secret(demo_model_path, tmp_path):
+    """vLLM 0.26 draws the first block's parent at random without PYTHONHASHSEED (measured on the GPU recipe's
+    build: no predicted hit on any request): the deployment gives its publishing engines one seed, the same on
+    every `run`, and a seed of the user's wins."""
+    from flagscale.config.load import ConfigSources, load_config
+    from flagscale.plan import build_plan
+    from flagscale.serve.app import engine_spec
+
+    sources = ConfigSources(main="conf/serve.yaml", serve="conf/serve/nodes.yaml")
+
+    def specs(envs=None, kv_events="auto"):
+        node = {"engine": "vllm", "engine_args": {"model": str(demo_model_path), "max_model_len": 256}}
+        nodes = [{"serve_id": name, **node, "routing_options": {"kv_events": kv_events}} for name in ("a", "b")]
+        experiment = {"exp_name": "t", "exp_dir": str(tmp_path / "e"), "runner": {"deploy": {"port": 18998}}}
+        plan = build_plan(load_config({"experiment": experiment | (envs or {}), "serve": nodes}, sources), sources)
+        return [engine_spec(plan, e) for e in plan.engines]
+
+    seeds = {spec.env["PYTHONHASHSEED"] for spec in specs()}
+    assert len(seeds) == 1 and 0 <= int(seeds.pop()) < 2**32
+    assert specs()[0].env["PYTHONHASHSEED"] == specs()[1].env["PYTHONHASHSEED"]  # the same on the next run
+    assert {s.env["PYTHONHASHSEED"] for s in specs({"envs": {"PYTHONHASHSEED": "42"}})} == {"42"}
+    assert all("PYTHONHASHSEED" not in s.env for s in specs(kv_events=False))
