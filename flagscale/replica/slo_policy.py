@@ -31,6 +31,12 @@ from flagscale.replica.slo_signals import measured_start_s, observe
 log = logging.getLogger("ray.serve")
 POLICY_CLASS = "flagscale.replica.slo_policy:SloPolicy"
 PUBLISH_EVERY_S = 2.0
+# How fresh the planner's figures are. With Serve's defaults (a replica pushes its figures every 10 s, rates over a
+# 30 s window) a ramp reaches the planner 15-25 s late, a third of a GPU replica's start (2026-11-29,
+# docs/benchmarks.md): an SLO node's replicas record and push every 2 s (Serve 2.60 reads `metrics_interval_s`,
+# deprecated in favour of an env var it does not read yet), over a 10 s window.
+LOOK_BACK_S = 10.0
+PUSH_EVERY_S = 2.0
 
 
 def _key(app: str, serve_id: str) -> bytes:
@@ -121,4 +127,5 @@ def with_slo_policy(autoscaling: dict[str, Any], role: str | None) -> dict[str, 
     }
     config = {key: value for key, value in autoscaling.items() if key != "slo"}
     config |= {"upscale_delay_s": 0, "downscale_delay_s": 0}
+    config |= {"look_back_period_s": LOOK_BACK_S, "metrics_interval_s": PUSH_EVERY_S}
     return {**config, "policy": {"policy_function": POLICY_CLASS, "policy_kwargs": kwargs}}

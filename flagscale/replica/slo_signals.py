@@ -70,6 +70,18 @@ def _rate(raw: dict[str, dict[Any, list[Any]]], signal: str) -> float:
     return total
 
 
+def _arrival_rate(raw: dict[str, dict[Any, list[Any]]], finished: float) -> float:
+    """Requests that arrived per second over the window: those that finished, plus the rise of those in flight (a
+    ramp shows in the queue at once, in the finished count only once its requests end)."""
+    rise = 0.0
+    for signal in ("running", "waiting"):
+        for series in raw.get(signal, {}).values():
+            ends = _ends(series)
+            if ends and ends[1].timestamp > ends[0].timestamp:
+                rise += (ends[1].value - ends[0].value) / (ends[1].timestamp - ends[0].timestamp)
+    return max(0.0, finished + rise)
+
+
 def _now(raw: dict[str, dict[Any, list[Any]]], signal: str) -> list[float]:
     return [ends[1].value for series in raw.get(signal, {}).values() if (ends := _ends(series))]
 
@@ -90,7 +102,7 @@ def observe(raw: dict[str, dict[Any, list[Any]]], time_s: float, replicas: int, 
         kv_usage=sum(kv) / len(kv) if kv else 0.0,
         prompt_tps=_rate(raw, "prompt_tokens"),
         output_tps=_rate(raw, "output_tokens"),
-        arrival_rps=finished if "finished" in raw else busy,
+        arrival_rps=_arrival_rate(raw, finished) if "finished" in raw else busy,
         held=held,
     )
 

@@ -44,10 +44,28 @@ def test_replica_stats_and_the_window_they_make():
     assert before["ttft_le:0.1"] == 100 and before["start_s"] == 42.0 and "itl_le:0.1" not in before
     obs = observe(series((0.0, before), (30.0, after)), 30.0, replicas=1, held=0, q=90)
     assert obs.prompt_tps == pytest.approx(200) and obs.output_tps == pytest.approx(40)
-    assert obs.arrival_rps == pytest.approx(1.0) and obs.queue == 3 and obs.kv_usage == 0.5
+    # arrivals: the 30 that finished and the 3 more waiting at the end than at the start, over 30 s
+    assert obs.arrival_rps == pytest.approx(1.1) and obs.queue == 3 and obs.kv_usage == 0.5
     # the window's 30 requests: 10 under 0.1 s, 20 under 1 s; the 90th percentile inside the second bucket
     assert obs.ttft_ms == pytest.approx((0.1 + 0.9 * (27 - 10) / 20) * 1000)
     assert obs.itl_ms is None  # no ITL histogram reported
+
+
+def test_a_ramp_shows_in_the_arrivals_before_its_requests_finish():
+    before, after = scrape(100, 100, 10_000, 2_000, running=2.0), scrape(100, 100, 10_000, 2_000, running=12.0)
+    obs = observe(series((0.0, before), (5.0, after)), 5.0, replicas=1, held=0, q=90)
+    assert obs.arrival_rps == pytest.approx(2.0)  # nothing finished yet, 10 more in flight over 5 s
+    drained = observe(series((0.0, after), (5.0, before)), 5.0, replicas=1, held=0, q=90)
+    assert drained.arrival_rps == 0.0  # in flight falling with nothing finished: no arrivals, never negative
+
+
+def test_an_slo_node_looks_back_10_s_and_its_replicas_push_every_2_s():
+    scaling = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "downscale_delay_s": 30}}
+    config = with_engine_load_policy(scaling, {"ttft_ms": 500}, None)["autoscaling_config"]
+    served = AutoscalingConfig(**config)  # Serve's own schema takes them
+    assert (served.look_back_period_s, served.metrics_interval_s) == (10.0, 2.0)
+    plain = with_engine_load_policy(scaling)["autoscaling_config"]  # request counting: Serve's own cadence
+    assert "look_back_period_s" not in plain and "metrics_interval_s" not in plain
 
 
 def context(raw, current, target, held=0.0):
