@@ -142,8 +142,8 @@ def test_rotating_the_key_under_streaming_load_refuses_no_current_key_and_cuts_n
     with KeyedStreams(OLD_KEY) as load:
         wait_for(lambda: load.whole_at_least(8), 180, "the clients' first whole streams")
         write(root, NEW_KEY)
+        update_began = time.monotonic()
         updated = run_cli(conf, timeout=900)
-        rotated_at = time.monotonic()
         load.key = NEW_KEY  # clients take the new key once `run` says the update is done
         old_within_grace = answer_status(OLD_KEY)
         served = load.ok
@@ -158,7 +158,10 @@ def test_rotating_the_key_under_streaming_load_refuses_no_current_key_and_cuts_n
     refused_at = wait_for(
         lambda: answer_status(OLD_KEY) == 401 and time.monotonic(), GRACE_S + 30, "the old key to be refused"
     )
-    assert refused_at - rotated_at > GRACE_S / 2, "the old key was refused long before old_key_grace_s was over"
+    # the grace runs from when the router took the new key: after the update began, before `run` returned (which
+    # may be seconds later on a busy machine); 1 s of slack for the router's wall clock against this one's
+    waited = refused_at - update_began
+    assert waited > GRACE_S - 1, f"the old key was refused {waited:.1f} s after the update began, within its grace"
     assert answer_status(NEW_KEY) == 200 and answer_status(None) == 401
     after = wait_for(lambda: engine_replicas(conf), STATUS_WAIT_S, "both replicas listed after the rotation")
     assert after == before, "a key rotation replaced engine replicas"
