@@ -303,11 +303,13 @@ def test_killing_a_replica_under_streaming_load_loses_no_request(deployment):
     assert not lost, f"{len(lost)} of {len(work)} requests differ from an unbroken run: {list(lost.items())[:2]}"
 
     # Serve may be starting the replacement by now: the deployment is UNHEALTHY until it serves, the router's
-    # totals are there all the same
-    router = wait_for(
-        lambda: status_json(conf, while_replacing=True)["router"], STATUS_WAIT_S, "the router's totals in status"
+    # totals are there all the same. Each router process publishes its own every few seconds (status shows the
+    # latest of each: a busy machine's can predate the kill), so the resume is waited for, bounded
+    wait_for(
+        lambda: (status_json(conf, while_replacing=True).get("router") or {}).get("resumed", 0) >= 1,
+        STATUS_WAIT_S,
+        "the router's totals to count the streams the kill hit as resumed on the other replica",
     )
-    assert router["resumed"] >= 1, router  # the kill hit streams in flight, and they went on elsewhere
     survivor = before[1]["replica_id"]
     # Serve replaces the dead replica; the router takes the new one in and it serves.
     replaced = wait_for(

@@ -26,7 +26,9 @@ from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, status_cli,
 PORT = 19331
 OLD_KEY = "rotation-old-key-0123456789"
 NEW_KEY = "rotation-new-key-9876543210"
-GRACE_S = 10
+# Clients use the old key until `run` returns, and the grace starts before it does: it must outlast `run`'s tail,
+# which took over 10 s on a busy machine (2026-11-29: 7 of 117 requests refused with a grace of 10 s)
+GRACE_S = 30
 TOKENS = 32
 URL = f"http://127.0.0.1:{PORT}"
 
