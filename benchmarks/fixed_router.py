@@ -33,12 +33,15 @@ if str(REPO) not in sys.path:
 PEER_SECRET = "fixed-router-benchmark"  # routing hints are signed; the processes of one benchmark share this
 
 
-def wait_healthy(url: str, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
+def wait_healthy(
+    url: str, timeout_s: float, what: str, proc: subprocess.Popen | None = None, log: Path | str | None = None
+) -> None:
     """Until `url`/health answers 200 (TimeoutError after timeout_s; RuntimeError at once if `proc` died)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what} at {url} exited with {proc.returncode} before it was healthy")
+            tail = f"; its log ends:\n{Path(log).read_text(errors='replace')[-3000:]}" if log else ""
+            raise RuntimeError(f"{what} at {url} exited with {proc.returncode} before it was healthy{tail}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as resp:
                 if resp.status == 200:

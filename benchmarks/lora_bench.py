@@ -63,6 +63,9 @@ from flagscale.demo_model import ensure_demo_model, ensure_lora  # noqa: E402
 from flagscale.devices.nvidia import MULTICAST_OFF  # noqa: E402
 from flagscale.net import free_port  # noqa: E402
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from fixed_router import Processes, wait_healthy  # noqa: E402  (benchmarks/fixed_router.py)
+
 BASE = "demo"
 MODES = ("placed", "oblivious", "plain")
 WORKLOADS = ("zipf", "hot")
@@ -158,22 +161,6 @@ def base_model(args) -> Path:
     argv = [sys.executable, str(REPO / "benchmarks" / "gpu" / "model.py"), "--size", args.size]
     built = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True)  # its log: on stderr
     return Path(built.stdout.strip().splitlines()[-1])
-
-
-def wait_healthy(url: str, timeout_s: float, what: str, proc: subprocess.Popen | None = None, log=None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            tail = Path(log).read_text()[-3000:] if log else ""
-            raise RuntimeError(f"{what} exited ({proc.returncode}) before it was healthy; its log ends:\n{tail}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{what} at {url} was not healthy within {timeout_s:g} s")
 
 
 def load_adapters(url: str, adapters: dict[str, str]) -> None:
@@ -324,35 +311,6 @@ def parse_adapter_counts(text: str) -> dict[str, dict[str, int]]:
 
 def router_counts(url: str) -> dict[str, dict[str, int]]:
     return parse_adapter_counts(urllib.request.urlopen(url + "/metrics", timeout=30).read().decode())
-
-
-class Processes:
-    """What this benchmark started, each in a session of its own; all stopped at the end (by pid)."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.procs: list[subprocess.Popen] = []
-        self.log_dir = log_dir
-
-    def start(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "w")
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )  # fmt: skip
-        self.procs.append(proc)
-        return proc
-
-    def stop(self, procs: list[subprocess.Popen] | None = None) -> None:
-        chosen = procs if procs is not None else self.procs
-        for proc in chosen:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in chosen:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
