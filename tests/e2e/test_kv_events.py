@@ -21,18 +21,17 @@ from __future__ import annotations
 import json
 import random
 import signal
-import threading
 import time
 import urllib.request
 
 import openai
 import psutil
 import pytest
-import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from flagscale.demo_model import ensure_demo_lora
 from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, status_cli, wait_for, write_config
+from tests.kv_publishers import Sequences
 
 PORT = 19431
 CACHE_BLOCKS = 12  # per replica, of 128 tokens: ~4 of the workload's prompts
@@ -60,40 +59,6 @@ def router_series() -> dict[tuple[str, str], float]:
 
 def total(series: dict, name: str) -> float:
     return sum(value for (sample, _), value in series.items() if sample == name)
-
-
-class Sequences:
-    """The test's own subscriptions to the engines' publishers: the last batch sequence each one sent."""
-
-    def __init__(self, endpoints: dict[str, str]):
-        self.last: dict[str, int] = {}
-        self.changed_at = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, args=(endpoints,), daemon=True)
-        self._thread.start()
-
-    def _read(self, endpoints: dict[str, str]) -> None:
-        ctx = zmq.Context.instance()
-        sockets = {}
-        for replica, endpoint in endpoints.items():
-            sub = ctx.socket(zmq.SUB)
-            sub.connect(endpoint)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sockets[sub] = replica
-        poller = zmq.Poller()
-        for sub in sockets:
-            poller.register(sub, zmq.POLLIN)
-        while not self._stop.is_set():
-            for sub, _ in poller.poll(200):
-                frames = sub.recv_multipart()
-                self.last[sockets[sub]] = int.from_bytes(frames[1], "big")
-                self.changed_at = time.monotonic()
-        for sub in sockets:
-            sub.close(0)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
 
 def router_caught_up(sequences: Sequences) -> dict | None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import threading
 import time
 import urllib.request
 from collections import Counter
@@ -23,11 +22,11 @@ from collections import Counter
 import checks  # benchmarks/gpu/checks.py (tests/gpu/conftest.py puts it on the path)
 import openai
 import pytest
-import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from flagscale.net import free_port
 from tests.conftest import STATUS_WAIT_S, demo_engine_args, run_cli, status_cli, wait_for, write_config
+from tests.kv_publishers import Sequences
 
 ON_CPU = os.environ.get("FLAGSCALE_KV_DP_ON_CPU") == "1"
 pytestmark = pytest.mark.skipif(not ON_CPU and checks.gpu_count() < 2, reason="needs 2 GPUs (or the CPU switch)")
@@ -65,38 +64,6 @@ def by(samples, name: str, label: str) -> Counter:
         if sample == name:
             values[labels.get(label, "")] += value
     return values
-
-
-class Sequences:
-    """The test's own subscriptions to each rank's publisher: the last batch sequence each sent."""
-
-    def __init__(self, endpoints: dict[str, str]):
-        self.last: dict[str, int] = {}
-        self.changed_at = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, args=(endpoints,), daemon=True)
-        self._thread.start()
-
-    def _read(self, endpoints: dict[str, str]) -> None:
-        subs = {}
-        for name, endpoint in endpoints.items():
-            sub = zmq.Context.instance().socket(zmq.SUB)
-            sub.connect(endpoint)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            subs[sub] = name
-        poller = zmq.Poller()
-        for sub in subs:
-            poller.register(sub, zmq.POLLIN)
-        while not self._stop.is_set():
-            for sub, _ in poller.poll(200):
-                self.last[subs[sub]] = int.from_bytes(sub.recv_multipart()[1], "big")
-                self.changed_at = time.monotonic()
-        for sub in subs:
-            sub.close(0)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
 
 def caught_up(port: int, sequences: Sequences):
