@@ -6,6 +6,7 @@ any prefill; /health stays ok for both."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 
@@ -19,6 +20,17 @@ from tests.unit.fakes import FakeEngine, FakeHandle, FakePrefill, greedy, pd_rou
 SOURCES = ConfigSources(main="conf/serve.yaml", serve="conf/serve/nodes.yaml")
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 4}
 SCALING = {"min_replicas": 0, "max_replicas": 2, "downscale_delay_s": 60}
+
+
+async def posted(router, engines) -> tuple[int, bytes]:
+    """BODY through `router` (status, raw answer); the fake engines stopped after."""
+    try:
+        async with router_listening(router) as url, aiohttp.ClientSession() as client:
+            async with client.post(f"{url}/v1/completions", json=BODY) as resp:
+                return resp.status, await resp.read()
+    finally:
+        for engine in engines:
+            await engine.runner.cleanup()
 
 
 def test_the_router_is_told_which_pools_may_be_at_zero(demo_model_path, tmp_path):
@@ -54,16 +66,11 @@ def test_a_prefill_pool_at_zero_is_woken_while_the_decode_pool_serves_alone():
         router.spec.zero_pools = {"m": {"prefill": "m-prefill"}}
         router.failover.cold_start = cold_start.ColdStart({"m-prefill": handle}, lambda serve_id: None)
         health = await router.frontend.health(None)
-        try:
-            async with router_listening(router) as url, aiohttp.ClientSession() as client:
-                async with client.post(f"{url}/v1/completions", json=BODY) as resp:
-                    return health, resp.status, await resp.json()
-        finally:
-            await decode.runner.cleanup()
+        return (health, *await posted(router, [decode]))
 
     health, status, answer = asyncio.run(scenario())
     assert health.status == 200 and health.text == "ok\n"
-    assert status == 200 and answer["choices"][0]["text"] == text_of(greedy(tokenize("hello"), 4))
+    assert status == 200 and json.loads(answer)["choices"][0]["text"] == text_of(greedy(tokenize("hello"), 4))
     ((_, decoded),) = decode.bodies
     assert "kv_transfer_params" not in decoded  # decode-only: the decode replica computed the prompt
     assert handle.wakes == 1
@@ -94,13 +101,7 @@ def test_a_request_waits_for_a_decode_pool_at_zero_before_any_prefill(monkeypatc
                 )
 
         router.failover._refresh = refresh
-        try:
-            async with router_listening(router) as url, aiohttp.ClientSession() as client:
-                async with client.post(f"{url}/v1/completions", json=BODY) as resp:
-                    return health, resp.status, await resp.read()
-        finally:
-            await prefill.runner.cleanup()
-            await decode.runner.cleanup()
+        return (health, *await posted(router, [prefill, decode]))
 
     health, status, answer = asyncio.run(scenario())
     assert health.status == 200, health.text
