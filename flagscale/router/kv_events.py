@@ -26,12 +26,12 @@ from flagscale.adaptors import msgspec_msgpack, zmq, zmq_asyncio
 from flagscale.router.kv_index import GAP, RESTARTED, KVIndex, ReplicaIndex
 from flagscale.router.kv_keys import BlockHasher, PromptTokens
 from flagscale.router.kv_ranks import RANK_HEADER, RankLoad, parts, pick_rank, ranks_stats
+from flagscale.router.zmq_subscription import Subscription
 
 log = logging.getLogger("flagscale.router")
 
 REPLAY_TIMEOUT_S = 3.0  # the replay endpoint's silence between two replies that gives up on a replay
 RETRY_S = 2.0  # after a failed replay, before the next try
-POLL_S = 1.0  # the subscription is read in waits of this length (a cancelled task ends within it)
 CPU_TIER_WEIGHT = 0.5  # a block on the CPU tier counts this much of one on the GPU (it is copied back first)
 OFF_LOOP_CHARS = 8_192  # prompts longer than this are keyed in a thread (prepare), shorter ones when routed
 MAX_KEYED_CHARS = 65_536  # only the prompt's first this many characters are tokenized (an 8k-token prompt fits)
@@ -265,10 +265,7 @@ class KVEvents:
 
     async def _follow(self, index_id: str, info: dict) -> None:
         index = self.index.replicas[index_id]
-        sub = zmq_asyncio.Context.instance().socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.connect(info["endpoint"])
-        sub.setsockopt(zmq.SUBSCRIBE, info.get("topic", "").encode())
+        sub = Subscription(zmq_asyncio.Context.instance(), info["endpoint"], info.get("topic", ""))
         try:
             while True:
                 if not index.synced:  # subscribed first: what the replay misses, the subscription has
@@ -277,15 +274,16 @@ class KVEvents:
                         continue
                     if self.metrics is not None:
                         self.metrics.kv_last_seq.labels(index_id).set(index.last_seq)
-                if not await sub.poll(POLL_S * 1000):
-                    continue
-                frames = await sub.recv_multipart()
-                if len(frames) == 3:
+                await sub.ready()
+                for frames in sub.queued():
+                    if len(frames) != 3:
+                        continue
                     seq = int.from_bytes(frames[1], "big", signed=True)
                     if index.apply(seq, _decoded(frames[2]), time.monotonic()) in (GAP, RESTARTED):
                         index.synced = False
-                    elif self.metrics is not None:
-                        self.metrics.kv_last_seq.labels(index_id).set(index.last_seq)
+                        break
+                if self.metrics is not None and index.synced:
+                    self.metrics.kv_last_seq.labels(index_id).set(index.last_seq)
         except asyncio.CancelledError:
             raise
         except Exception:  # never let a bad stream take the router down: this replica goes by the table
@@ -293,7 +291,7 @@ class KVEvents:
                 "following the KV events of %s failed; its replica is routed on the approximate table", index_id
             )
         finally:
-            sub.close(linger=0)
+            sub.close()
 
     @staticmethod
     async def _replay(index: ReplicaIndex, info: dict) -> bool:
