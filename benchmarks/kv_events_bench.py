@@ -3,9 +3,10 @@ events vs the approximate table vs round_robin vs vllm-router, workloads (a)-(e)
 which feeds its own traces to `simulate` here.
 
 - `keying`: the router's CPU per request to key a prompt as the engine does (tokenize with the model's
-  tokenizer.json + chat template, hash the blocks: flagscale/router/kv_keys.py), p50/p99 over --repeats, for
-  completions and chats of --tokens tokens, each a prompt never seen and one whose long prefix was seen before
-  (flagscale/router/token_prefixes.py). The issue's target: <= 1 ms of CPU at p99 for an 8k-token prompt.
+  tokenizer.json + chat template, hash the blocks: flagscale/router/kv_keys.py, through kv_events.py's `_keyed`
+  against an engine that holds every block of every prompt before), p50/p99 over --repeats, for completions and
+  chats of --tokens tokens, each a prompt never seen (keyed up to its first block no engine holds) and one whose
+  long prefix was seen before (flagscale/router/token_prefixes.py). The issue's target: <= 1 ms of CPU at p99 for an 8k-token prompt.
 - `oracle`: the hit rate a router with perfect knowledge of every engine's cache would reach on a shared-prefix
   trace (workload (a): --customers long system prompts, Zipf popularity), simulated from the trace and the cache
   sizes (--cache-blocks per replica, LRU, --replicas): the bound the issue compares the real hit rate with.
@@ -30,15 +31,19 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def keying(tokenizer: str, tokens: list[int], block_size: int, repeats: int) -> dict:
-    from flagscale.router.kv_keys import BlockHasher, PromptTokens  # the project's, on first use
+    from flagscale.router.kv_events import ModelKeys, _keyed  # the project's, on first use
+    from flagscale.router.token_prefixes import CHECKS
 
-    prompts = PromptTokens(tokenizer)
-    hasher = BlockHasher("sha256", "vllm-none-hash")
+    keys = ModelKeys({"tokenizer": tokenizer, "hash_algo": "sha256", "hash_seed": "vllm-none-hash"}, None)
+    prompts = keys.tokens
+    stored: set[int] = set()  # every block of every prompt keyed so far: an engine whose cache holds them all
     words = "serve engine prefix cache block token router replica event index keys hash chat model".split()
     report = {}
     rng = random.Random(7)
     sample = " ".join(rng.choice(words) for _ in range(2000))
     tokens_per_word = len(prompts.of({"prompt": sample}, 1 << 20)[0]) / 2000
+    for _ in range(CHECKS):  # a router's first long prompts: the chunked tokens checked against the whole text's
+        prompts.of({"prompt": " ".join(rng.choice(words) for _ in range(2000))}, 1 << 20)
 
     def text_of(count: int) -> str:
         return " ".join(rng.choice(words) for _ in range(count))
@@ -46,8 +51,9 @@ def keying(tokenizer: str, tokens: list[int], block_size: int, repeats: int) -> 
     for target in tokens:
         count = int(target / tokens_per_word)
         shared = text_of(count - 40)
-        # "new": a prompt never seen (every chunk tokenized); "seen prefix": the same long prefix with a new end
-        # of ~40 words each time (the workloads KV routing is for: token_prefixes.py tokenizes only the end)
+        # "new": a prompt never seen (keyed up to its first block no engine holds: one chunk); "seen prefix": the
+        # same long prefix with a new end of ~40 words each time (the workloads KV routing is for: token_prefixes.py
+        # tokenizes only the end)
         for seen in (False, True):
             for kind in ("completion", "chat"):
                 cpu = []
@@ -57,9 +63,10 @@ def keying(tokenizer: str, tokens: list[int], block_size: int, repeats: int) -> 
                         {"prompt": text} if kind == "completion" else {"messages": [{"role": "user", "content": text}]}
                     )
                     began = time.process_time()
-                    ids, _ = prompts.of(body, 1 << 20)
-                    hasher.keys(ids, block_size)
+                    _keyed(keys, body, block_size, held=stored.__contains__)
                     cpu.append((time.process_time() - began) * 1000)
+                    ids, _ = prompts.of(body, 1 << 20)  # the engine stores the prompt's blocks (not timed)
+                    stored.update(keys.hasher.keys(ids, block_size))
                 report[f"{kind} {len(ids)} tokens, {'seen prefix' if seen else 'new'}"] = {
                     "cpu_ms_p50": round(statistics.median(cpu), 3),
                     "cpu_ms_p99": round(_percentile(cpu, 0.99), 3),

@@ -18,13 +18,13 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from flagscale.adaptors import msgspec_msgpack, zmq, zmq_asyncio
 from flagscale.router.kv_index import GAP, RESTARTED, KVIndex, ReplicaIndex
-from flagscale.router.kv_keys import BlockHasher, PromptTokens
+from flagscale.router.kv_keys import BlockHasher, KeyChain, PromptTokens
 from flagscale.router.kv_ranks import RANK_HEADER, RankLoad, parts, pick_rank, ranks_stats
 from flagscale.router.zmq_subscription import Subscription
 
@@ -185,9 +185,14 @@ class KVEvents:
         if keys is None or keys.tokens is None:
             return "no tokenizer" if keys is not None and keys.failed else "tokenizer loading"
         if "kv_keys" not in request.memo and not request.memo.get("kv_unkeyable"):
-            made = _keyed(keys, request.body, self._block_size(index_ids), self.loras.get(request.model))
+            made = _keyed(
+                keys, request.body, self._block_size(index_ids), self.loras.get(request.model), self._held(index_ids)
+            )
             request.memo.update(made or {"kv_unkeyable": True})
         return "not tokenizable" if request.memo.get("kv_unkeyable") else None
+
+    def _held(self, index_ids: Iterable[str]) -> Callable[[int], bool]:
+        return _held_by([self.index.replicas[i] for i in index_ids if i in self.index.replicas])
 
     def _block_size(self, index_ids: Iterable[str]) -> int | None:
         """The block size the engines of these streams store blocks of (from their events), None before any."""
@@ -204,7 +209,8 @@ class KVEvents:
             return
         block = self._block_size(self.model_replicas.get(request.model, ()))
         lora = self.loras.get(request.model)
-        made = await asyncio.get_running_loop().run_in_executor(None, _keyed, keys, request.body, block, lora)
+        held = self._held(self.model_replicas.get(request.model, ()))
+        made = await asyncio.get_running_loop().run_in_executor(None, _keyed, keys, request.body, block, lora, held)
         request.memo.update(made or {"kv_unkeyable": True})
 
     def _fell_back(self, model: str, why: str) -> None:
@@ -320,21 +326,37 @@ class KVEvents:
 
 
 def _keyed(
-    keys: ModelKeys, body: dict[str, Any], block: int | None, lora: tuple[str, str] | None = None
+    keys: ModelKeys,
+    body: dict[str, Any],
+    block: int | None,
+    lora: tuple[str, str] | None = None,
+    held: Callable[[int], bool] | None = None,
 ) -> dict[str, Any] | None:
     """A request's memo entries: its prompt's length in tokens and its block keys (none before the engines stored
     any block: nothing can be reused then), `lora` the adapter (name, path) it runs with; None when it cannot be
-    tokenized as the engine would."""
+    tokenized as the engine would. `held(key)`: whether any replica it may go to holds that block. Blocks chain,
+    so none after the first block no replica holds can be reused anywhere: the prompt is tokenized no further
+    (its length in tokens then estimated from the characters left), and a prompt never seen costs one chunk."""
     assert keys.tokens is not None
-    made = keys.tokens.of(body, MAX_KEYED_CHARS)
-    if made is None:
+    growing = keys.tokens.growing(body, MAX_KEYED_CHARS)
+    if growing is None:
         return None
-    tokens, cut = made
-    if block is None:
-        return {"kv_tokens": len(tokens), "kv_keys": [], "kv_block": 1}
-    most = len(tokens) // block - (1 if cut else 0)  # a prompt cut short: its last block may tokenize otherwise
-    full = keys.hasher.keys(tokens, block, lora=lora, cache_salt=_salt(body), max_blocks=most)
-    return {"kv_tokens": len(tokens), "kv_keys": full, "kv_block": block}
+    chain = KeyChain(keys.hasher, block, lora, _salt(body)) if block else None
+    tokens: list[int] = []
+    for tokens, covered, cut in growing:
+        if chain is None:
+            continue
+        # a prompt cut short: its last block may tokenize otherwise
+        added = chain.extend(tokens, len(tokens) // block - (1 if cut and covered >= 1 else 0))
+        if covered < 1 and held is not None and not all(held(key) for key in added):
+            return {"kv_tokens": round(len(tokens) / covered), "kv_keys": chain.keys, "kv_block": block}
+    return {"kv_tokens": len(tokens), "kv_keys": chain.keys if chain else [], "kv_block": block or 1}
+
+
+def _held_by(indexes: list[ReplicaIndex]) -> Callable[[int], bool]:
+    """Whether any of these indexes holds a block (on any medium)."""
+    tables = [hashes for index in indexes for hashes in index.media.values()]
+    return lambda key: any(key in hashes for hashes in tables)
 
 
 def _chars(body: dict[str, Any]) -> int:

@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,22 +67,47 @@ class BlockHasher:
         max_blocks: int | None = None,
     ) -> list[int]:
         """The keys of every full block of `tokens` (at most `max_blocks`), as the index holds them."""
-        lora_keys = [("lora", *lora)] if lora else []
-        keys, parent = [], self.none_hash
-        count = len(tokens) // block_size if max_blocks is None else min(max_blocks, len(tokens) // block_size)
-        for i in range(count):
-            extra = lora_keys + ([("cache_salt", cache_salt)] if i == 0 and cache_salt else [])
-            block = tuple(tokens[i * block_size : (i + 1) * block_size])
-            item = (parent, block, tuple(extra) if extra else None)
-            known = self._seen.get(item)
-            if known is None:
-                known = self.hash(item)
-                if len(self._seen) >= MAX_SEEN_BLOCKS:
-                    self._seen.clear()
-                self._seen[item] = known
-            parent = known
-            keys.append(block_key(parent))
-        return keys
+        chain = KeyChain(self, block_size, lora, cache_salt)
+        chain.extend(tokens, max_blocks)
+        return chain.keys
+
+    def chained(self, parent: bytes, block: tuple, extra: tuple | None) -> bytes:
+        """The hash of a block whose parent hash is `parent`."""
+        item = (parent, block, extra)
+        known = self._seen.get(item)
+        if known is None:
+            known = self.hash(item)
+            if len(self._seen) >= MAX_SEEN_BLOCKS:
+                self._seen.clear()
+            self._seen[item] = known
+        return known
+
+
+class KeyChain:
+    """The block keys of one prompt, extended as more of its tokens are known (a prompt keyed a chunk at a time
+    is hashed once, block by block)."""
+
+    def __init__(self, hasher: BlockHasher, block_size: int, lora: tuple[str, str] | None, cache_salt: str | None):
+        self.hasher, self.block_size = hasher, block_size
+        self._lora = [("lora", *lora)] if lora else []
+        self._salt = cache_salt
+        self._parent = hasher.none_hash
+        self.keys: list[int] = []
+
+    def extend(self, tokens: list[int], max_blocks: int | None = None) -> list[int]:
+        """Hash the full blocks of `tokens` (the prompt's tokens so far; at most `max_blocks`) not hashed yet;
+        their keys (also appended to self.keys)."""
+        size = self.block_size
+        count = len(tokens) // size if max_blocks is None else min(max_blocks, len(tokens) // size)
+        added = []
+        for i in range(len(self.keys), count):
+            extra = self._lora + ([("cache_salt", self._salt)] if i == 0 and self._salt else [])
+            self._parent = self.hasher.chained(
+                self._parent, tuple(tokens[i * size : (i + 1) * size]), tuple(extra) if extra else None
+            )
+            added.append(block_key(self._parent))
+        self.keys += added
+        return added
 
 
 def _token_text(value: Any) -> str | None:
@@ -152,6 +177,25 @@ class PromptTokens:
     def of(self, body: dict[str, Any], max_chars: int) -> tuple[list[int], bool] | None:
         """The request's prompt tokens (of at most its first `max_chars` characters) and whether they were cut
         there; None when this request cannot be tokenized as the engine would."""
+        source = self._source(body)
+        if source is None or isinstance(source, list):
+            return None if source is None else (source[: max_chars // 2], False)
+        text, special = source
+        return self.prefixes.encode(text[:max_chars], special), len(text) > max_chars
+
+    def growing(self, body: dict[str, Any], max_chars: int) -> Iterator[tuple[list[int], float, bool]] | None:
+        """The request's prompt tokens as they grow a chunk at a time (TokenPrefixes.growing): (the tokens so
+        far, the share of the prompt's first `max_chars` characters they cover, whether the prompt was cut
+        there); None when it cannot be tokenized as the engine would."""
+        source = self._source(body)
+        if source is None or isinstance(source, list):
+            return None if source is None else iter([(source[: max_chars // 2], 1.0, False)])
+        text, special = source
+        kept, cut = text[:max_chars], len(text) > max_chars
+        return ((ids, end / max(len(kept), 1), cut) for ids, end in self.prefixes.growing(kept, special))
+
+    def _source(self, body: dict[str, Any]) -> tuple[str, bool] | list[int] | None:
+        """What the engine tokenizes: (the text, whether with the special tokens), or the token ids as sent."""
         messages = body.get("messages")
         if messages is not None:
             text = self._rendered(body, messages)
@@ -159,11 +203,10 @@ class PromptTokens:
         else:
             text, special = self._prompt(body), body.get("add_special_tokens", True)
             if isinstance(text, list):
-                return text[: max_chars // 2], False  # token ids, as sent
+                return text
         if text is None or not isinstance(special, bool):
             return None
-        cut = len(text) > max_chars
-        return self.prefixes.encode(text[:max_chars], special), cut
+        return text, special
 
     def _rendered(self, body: dict[str, Any], messages: Any) -> str | None:
         if self.template is None or any(body.get(name) is not None for name in CHAT_FIELDS_NOT_KEYED):

@@ -20,7 +20,7 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 CHUNK_CHARS = 1024
 MAX_TOKENS = 4_000_000  # tokens held in all (4 bytes each)
@@ -61,6 +61,27 @@ class TokenPrefixes:
         if not positions:
             return self._encode(text, special)
         ids: list[int] = []
+        for _, chunk in self._chunks_of(text, special, positions):
+            ids.extend(chunk)
+        if self.checked < CHECKS:
+            self._check(text, special, ids)
+        return ids if self.exact else self._encode(text, special)
+
+    def growing(self, text: str, special: bool) -> Iterator[tuple[list[int], int]]:
+        """The text's tokens as they grow a chunk at a time: (the tokens of text[:end], end) after each chunk, the
+        last with end = len(text); a caller that has seen enough stops, and the rest is never tokenized. Until
+        the chunked tokens are trusted (CHECKS passed), the whole text at once."""
+        positions = cuts(text, self._chunk_chars) if self.exact and self.checked >= CHECKS else []
+        if not positions:
+            yield self.encode(text, special), len(text)
+            return
+        ids: list[int] = []
+        for end, chunk in self._chunks_of(text, special, positions):
+            ids.extend(chunk)
+            yield ids, end
+
+    def _chunks_of(self, text: str, special: bool, positions: list[int]) -> Iterator[tuple[int, array]]:
+        """(end, the tokens of text[start:end]) per chunk, from the cache where the text up to end was seen."""
         digest = hashlib.blake2b(b"special" if special else b"plain", digest_size=16)
         start = 0
         for end in [*positions, len(text)]:
@@ -75,11 +96,8 @@ class TokenPrefixes:
             if chunk is None:
                 chunk = array("I", self._encode(piece, special and start == 0))
                 self._keep(key, chunk)
-            ids.extend(chunk)
+            yield end, chunk
             start = end
-        if self.checked < CHECKS:
-            self._check(text, special, ids)
-        return ids if self.exact else self._encode(text, special)
 
     def _keep(self, key: bytes, chunk: array) -> None:
         with self._lock:

@@ -13,6 +13,7 @@ import zmq.asyncio
 
 from flagscale.config.routing import RoutingSpec
 from flagscale.net import free_port
+from flagscale.router import token_prefixes
 from flagscale.router.kv_events import KVEvents
 from flagscale.router.kv_index import GPU
 from flagscale.router.kv_keys import PromptTokens
@@ -203,6 +204,44 @@ def test_a_long_prompt_is_keyed_in_a_thread_before_it_is_routed(demo_model_path)
     short = RequestInfo("m", {"model": "m", "prompt": "short"})
     asyncio.run(hub.prepare(short, policy))
     assert "kv_keys" not in short.memo  # keyed when routed: a thread's hop would cost more
+
+
+def test_a_prompt_is_tokenized_no_further_than_the_first_block_no_replica_holds(demo_model_path):
+    policy, (r1, r2) = cache_aware_over("r1", "r2")
+    hub = KVEvents()
+    for up in (r1, r2):
+        up.record.kv_events = {"endpoint": f"tcp://127.0.0.1:1/{up.replica_id}", "tokenizer": str(demo_model_path)}
+    hub.sync({"m": [r1.record, r2.record]}, {"m": policy})
+    for up in (r1, r2):
+        index = hub.index.replicas[up.replica_id]
+        index.synced, index.block_size = True, 16
+    prefixes = hub.model_keys["m"].tokens.prefixes
+    prefixes.checked = token_prefixes.CHECKS  # the chunked tokens trusted, as after CHECKS prompts
+    tokenized: list[int] = []
+    encode = prefixes._encode
+    prefixes._encode = lambda text, special: tokenized.append(len(text)) or encode(text, special)
+    shared = "A shared system prompt about the weather in many places and its history. " * 60  # ~4 chunks
+    reference = PromptTokens(str(demo_model_path))
+
+    def whole(body):
+        tokens, _ = reference.of(body, 65536)
+        return tokens, hub.model_keys["m"].hasher.keys(tokens, 16)
+
+    body = {"model": "m", "prompt": shared + "What is the forecast?"}
+    tokens, keys = whole(body)
+    cold = RequestInfo("m", body)  # no replica holds its first block: one chunk tokenized
+    policy.select([r1, r2], cold, time.monotonic())
+    assert sum(tokenized) <= token_prefixes.CHUNK_CHARS + 80
+    assert 0 < len(cold.memo["kv_keys"]) < len(keys) and cold.memo["kv_keys"] == keys[: len(cold.memo["kv_keys"])]
+    assert abs(cold.memo["kv_tokens"] - len(tokens)) < 0.1 * len(tokens)  # estimated from the characters left
+    assert cold.memo["kv_depths"] == {"r1": 0, "r2": 0}
+
+    held = len(keys) * 2 // 3  # r2 holds two thirds of the shared prompt's blocks: keyed past them
+    hub.index.replicas["r2"].media[GPU] = dict.fromkeys(keys[:held])
+    warm = RequestInfo("m", {"model": "m", "prompt": shared + "And tomorrow?"})
+    assert policy.select([r1, r2], warm, time.monotonic())[0] is r2
+    assert warm.memo["kv_depths"] == {"r1": 0, "r2": held}
+    assert len(warm.memo["kv_keys"]) > held
 
 
 def test_a_lora_adapters_request_is_keyed_with_the_adapter(demo_model_path):
