@@ -196,7 +196,8 @@ for step in $steps; do
     kv4) python3 benchmarks/kv_routing.py --gpu --pass-s 12 ${KV4_ARGS:-} --output "$out/kv4.json" ;;
     lora2) python3 benchmarks/lora_bench.py --gpu ${LORA2_ARGS:-} --output "$out/lora2.json" ;;
     slo2) python3 benchmarks/slo_load.py --gpu --size 1b ${SLO2_ARGS:-} --out "$out/slo2.json" ;;
-    awake) (cd benchmarks/gpu && python3 sleep_share.py --size 1b --systems awake --phase-s 15 --out "$out/awake") ;;
+    awake) (repo=$PWD; cd benchmarks/gpu && PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" python3 sleep_share.py \
+             --size 1b --systems awake --phase-s 15 --out "$out/awake") ;;
     *) echo "unknown step $step" ;;
   esac
   echo "=== $step exit $? $(date -u +%T)"
