@@ -58,8 +58,8 @@
 #          (tests/gpu/test_sglang.py first: TP=1, and TP=2 where there are 2 GPUs)
 # The fleet issues (51, 52, 53), 2026-11-29:
 #   lora2  issue 52: benchmarks/lora_bench.py --gpu: 50 generated rank-8 adapters of the 1B shape, Zipf and a hot
-#          adapter, 2 engines (one per visible GPU; LORA2_ARGS=--same-gpu: both on the first), max_loras 4,
-#          max_cpu_loras 8: the adapter placement vs the same router adapter-oblivious vs one plain engine
+#          adapter, 2 engines (one per visible GPU; LORA2_ARGS=--same-gpu: both on the first), max_loras 16,
+#          every adapter host-held: the adapter placement vs the same router adapter-oblivious vs one plain engine
 #   slo2   issue 51: benchmarks/slo_load.py --gpu: the SLO planner vs request-count autoscaling vs static max (1..2
 #          replicas, one GPU each) on the seeded bursty trace (x0.4), one replica's rate calibrated first
 #   kv4    issue 53: benchmarks/kv_routing.py --gpu: 4 engines of the 8B shape (dummy weights) on one GPU, capped

@@ -56,10 +56,11 @@ def test_cpu_defaults_are_the_documented_run_and_gpu_ones_the_issue_benchmark():
     cpu = lora_bench.parse_args([])
     assert (cpu.requests, cpu.concurrency, cpu.tokens, cpu.input_len) == (400, 16, 16, 0)
     assert cpu.workloads == ["zipf"] and cpu.max_cpu_loras == 50 and cpu.warmup == 100 and cpu.pass_max_s == 0
+    assert cpu.max_loras == 4
     gpu = lora_bench.parse_args(["--gpu"])
     assert (gpu.concurrency, gpu.tokens, gpu.input_len, gpu.rounds) == (64, 128, 256, 2)
-    assert gpu.workloads == ["zipf", "hot"] and gpu.max_cpu_loras == 8 and gpu.warmup == 64
-    assert lora_bench.parse_args(["--gpu", "--concurrency", "128", "--max-cpu-loras", "50"]).max_cpu_loras == 50
+    assert gpu.workloads == ["zipf", "hot"] and gpu.max_cpu_loras == 50 and gpu.warmup == 64 and gpu.max_loras == 16
+    assert lora_bench.parse_args(["--gpu", "--concurrency", "128", "--max-cpu-loras", "20"]).max_cpu_loras == 20
     assert lora_bench.parse_args(["--hot"]).workloads == ["hot"]
     assert lora_bench.parse_args(["--max-loras", "6", "--max-cpu-loras", "2"]).max_cpu_loras == 6
 
@@ -75,7 +76,8 @@ def test_gpu_engine_args_and_env():
     args = lora_bench.parse_args(["--gpu", "--rank", "16"])
     argv = lora_bench.engine_argv(Path("/m"), 8000, args, 0.4)
     assert "--enforce-eager" in argv and "--enable-lora" in argv
-    assert argv[argv.index("--max-lora-rank") + 1] == "16" and argv[argv.index("--max-cpu-loras") + 1] == "8"
+    assert argv[argv.index("--max-lora-rank") + 1] == "16" and argv[argv.index("--max-cpu-loras") + 1] == "50"
+    assert argv[argv.index("--max-loras") + 1] == "16"
     assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv[argv.index("--gpu-memory-utilization") + 1] == "0.4"
     assert int(argv[argv.index("--max-model-len") + 1]) >= 256 + 128
     env = lora_bench.engine_env(1, args, "1")
