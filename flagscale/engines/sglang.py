@@ -27,6 +27,7 @@ from typing import Any
 
 from flagscale.engines.base import OPENAI_INFERENCE_PATHS, Capabilities, EngineKind, HostShare, ServerLaunch
 from flagscale.engines.model_args import check_hf_model, positive_int
+from flagscale.engines.sglang_kv_events import kv_events_launch
 from flagscale.engines.sglang_server import KEY_ENV
 from flagscale.errors import ConfigError
 from flagscale.paths import default_cache_dir
@@ -168,7 +169,8 @@ class SGLang(EngineKind):
     # RadixAttention reuses the KV cache of shared prefixes; TP, PP and DP within a replica on its GPUs. No resume
     # (its streams carry no token ids the router could continue from) and no KV transfer through the project's
     # connectors (SGLang's own PD backends are not wired up).
-    capabilities = Capabilities(prefix_caching=True, parallel=("tp", "pp", "dp"))
+    # Its radix cache publishes page events the router can key (sglang_kv_events.py), with a page of 16 or more.
+    capabilities = Capabilities(prefix_caching=True, parallel=("tp", "pp", "dp"), kv_events=True)
     status_gauges = {
         "sglang:num_running_reqs": "running",
         "sglang:num_queue_reqs": "waiting",
@@ -251,6 +253,9 @@ class SGLang(EngineKind):
         # SGLang runs its ranks on the GPUs it sees, from the first: those Ray granted the replica
         env = {**launch.env, share.visible_env: ",".join(share.gpus)} if share.gpus else launch.env
         return ServerLaunch(launch.argv, env, launch.env_defaults, launch.secret_env)
+
+    def kv_events_launch(self, argv, host, pub_port, replay_port, topic, env, ranks=1):
+        return kv_events_launch(argv, host, pub_port, replay_port, topic, ranks)
 
     def worker_rank(self, title: str, tp: int, pp: int, parent_title: str = "") -> int | None:
         return scheduler_rank(title, tp, pp)

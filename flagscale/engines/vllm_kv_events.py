@@ -14,28 +14,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from flagscale.engines.cli_flags import flags_of
+
 CONFIG_FLAG = "--kv-events-config"
 # hash functions the router can compute as the engine does: the cryptographic ones, whose first parent is derived
 # from a fixed seed (xxhash's is random per process unless PYTHONHASHSEED is set)
 HASH_ALGOS = ("sha256", "sha256_cbor")
 TOKENIZER_MODES = ("auto", "hf")  # the fast tokenizer (tokenizer.json) the router loads too
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # what the first block's parent is hashed from without PYTHONHASHSEED
-
-
-def _flags(argv: list[str]) -> dict[str, str | bool]:
-    """`--flag value` / `--flag=value` / `--switch` of an argv, the last one winning."""
-    flags: dict[str, str | bool] = {}
-    for i, arg in enumerate(argv):
-        if not arg.startswith("--"):
-            continue
-        name, eq, value = arg.partition("=")
-        if eq:
-            flags[name] = value
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            flags[name] = argv[i + 1]
-        else:
-            flags[name] = True
-    return flags
 
 
 def kv_events_launch(
@@ -48,7 +34,7 @@ def kv_events_launch(
     A server of `ranks` data-parallel engines (one API server, an engine core per rank, all on this host): each
     rank's publisher binds the ports given plus its rank (vLLM's offset_endpoint_port), so pub_port .. + ranks - 1
     and replay_port .. + ranks - 1 are the caller's to reserve; the record lists every rank's endpoints."""
-    flags = _flags(argv)
+    flags = flags_of(argv)
     algo = str(flags.get("--prefix-caching-hash-algo", "sha256"))
     seed = env.get("PYTHONHASHSEED")
     if CONFIG_FLAG in flags or "--no-enable-prefix-caching" in flags or (algo not in HASH_ALGOS and seed is None):

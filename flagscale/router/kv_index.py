@@ -25,11 +25,11 @@ APPLIED, DUPLICATE, GAP, RESTARTED = "applied", "duplicate", "gap", "restarted"
 
 
 def block_key(block_hash: Any) -> int:
-    """An engine block hash as the index keys it: the low 64 bits of a byte hash (as the engine's own events cut
-    it), an integer as is."""
+    """An engine block hash as the index keys it: the low 64 bits of a byte hash (as vLLM's own events cut it), an
+    integer as its 64 bits unsigned."""
     if isinstance(block_hash, (bytes, bytearray)):
         return int.from_bytes(block_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF
-    return int(block_hash)
+    return int(block_hash) & 0xFFFF_FFFF_FFFF_FFFF  # a signed 64-bit one (SGLang's) as the same bits unsigned
 
 
 def _stamp(batch: Any) -> float:

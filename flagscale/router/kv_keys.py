@@ -21,7 +21,9 @@ import hashlib
 import json
 import os
 import pickle
+import struct
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,28 @@ def _cbor_sha256(value: Any) -> bytes:
     return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
 
 
-HASHES: dict[str, Callable[[Any], bytes]] = {"sha256": _pickle_sha256, "sha256_cbor": _cbor_sha256}
+def _sglang_page(item: tuple) -> bytes:
+    """SGLang's page hash: sha256 over the parent page's digest (empty for the first page) and the page's token ids
+    as little-endian uint32 (flagscale/engines/sglang_kv_events.py); extra keys are not hashed."""
+    parent, tokens, _ = item
+    return hashlib.sha256(parent + struct.pack(f"<{len(tokens)}I", *tokens)).digest()
+
+
+@dataclass(frozen=True)
+class HashScheme:
+    """An engine's block hash: of (parent digest, the block's token ids, extra keys); the first block's parent from
+    the seed; and the key its events carry, from a digest."""
+
+    block: Callable[[tuple], bytes]
+    first_parent: Callable[[str], bytes]
+    key: Callable[[bytes], int]
+
+
+SCHEMES: dict[str, HashScheme] = {
+    "sha256": HashScheme(_pickle_sha256, _pickle_sha256, block_key),
+    "sha256_cbor": HashScheme(_cbor_sha256, _cbor_sha256, block_key),
+    "sglang_sha256": HashScheme(_sglang_page, lambda _seed: b"", lambda digest: int.from_bytes(digest[:8], "big")),
+}
 MAX_SEEN_BLOCKS = 200_000  # block hashes remembered per hasher (~60 MB at 128 tokens a block)
 
 
@@ -50,10 +73,11 @@ class BlockHasher:
     """The engine's block hash chain for one hash function and seed."""
 
     def __init__(self, algo: str, seed: str):
-        if algo not in HASHES:
-            raise ValueError(f"block hash {algo!r} is not one the router computes ({', '.join(HASHES)})")
-        self.hash = HASHES[algo]
-        self.none_hash = self.hash(seed)
+        if algo not in SCHEMES:
+            raise ValueError(f"block hash {algo!r} is not one the router computes ({', '.join(SCHEMES)})")
+        scheme = SCHEMES[algo]
+        self.hash, self.key = scheme.block, scheme.key
+        self.none_hash = scheme.first_parent(seed)
         # (parent, block tokens, extra keys) -> its hash: a prefix seen before is hashed by lookups (a tuple's own
         # hash costs a tenth of pickling and sha256 it); cleared whole when full
         self._seen: dict[tuple, bytes] = {}
@@ -105,7 +129,7 @@ class KeyChain:
             self._parent = self.hasher.chained(
                 self._parent, tuple(tokens[i * size : (i + 1) * size]), tuple(extra) if extra else None
             )
-            added.append(block_key(self._parent))
+            added.append(self.hasher.key(self._parent))
         self.keys += added
         return added
 

@@ -46,6 +46,31 @@ def test_xxhash_with_a_shared_seed_can_be_keyed():
     assert record["hash_seed"] == "7"
 
 
+def test_sglang_publishes_pages_of_16_or_more_on_the_ports_given_and_each_dp_rank_on_them_plus_its_rank():
+    argv = ["--model-path", "/m", "--page-size", "32", "--dp-size", "2", "--tokenizer-path", "/tok"]
+    extra, record = engines.get("sglang").kv_events_launch(argv, "10.0.0.5", 31001, 31003, "kv@r1", {}, ranks=2)
+    config = json.loads(extra[1])
+    assert extra[0] == "--kv-events-config" and config["publisher"] == "zmq" and config["topic"] == "kv@r1"
+    assert config["endpoint"] == "tcp://*:31001" and config["replay_endpoint"] == "tcp://*:31003"  # SGLang binds *
+    assert [r["endpoint"] for r in record["ranks"]] == ["tcp://10.0.0.5:31001", "tcp://10.0.0.5:31002"]
+    assert [r["replay_endpoint"] for r in record["ranks"]] == ["tcp://10.0.0.5:31003", "tcp://10.0.0.5:31004"]
+    assert (record["tokenizer"], record["hash_algo"]) == ("/tok", "sglang_sha256")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--model-path", "/m"],  # its default page of one token: an event and a key per token
+        ["--model-path", "/m", "--page-size", "8"],
+        ["--model-path", "/m", "--page-size", "16", "--disable-radix-cache"],
+        ["--model-path", "/m", "--page-size", "16", "--speculative-algorithm", "EAGLE"],  # pages keyed by token pairs
+        ["--model-path", "/m", "--page-size", "16", "--kv-events-config", "{}"],  # the user's own publisher
+    ],
+)
+def test_sglang_publishes_nothing_the_router_cannot_key_or_follow_cheaply(argv):
+    assert engines.get("sglang").kv_events_launch(argv, "127.0.0.1", 1, 2, "t", {}) is None
+
+
 ONE_HOST = Reservation("cpu", None, {}, 1)
 TWO_HOSTS = Reservation("gpu", None, {}, 1, placement_bundles=[{"GPU": 4}, {"GPU": 4}])
 

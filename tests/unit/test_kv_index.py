@@ -153,6 +153,26 @@ def test_a_shared_seed_gives_the_engines_keys(monkeypatch):
     assert BlockHasher("sha256", "12345").keys(tokens, 16) == _vllm_keys("sha256", tokens, 16)
 
 
+# SGLang 0.5.17's own page hash (sglang/srt/mem_cache/cpp_utils/native_hash.py's extension, built once from its
+# wheel) over these tokens at page 16, as its events carry the keys: the digest's first 8 bytes as a signed int64
+SGLANG_TOKENS = [(i * 7919 + 13) % 151000 for i in range(100)]
+SGLANG_EVENT_KEYS = [
+    5552345643374291582, -3809777323661071939, 1463172484546428797,
+    -161716427167505629, -5775152521939569630, 7431844167528157737,
+]  # fmt: skip
+
+
+def test_sglang_page_keys_equal_sglangs_own_and_index_as_its_events_carry_them():
+    ours = BlockHasher("sglang_sha256", "").keys(SGLANG_TOKENS, 16)
+    assert ours == [block_key(key) for key in SGLANG_EVENT_KEYS]  # full pages only (the radix cache's)
+    index = ReplicaIndex()
+    batch = [0.0, [{"type": "BlockStored", "block_hashes": SGLANG_EVENT_KEYS[:4], "block_size": 16, "medium": "GPU"}]]
+    index.apply(0, batch, 0.0)
+    assert index.depth(ours) == (4, 4)
+    # no extra keys in SGLang's hash: an adapter's or a salted request's pages key as the base model's
+    assert BlockHasher("sglang_sha256", "").keys(SGLANG_TOKENS, 16, lora=("sql", "/a"), cache_salt="t") == ours
+
+
 def test_demo_tokens_as_the_engine_tokenizes_them(demo_model_path):
     """Completion and chat prompts tokenized by the router equal what vLLM's server tokenizes: transformers'
     tokenizer and chat template, which vLLM applies (add_special_tokens: true for completions, false for chat)."""
