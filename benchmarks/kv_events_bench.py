@@ -7,11 +7,14 @@ which feeds its own traces to `simulate` here.
   against an engine that holds every block of every prompt before), p50/p99 over --repeats, for completions and
   chats of --tokens tokens, each a prompt never seen (keyed up to its first block no engine holds) and one whose
   long prefix was seen before (flagscale/router/token_prefixes.py). The issue's target: <= 1 ms of CPU at p99 for an 8k-token prompt.
+- `subscribe`: the router's CPU to follow one engine's KV-event stream (subscription, decoding, index) at --rates
+  batches a second from a publisher in another process: an engine publishes a batch every step that stores blocks.
 - `oracle`: the hit rate a router with perfect knowledge of every engine's cache would reach on a shared-prefix
   trace (workload (a): --customers long system prompts, Zipf popularity), simulated from the trace and the cache
   sizes (--cache-blocks per replica, LRU, --replicas): the bound the issue compares the real hit rate with.
 
   .venv/bin/python benchmarks/kv_events_bench.py keying --tokens 1024 8192
+  .venv/bin/python benchmarks/kv_events_bench.py subscribe --rates 50 200 800
   .venv/bin/python benchmarks/kv_events_bench.py oracle --replicas 2 --cache-blocks 64
 """
 
@@ -119,6 +122,65 @@ def _leading(blocks, cache):
         yield block
 
 
+def _publish(port: int, replay_port: int, rate: float, seconds: float) -> None:
+    """An engine's side (in a process of its own): answers one replay (nothing buffered), then publishes `rate`
+    batches a second for `seconds`, each a BlockStored of 2 blocks as vLLM packs it."""
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context()
+    pub, replay = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    replay.bind(f"tcp://127.0.0.1:{replay_port}")
+    if replay.poll(30_000):
+        client, _, _ = replay.recv_multipart()
+        replay.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+    time.sleep(0.5)
+    rng, began = random.Random(0), time.monotonic()
+    for seq in range(int(rate * seconds)):
+        event = {"type": "BlockStored", "block_hashes": [rng.getrandbits(63) for _ in range(2)],
+                 "parent_block_hash": None, "token_ids": list(range(32)), "block_size": 16, "medium": "GPU"}  # fmt: skip
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode([time.time(), [event]])])
+        time.sleep(max(0.0, began + (seq + 1) / rate - time.monotonic()))
+    time.sleep(0.5)
+
+
+def subscribe(rates: list[float], seconds: float) -> dict:
+    """The router's CPU to follow one engine's event stream (flagscale/router/kv_events.py's subscription and
+    index) at each rate of batches a second: the publisher runs in another process."""
+    import asyncio
+    import multiprocessing
+
+    from flagscale.net import free_port
+    from flagscale.router.kv_events import KVEvents
+
+    async def one(rate: float) -> dict:
+        port, replay_port = free_port(), free_port()
+        publisher = multiprocessing.get_context("spawn").Process(
+            target=_publish, args=(port, replay_port, rate, seconds)
+        )
+        publisher.start()
+        hub = KVEvents()
+        index = hub.index.follow("r0")
+        info = {"endpoint": f"tcp://127.0.0.1:{port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}
+        task = asyncio.get_running_loop().create_task(hub._follow("r0", info))
+        deadline = time.monotonic() + 30
+        while not index.synced:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the publisher's replay endpoint never answered")
+            await asyncio.sleep(0.05)
+        cpu, wall = time.process_time(), time.monotonic()
+        while publisher.is_alive():
+            await asyncio.sleep(0.2)
+        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+        task.cancel()
+        batches = index.last_seq + 1
+        return {"batches": batches, "cpu_share_of_a_core": round(cpu / wall, 4),
+                "cpu_us_per_batch": round(cpu / max(batches, 1) * 1e6, 1)}  # fmt: skip
+
+    return {f"{rate:g} batches/s": asyncio.run(one(rate)) for rate in rates}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -127,6 +189,9 @@ def main() -> None:
     keys.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
     keys.add_argument("--block-size", type=int, default=16)
     keys.add_argument("--repeats", type=int, default=200)
+    follow = sub.add_parser("subscribe")
+    follow.add_argument("--rates", type=float, nargs="+", default=[50, 200, 800])
+    follow.add_argument("--seconds", type=float, default=5.0)
     sim = sub.add_parser("oracle")
     sim.add_argument("--replicas", type=int, default=2)
     sim.add_argument("--cache-blocks", type=int, default=64)
@@ -140,6 +205,8 @@ def main() -> None:
 
         tokenizer = args.tokenizer or str(ensure_demo_model())
         print(json.dumps(keying(tokenizer, args.tokens, args.block_size, args.repeats), indent=1))
+    elif args.what == "subscribe":
+        print(json.dumps(subscribe(args.rates, args.seconds), indent=1))
     else:
         print(
             json.dumps(
