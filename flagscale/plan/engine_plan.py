@@ -76,7 +76,7 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
         secret_env=secrets,
         engine=kind.name,
         sleep_delay_s=sleep_delay_s,
-        kv_events=_kv_events(kind, RoutingSpec.of_node(node), parallel, reservation, pool.role, pool.where),
+        kv_events=_kv_events(kind, RoutingSpec.of_node(node), parallel, reservation, pool.where),
         lora=lora,
         family=family.name,
         family_env=family.engine_env(kind.name, _user_env(inputs, family.name, node.resources.accelerator)),
@@ -107,13 +107,13 @@ def _kv_events(
     routing: RoutingSpec,
     parallel: tuple[int, int, int],
     reservation: Reservation,
-    role: str | None,
     where: str,
 ) -> bool:
     """Whether the node's replicas publish KV-cache events (docs/routing.md): unless its routing_options say
     `kv_events: false`, where the engine kind publishes, colocated; a replica of several data-parallel engines
     publishes a stream per rank on ports its replica reserves on its host, so only when its ranks all run there.
-    Whatever the node's policy: switching it to cache_aware in place then needs no restart of the engines.
+    A disaggregated node's prefill and decode replicas publish alike (each pool routed on its own). Whatever the
+    node's policy: switching it to cache_aware in place then needs no restart of the engines.
     `kv_events: true` where that cannot be is the config's error."""
     wanted = getattr(routing.settings, "kv_events", "auto")
     if not wanted:
@@ -123,8 +123,6 @@ def _kv_events(
         why = f"{kind.display} publishes no KV-cache events"
     elif parallel[2] > 1 and reservation.placement_bundles:  # other hosts' ranks: on ports nobody reserved there
         why = "a replica of data-parallel engines over several hosts is routed on the approximate table"
-    elif role is not None:
-        why = "a disaggregated node's pools are routed on the approximate table"
     if why and wanted is True:
         raise ConfigError(f"routing_options.kv_events: true, but {why} (set it to auto or false)", where)
     return why is None

@@ -88,14 +88,20 @@ class KVEvents:
 
     # ---- which replicas are followed -----------------------------------------------------------------------
 
-    def sync(self, records_by_model: dict[str, Iterable[Any]], policies: dict[str, Any]) -> None:
+    def sync(
+        self,
+        records_by_model: dict[str, Iterable[Any]],
+        policies: dict[str, Any],
+        prefill: tuple[dict[str, Iterable[Any]], dict[str, Any]] = ({}, {}),
+    ) -> None:
         """The replica table changed: follow the publishers of the replicas of models whose policy routes on KV
-        events (and hand those policies this), a stream per DP rank; stop following the rest, drop their entries."""
+        events (and hand those policies this), a stream per DP rank; stop following the rest, drop their entries.
+        `prefill`: a disaggregated model's prefill pools (records, policies), followed the same way."""
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:  # a router built without its loop (unit tests): no subscriptions
             loop = None
-        wanted = self._wanted(records_by_model, policies, loop)
+        wanted = self._wanted([(records_by_model, policies), prefill], loop)
         for index_id, (endpoint, task) in list(self.tasks.items()):
             if wanted.get(index_id, {}).get("endpoint") != endpoint:
                 if task is not None:
@@ -113,28 +119,28 @@ class KVEvents:
                 self.tasks[index_id] = (info["endpoint"], task)
 
     def _wanted(
-        self,
-        records_by_model: dict[str, Iterable[Any]],
-        policies: dict[str, Any],
-        loop: asyncio.AbstractEventLoop | None,
+        self, pools: list[tuple[dict[str, Iterable[Any]], dict[str, Any]]], loop: asyncio.AbstractEventLoop | None
     ) -> dict[str, dict]:
-        """The streams to follow (index id -> its kv_events info); self.parts and model_replicas set to them."""
+        """The streams to follow (index id -> its kv_events info) of each pool (records by model, policies by
+        model); self.parts and model_replicas set to them (a model's replicas: those of all its pools)."""
         wanted: dict[str, dict] = {}
         self.parts = {}
-        for model, policy in policies.items():
-            if not getattr(policy, "uses_kv_events", False):
-                continue
-            policy.exact = self
-            self.model_replicas[model] = set()
-            for record in records_by_model.get(model, ()):
-                info = record.kv_events
-                if info:
-                    streams = parts(record.replica_id, info)
-                    wanted.update(streams)
-                    self.parts[record.replica_id] = [index_id for index_id, _ in streams]
-                    self.model_replicas[model].update(self.parts[record.replica_id])
-                    self.loras.update({name: (name, path) for name, path in (info.get("loras") or {}).items()})
-                    self._keys_of(model, info, loop)
+        self.model_replicas = {}
+        for records_by_model, policies in pools:
+            for model, policy in policies.items():
+                if not getattr(policy, "uses_kv_events", False):
+                    continue
+                policy.exact = self
+                followed = self.model_replicas.setdefault(model, set())
+                for record in records_by_model.get(model, ()):
+                    info = record.kv_events
+                    if info:
+                        streams = parts(record.replica_id, info)
+                        wanted.update(streams)
+                        self.parts[record.replica_id] = [index_id for index_id, _ in streams]
+                        followed.update(self.parts[record.replica_id])
+                        self.loras.update({name: (name, path) for name, path in (info.get("loras") or {}).items()})
+                        self._keys_of(model, info, loop)
         return wanted
 
     def _keys_of(self, model: str, info: dict, loop: asyncio.AbstractEventLoop | None) -> None:

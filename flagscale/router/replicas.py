@@ -124,7 +124,11 @@ class Replicas:
             upstream.max_ongoing = max_ongoing(upstream)
         tell_policies(self.policies, old.by_model, table.by_model)
         tell_policies(self.prefill_policies, old.prefill_by_model, table.prefill_by_model)
-        self.kv_events.sync({m: [u.record for u in ups] for m, ups in table.by_model.items()}, self.policies)
+        self.kv_events.sync(
+            {m: [u.record for u in ups] for m, ups in table.by_model.items()},
+            self.policies,
+            ({m: [u.record for u in ups] for m, ups in table.prefill_by_model.items()}, self.prefill_policies),
+        )
         return stale
 
     def stats(self) -> dict[str, dict]:

@@ -144,6 +144,29 @@ def test_cache_aware_goes_by_the_engines_blocks_over_its_table(demo_model_path):
     assert policy.stats("r2")["kv_index"]["state"] == "silent"
 
 
+def test_a_disaggregated_models_prefill_pool_is_followed_and_routed_on_its_events(demo_model_path):
+    decode_policy, (d1,) = cache_aware_over("d1")
+    prefill_policy, (p1, p2) = cache_aware_over("p1", "p2")
+    hub = KVEvents()
+    for up in (d1, p1, p2):
+        up.record.kv_events = {"endpoint": f"tcp://127.0.0.1:1/{up.replica_id}", "tokenizer": str(demo_model_path)}
+    prefill_pool = ({"m": [p1.record, p2.record]}, {"m": prefill_policy})
+    hub.sync({"m": [d1.record]}, {"m": decode_policy}, prefill_pool)
+    assert prefill_policy.exact is hub and decode_policy.exact is hub
+    assert hub.model_replicas["m"] == {"d1", "p1", "p2"} and set(hub.tasks) == {"d1", "p1", "p2"}
+    body = {"model": "m", "prompt": "A long shared system prompt for the prefill pool. " * 20}
+    tokens, _ = PromptTokens(str(demo_model_path)).of(body, 65536)
+    keys = hub.model_keys["m"].hasher.keys(tokens, 16)
+    for index in hub.index.replicas.values():
+        index.synced, index.block_size = True, 16
+    hub.index.replicas["p2"].media[GPU] = dict.fromkeys(keys)  # the second prefill engine holds the prompt
+    request = RequestInfo("m", body)
+    assert prefill_policy.select([p1, p2], request, time.monotonic())[0] is p2
+    assert request.memo["kv_depths"] == {"p1": 0, "p2": len(keys)}
+    hub.sync({"m": []}, {"m": decode_policy}, prefill_pool)  # the decode pool left: only its stream goes
+    assert set(hub.index.replicas) == {"p1", "p2"} and hub.model_replicas["m"] == {"p1", "p2"}
+
+
 def test_replicas_that_publish_nothing_stay_on_the_table():
     policy, (r1, r2) = cache_aware_over("r1", "r2")  # llama.cpp: records without kv_events
     hub = KVEvents()

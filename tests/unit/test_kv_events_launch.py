@@ -78,19 +78,19 @@ TWO_HOSTS = Reservation("gpu", None, {}, 1, placement_bundles=[{"GPU": 4}, {"GPU
 def test_which_nodes_publish():
     vllm, llama = engines.get("vllm"), engines.get("llama_cpp")
     auto, on, off = (RoutingSpec.of("cache_aware", kv_events=v) for v in ("auto", True, False))
-    assert _kv_events(vllm, auto, (1, 1, 1), ONE_HOST, None, "serve[0]")
-    assert not _kv_events(vllm, off, (1, 1, 1), ONE_HOST, None, "serve[0]")
+    assert _kv_events(vllm, auto, (1, 1, 1), ONE_HOST, "serve[0]")
+    assert not _kv_events(vllm, off, (1, 1, 1), ONE_HOST, "serve[0]")
     # other policies too: a switch to cache_aware in place then finds the engines publishing
-    assert _kv_events(vllm, RoutingSpec.of("least_load"), (1, 1, 1), ONE_HOST, None, "serve[0]")
-    assert not _kv_events(llama, auto, (1, 1, 1), ONE_HOST, None, "serve[0]")  # auto: llama.cpp keeps the table
+    assert _kv_events(vllm, RoutingSpec.of("least_load"), (1, 1, 1), ONE_HOST, "serve[0]")
+    assert not _kv_events(llama, auto, (1, 1, 1), ONE_HOST, "serve[0]")  # auto: llama.cpp keeps the table
     # data-parallel engines of one replica publish a stream per rank, when they all run on its host
-    assert _kv_events(vllm, on, (1, 1, 2), ONE_HOST, None, "serve[0]")
-    assert _kv_events(vllm, auto, (4, 1, 1), TWO_HOSTS, None, "serve[0]")  # one engine core, on the first host
-    assert not _kv_events(vllm, auto, (4, 1, 2), TWO_HOSTS, None, "serve[0]")
+    assert _kv_events(vllm, on, (1, 1, 2), ONE_HOST, "serve[0]")
+    assert _kv_events(vllm, auto, (4, 1, 1), TWO_HOSTS, "serve[0]")  # one engine core, on the first host
+    assert not _kv_events(vllm, auto, (4, 1, 2), TWO_HOSTS, "serve[0]")
     with pytest.raises(ConfigError, match="data-parallel engines over several hosts"):
-        _kv_events(vllm, on, (4, 1, 2), TWO_HOSTS, None, "serve[0]")
+        _kv_events(vllm, on, (4, 1, 2), TWO_HOSTS, "serve[0]")
     with pytest.raises(ConfigError, match="llama.cpp publishes no KV-cache events"):
-        _kv_events(llama, on, (1, 1, 1), ONE_HOST, None, "serve[0]")
+        _kv_events(llama, on, (1, 1, 1), ONE_HOST, "serve[0]")
 
 
 def test_a_data_parallel_server_publishes_each_rank_on_the_ports_given_plus_its_rank():
