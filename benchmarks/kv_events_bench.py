@@ -90,16 +90,19 @@ def oracle(replicas: int, cache_blocks: int, customers: int, prefix_blocks: int,
     return simulate(trace, replicas, cache_blocks, block_tokens=1)
 
 
-def simulate(trace, replicas: int, cache_blocks: int, block_tokens: int) -> dict:
+def simulate(trace, replicas: int, cache_blocks: int, block_tokens: int, emptied: dict[int, int] | None = None) -> dict:
     """The oracle: each request of `trace` -- (its prompt's full-block keys in order, the keys of the further blocks
     it stores (its output's), its prompt's tokens) -- goes to the replica holding the most of its prefix (the
     least-used replica on ties), which reuses those blocks (at most the prompt less its last token, as vLLM does),
     then holds every block of the request (LRU, `cache_blocks` per replica). The hit rate is in tokens, as the
-    engines count it: tokens reused / prompt tokens."""
+    engines count it: tokens reused / prompt tokens. `emptied`: request index -> a replica whose cache is emptied
+    before that request (an engine replaced)."""
     caches = [OrderedDict() for _ in range(replicas)]
     load = [0] * replicas
     hits = queries = 0
-    for blocks, stored, prompt_tokens in trace:
+    for n, (blocks, stored, prompt_tokens) in enumerate(trace):
+        if emptied and n in emptied:
+            caches[emptied[n]].clear()
         usable = max(0, (prompt_tokens - 1) // block_tokens)
         held = [sum(1 for _ in _leading(blocks[:usable], cache)) for cache in caches]
         best = max(range(replicas), key=lambda r: (held[r], -load[r]))

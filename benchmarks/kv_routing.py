@@ -20,7 +20,9 @@ Workloads:
   a  shared long prefixes: --customers system prompts of ~--prefix-tokens tokens, Zipf (--zipf) popularity, a short
      new question each (completions, streamed, ignore_eos, --output-len tokens), --concurrency at once
   c  no reuse: random prompts of ~--random-tokens tokens (the cost of the machinery)
-  d  (a) with the router process(es) restarted half-way (in-flight requests drained first; the gap not timed)
+  d  (a) with the router process(es) restarted half-way and an engine replaced at three quarters (its prefix cache
+     emptied, as a replacement's starts: /reset_prefix_cache; in-flight requests drained first, the gaps not timed;
+     the oracle's first replica emptied at the same request)
   e  (a) through --routers router processes, requests spread over them in turn (the project's table processes
      share routing hints through benchmarks/fixed_router.py's file stand-in for the GCS; vllm-router processes
      know nothing of each other)
@@ -220,12 +222,18 @@ class Engines:
     def reset_caches(self) -> None:
         """Every engine's prefix cache emptied, and its AllBlocksCleared published: an idle engine publishes its
         queued events only with its next step, so each is sent a one-token request (before the pass's counters)."""
-        for url in self.urls:
-            request = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
-            urllib.request.urlopen(request, timeout=30).read()
-            body = json.dumps({"model": MODEL, "prompt": "reset", "max_tokens": 1}).encode()
-            step = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
-            urllib.request.urlopen(step, timeout=60).read()
+        for index in range(len(self.urls)):
+            self.replace(index)
+
+    def replace(self, index: int) -> None:
+        """Engine `index` as a replacement would come back: its prefix cache empty (AllBlocksCleared published),
+        everything else as it was (a real restart would take the whole pass)."""
+        url = self.urls[index]
+        request = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+        urllib.request.urlopen(request, timeout=30).read()
+        body = json.dumps({"model": MODEL, "prompt": "reset", "max_tokens": 1}).encode()
+        step = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        urllib.request.urlopen(step, timeout=60).read()
 
     def hit_counters(self) -> tuple[float, float]:
         from flagscale.engines.metrics import engine_metrics
@@ -348,15 +356,16 @@ def _router_counters(url: str, pid: int) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------ load
 
 
-async def drive(urls: list[str], prompts: list[str], args, restart=None) -> dict:
+async def drive(urls: list[str], prompts: list[str], args, breaks=()) -> dict:
     """Closed loop: --concurrency workers take the prompts in order, request n to urls[n % len(urls)], until the
-    trace ends or --pass-s elapse. `restart`: half-way (half the trace issued or half of --pass-s gone, whichever
-    first) the rest wait for the requests in flight, `restart()` runs (it returns the new urls), and the load goes
-    on; the pause is not timed."""
+    trace ends or --pass-s elapse. `breaks`: (fraction, action) in order; once that fraction of the trace is issued
+    or of --pass-s is gone (whichever first), the rest wait for the requests in flight, `action()` runs (a list it
+    returns: the new urls), and the load goes on; the pauses are not timed. The result's `broke_at`: the request
+    index at each break."""
     import aiohttp
 
     records: list[dict[str, Any]] = []
-    state = {"next": 0, "inflight": 0, "paused_s": 0.0, "urls": urls, "restart": restart}
+    state = {"next": 0, "inflight": 0, "paused_s": 0.0, "urls": urls, "breaks": list(breaks), "broke_at": []}
     resumed = asyncio.Event()
     resumed.set()
     began = time.monotonic()
@@ -385,6 +394,17 @@ async def drive(urls: list[str], prompts: list[str], args, restart=None) -> dict
         tokens = usage["completion_tokens"] if usage else chunks
         records.append({"n": n, "ttft_s": (first or time.monotonic()) - started, "tokens": tokens})
 
+    async def pause(n: int) -> None:
+        _, action = state["breaks"].pop(0)
+        resumed.clear()
+        while state["inflight"]:
+            await asyncio.sleep(0.02)
+        paused = time.monotonic()
+        state["broke_at"].append(n)
+        state["urls"] = await asyncio.get_running_loop().run_in_executor(None, action) or state["urls"]
+        state["paused_s"] += time.monotonic() - paused
+        resumed.set()
+
     async def worker(session) -> None:
         while True:
             await resumed.wait()
@@ -392,15 +412,9 @@ async def drive(urls: list[str], prompts: list[str], args, restart=None) -> dict
             if n >= len(prompts) or elapsed > args.pass_s:
                 return
             state["next"] += 1
-            if state["restart"] is not None and (n >= len(prompts) // 2 or elapsed > args.pass_s / 2):
-                state["restart"] = None
-                resumed.clear()
-                while state["inflight"]:
-                    await asyncio.sleep(0.02)
-                paused = time.monotonic()
-                state["urls"] = await asyncio.get_running_loop().run_in_executor(None, restart)
-                state["paused_s"] += time.monotonic() - paused
-                resumed.set()
+            due = state["breaks"] and state["breaks"][0][0]
+            if due and (n >= len(prompts) * due or elapsed > args.pass_s * due):
+                await pause(n)
             state["inflight"] += 1
             try:
                 await one(session, n)
@@ -411,7 +425,7 @@ async def drive(urls: list[str], prompts: list[str], args, restart=None) -> dict
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         await asyncio.gather(*(worker(session) for _ in range(args.concurrency)))
     wall = time.monotonic() - began - state["paused_s"]
-    return {"records": records, "wall_s": wall, "issued": state["next"]}
+    return {"records": records, "wall_s": wall, "issued": state["next"], "broke_at": state["broke_at"]}
 
 
 def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
@@ -473,8 +487,9 @@ def run_pass(system: str, workload: str, ctx: dict[str, Any], args) -> dict[str,
             result = chats(urls[0], args, seed=args.seed + ctx["round"])
         else:
             prompts = ctx["prompts"]["c" if workload == "c" else "a"]
-            restart = (lambda: (group.stop(), group.start())[1]) if workload == "d" else None
-            result = asyncio.run(drive(urls, prompts, args, restart=restart))
+            # (d): the router restarted half-way, an engine replaced (its cache emptied) at three quarters
+            breaks = [(0.5, lambda: (group.stop(), group.start())[1]), (0.75, lambda: engines.replace(0))]
+            result = asyncio.run(drive(urls, prompts, args, breaks if workload == "d" else ()))
         hits1, queries1 = engines.hit_counters()
     finally:
         group.stop()
@@ -485,7 +500,9 @@ def run_pass(system: str, workload: str, ctx: dict[str, Any], args) -> dict[str,
     row["engine_hit_tokens"] = hits
     if workload != "b":
         trace = ctx["oracle"]["c" if workload == "c" else "a"][: result["issued"]]
-        row["oracle_hit_rate"] = simulate(trace, args.engines, ctx["cache_blocks"] - 1, args.block_size)[
+        # (d): the oracle's first replica emptied where the run's first engine was (a replica's cache, either way)
+        emptied = {result["broke_at"][1]: 0} if len(result.get("broke_at") or ()) > 1 else None
+        row["oracle_hit_rate"] = simulate(trace, args.engines, ctx["cache_blocks"] - 1, args.block_size, emptied)[
             "oracle_hit_rate"
         ]  # (vLLM keeps one block of the pool as its null block)
     row["router_cpu_ms_per_request"] = round(group.cpu_s * 1000 / max(1, row["requests"]), 3)

@@ -180,6 +180,23 @@ def test_disaggregated_answers_equal_colocated_ones_and_kv_moves_over_nixl(deplo
     assert engine["kv_transfer_failures"] == 0, engine
     assert "KV pulled" in status_cli(conf, "output=wide").stdout  # a wide column
 
+    # both pools publish their KV-cache events, each routed on its own: every replica's index live, the prefill
+    # engines' holding the prompts they computed, the decode engine's those it pulled (it caches them)
+    def indexed() -> dict | None:
+        roles = replicas_by_role(conf)
+        found = {
+            role: [(r.get("router") or {}).get("kv_index") or {} for r in roles.get(role, [])]
+            for role in ("prefill", "decode")
+        }
+        if len(found["prefill"]) != 2 or len(found["decode"]) != 1:
+            return None
+        if not all(index.get("live") for indexes in found.values() for index in indexes):
+            return None
+        held = found["decode"][0].get("blocks", 0) > 0 and any(i.get("blocks", 0) > 0 for i in found["prefill"])
+        return found if held else None
+
+    wait_for(indexed, STATUS_WAIT_S, "status to show both pools' KV indexes live and holding the prompts' blocks")
+
 
 def test_killing_a_prefill_replica_under_load_fails_no_request(deployment):
     client, conf = deployment["client"], deployment["conf"]

@@ -46,6 +46,53 @@ def test_simulate_evicts_least_recently_used():
     assert result["oracle_hit_rate"] == 0  # [1, 2] were evicted by [3, 4]
 
 
+def test_simulate_empties_a_replica_where_an_engine_was_replaced():
+    trace = [([1, 2], [], 9)] * 3
+    whole = kv_events_bench.simulate(trace, replicas=1, cache_blocks=10, block_tokens=4)
+    emptied = kv_events_bench.simulate(trace, replicas=1, cache_blocks=10, block_tokens=4, emptied={2: 0})
+    assert whole["oracle_hit_rate"] == pytest.approx(16 / 27, abs=1e-4)
+    assert emptied["oracle_hit_rate"] == pytest.approx(8 / 27, abs=1e-4)  # the third request finds nothing
+
+
+def test_drive_pauses_at_each_break_in_order_and_takes_the_new_urls():
+    import asyncio
+
+    from aiohttp import web
+
+    seen: list[tuple[str, int]] = []
+
+    async def scenario():
+        async def completions(request):
+            body = await request.json()
+            seen.append((request.host, int(body["prompt"])))
+            response = web.StreamResponse()
+            await response.prepare(request)
+            await response.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+            return response
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        ports = []
+        for _ in range(2):
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            ports.append(site._server.sockets[0].getsockname()[1])
+        first, second = [f"http://127.0.0.1:{p}" for p in ports]
+        actions: list[str] = []
+        breaks = [(0.5, lambda: actions.append("router") or [second]), (0.75, lambda: actions.append("engine"))]
+        args = kv_routing.parse_args(["--concurrency", "2", "--pass-s", "60"])
+        result = await kv_routing.drive([first], [str(n) for n in range(8)], args, breaks)
+        await runner.cleanup()
+        return result, actions, first, second
+
+    result, actions, first, second = asyncio.run(scenario())
+    assert actions == ["router", "engine"] and result["broke_at"] == [4, 6] and result["issued"] == 8
+    hosts = {n: host for host, n in seen}
+    assert {hosts[n] for n in range(4)} == {first[7:]} and {hosts[n] for n in range(4, 8)} == {second[7:]}
+
+
 def test_the_old_oracle_gives_what_it_gave():
     assert kv_events_bench.oracle(2, 64, 32, 8, 2000, 0)["oracle_hit_rate"] == 0.5756
 
