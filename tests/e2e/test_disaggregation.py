@@ -181,19 +181,25 @@ def test_disaggregated_answers_equal_colocated_ones_and_kv_moves_over_nixl(deplo
     assert "KV pulled" in status_cli(conf, "output=wide").stdout  # a wide column
 
     # both pools publish their KV-cache events, each routed on its own: every replica's index live, the prefill
-    # engines' holding the prompts they computed, the decode engine's those it pulled (it caches them)
+    # engines' holding the prompts they computed, the decode engine's those it pulled (it caches them). The
+    # prompts above fill no whole block of 128 tokens (CPU's) until decoded: one of two blocks goes through too.
+    long = client.completions.create(
+        model="pd", prompt="the prefill pool stores blocks: " + "prefill blocks " * 40, **GREEDY
+    )
+    assert long.usage.prompt_tokens > 256, long.usage
+
     def indexed() -> dict | None:
         roles = replicas_by_role(conf)
         found = {
             role: [(r.get("router") or {}).get("kv_index") or {} for r in roles.get(role, [])]
             for role in ("prefill", "decode")
         }
-        if len(found["prefill"]) != 2 or len(found["decode"]) != 1:
-            return None
-        if not all(index.get("live") for indexes in found.values() for index in indexes):
-            return None
-        held = found["decode"][0].get("blocks", 0) > 0 and any(i.get("blocks", 0) > 0 for i in found["prefill"])
-        return found if held else None
+        live = all(index.get("live") for indexes in found.values() for index in indexes)
+        held = [index.get("blocks", 0) > 0 for index in [*found["decode"], *found["prefill"]]]
+        # the state seen goes into the timeout's message
+        assert len(found["prefill"]) == 2 and len(found["decode"]) == 1 and live, found
+        assert held[0] and any(held[1:]), found
+        return found
 
     wait_for(indexed, STATUS_WAIT_S, "status to show both pools' KV indexes live and holding the prompts' blocks")
 
