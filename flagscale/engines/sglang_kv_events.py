@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from flagscale.engines.cli_flags import flags_of
+from flagscale.engines.kv_events_record import publisher_record
 
 CONFIG_FLAG = "--kv-events-config"
 HASH_ALGO = "sglang_sha256"  # flagscale/router/kv_keys.py computes it
@@ -48,19 +49,17 @@ def kv_events_launch(
         "replay_endpoint": f"tcp://*:{replay_port}",
         "topic": topic,
     }
-    record = {
-        "endpoint": f"tcp://{host}:{pub_port}",
-        "replay_endpoint": f"tcp://{host}:{replay_port}",
-        "topic": topic,
-        "ranks": [
-            {"endpoint": f"tcp://{host}:{pub_port + r}", "replay_endpoint": f"tcp://{host}:{replay_port + r}"}
-            for r in range(ranks)
-        ],
-        "tokenizer": str(flags.get("--tokenizer-path") or flags.get("--model-path") or ""),
-        "tokenizer_revision": flags.get("--revision") or None,
-        "trust_remote_code": flags.get("--trust-remote-code") is True,
-        "chat_template": flags.get("--chat-template") or None,
-        "hash_algo": HASH_ALGO,
-        "hash_seed": "",
-    }
+    record = publisher_record(
+        host,
+        pub_port,
+        replay_port,
+        topic,
+        ranks,
+        tokenizer=str(flags.get("--tokenizer-path") or flags.get("--model-path") or ""),
+        tokenizer_revision=flags.get("--revision") or None,
+        trust_remote_code=flags.get("--trust-remote-code") is True,
+        chat_template=flags.get("--chat-template") or None,
+        hash_algo=HASH_ALGO,
+        hash_seed="",
+    )
     return [CONFIG_FLAG, json.dumps(config)], record

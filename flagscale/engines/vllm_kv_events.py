@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from flagscale.engines.cli_flags import flags_of
+from flagscale.engines.kv_events_record import publisher_record
 
 CONFIG_FLAG = "--kv-events-config"
 # hash functions the router can compute as the engine does: the cryptographic ones, whose first parent is derived
@@ -50,21 +51,17 @@ def kv_events_launch(
         "replay_endpoint": f"tcp://{host}:{replay_port}",
         "topic": topic,
     }
-    record = {
-        "endpoint": f"tcp://{host}:{pub_port}",
-        "replay_endpoint": f"tcp://{host}:{replay_port}",
-        "topic": topic,
-        # each DP rank's publisher, in rank order (the router follows each, and pins a request to a rank by the
-        # X-data-parallel-rank header); one entry for a single engine
-        "ranks": [
-            {"endpoint": f"tcp://{host}:{pub_port + r}", "replay_endpoint": f"tcp://{host}:{replay_port + r}"}
-            for r in range(ranks)
-        ],
-        "tokenizer": str(flags.get("--tokenizer") or flags.get("--model") or ""),
-        "tokenizer_revision": flags.get("--tokenizer-revision") or flags.get("--revision") or None,
-        "trust_remote_code": flags.get("--trust-remote-code") is True,
-        "chat_template": flags.get("--chat-template") or None,
-        "hash_algo": algo,
-        "hash_seed": seed if seed is not None else DEFAULT_NONE_HASH_SEED,
-    }
+    record = publisher_record(
+        host,
+        pub_port,
+        replay_port,
+        topic,
+        ranks,
+        tokenizer=str(flags.get("--tokenizer") or flags.get("--model") or ""),
+        tokenizer_revision=flags.get("--tokenizer-revision") or flags.get("--revision") or None,
+        trust_remote_code=flags.get("--trust-remote-code") is True,
+        chat_template=flags.get("--chat-template") or None,
+        hash_algo=algo,
+        hash_seed=seed if seed is not None else DEFAULT_NONE_HASH_SEED,
+    )
     return [CONFIG_FLAG, json.dumps(config)], record
