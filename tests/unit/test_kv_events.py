@@ -22,6 +22,19 @@ from flagscale.router.policies.adapters import AdapterAware, Placement
 from tests.unit.fakes import upstream
 
 
+def synced_hub(tokenizer):
+    """cache_aware over replicas r1 and r2 that publish (no sockets: no loop), their indexes synced, blocks of 16."""
+    policy, (r1, r2) = cache_aware_over("r1", "r2")
+    hub = KVEvents()
+    for up in (r1, r2):
+        up.record.kv_events = {"endpoint": f"tcp://127.0.0.1:1/{up.replica_id}", "tokenizer": str(tokenizer)}
+    hub.sync({"m": [r1.record, r2.record]}, {"m": policy})
+    for up in (r1, r2):
+        index = hub.index.replicas[up.replica_id]
+        index.synced, index.block_size = True, 16
+    return policy, hub, (r1, r2)
+
+
 class FakePublisher:
     """The engine side: every batch published is buffered for replays; `drop` leaves one off the stream."""
 
@@ -209,14 +222,7 @@ def test_the_cost_counts_gpu_blocks_above_cpu_tier_ones_and_keeps_the_load_bound
 
 
 def test_a_long_prompt_is_keyed_in_a_thread_before_it_is_routed(demo_model_path):
-    policy, (r1, r2) = cache_aware_over("r1", "r2")
-    hub = KVEvents()
-    for up in (r1, r2):
-        up.record.kv_events = {"endpoint": f"tcp://127.0.0.1:1/{up.replica_id}", "tokenizer": str(demo_model_path)}
-    hub.sync({"m": [r1.record, r2.record]}, {"m": policy})
-    for up in (r1, r2):
-        index = hub.index.replicas[up.replica_id]
-        index.synced, index.block_size = True, 16
+    policy, hub, (r1, r2) = synced_hub(demo_model_path)
     long_body = {"model": "m", "prompt": "A long document to key off the loop. " * 400}
     early = RequestInfo("m", long_body)
     asyncio.run(hub.prepare(early, policy))
@@ -230,14 +236,7 @@ def test_a_long_prompt_is_keyed_in_a_thread_before_it_is_routed(demo_model_path)
 
 
 def test_a_prompt_is_tokenized_no_further_than_the_first_block_no_replica_holds(demo_model_path):
-    policy, (r1, r2) = cache_aware_over("r1", "r2")
-    hub = KVEvents()
-    for up in (r1, r2):
-        up.record.kv_events = {"endpoint": f"tcp://127.0.0.1:1/{up.replica_id}", "tokenizer": str(demo_model_path)}
-    hub.sync({"m": [r1.record, r2.record]}, {"m": policy})
-    for up in (r1, r2):
-        index = hub.index.replicas[up.replica_id]
-        index.synced, index.block_size = True, 16
+    policy, hub, (r1, r2) = synced_hub(demo_model_path)
     prefixes = hub.model_keys["m"].tokens.prefixes
     prefixes.checked = token_prefixes.CHECKS  # the chunked tokens trusted, as after CHECKS prompts
     tokenized: list[int] = []
