@@ -22,6 +22,7 @@ import json
 import os
 import pickle
 import struct
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,8 +80,9 @@ class BlockHasher:
         self.hash, self.key = scheme.block, scheme.key
         self.none_hash = scheme.first_parent(seed)
         # (parent, block tokens, extra keys) -> its hash: a prefix seen before is hashed by lookups (a tuple's own
-        # hash costs a tenth of pickling and sha256 it); cleared whole when full
-        self._seen: dict[tuple, bytes] = {}
+        # hash costs a tenth of pickling and sha256 it); the oldest dropped one at a time when full (clearing it
+        # whole made the next prompts pay every block's hash at once)
+        self._seen: OrderedDict[tuple, bytes] = OrderedDict()
 
     def keys(
         self,
@@ -102,7 +104,7 @@ class BlockHasher:
         if known is None:
             known = self.hash(item)
             if len(self._seen) >= MAX_SEEN_BLOCKS:
-                self._seen.clear()
+                self._seen.popitem(last=False)
             self._seen[item] = known
         return known
 

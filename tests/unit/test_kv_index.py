@@ -153,6 +153,20 @@ def test_a_shared_seed_gives_the_engines_keys(monkeypatch):
     assert BlockHasher("sha256", "12345").keys(tokens, 16) == _vllm_keys("sha256", tokens, 16)
 
 
+def test_the_block_hash_memo_drops_its_oldest_entries_not_all_of_them(monkeypatch):
+    from flagscale.router import kv_keys
+
+    monkeypatch.setattr(kv_keys, "MAX_SEEN_BLOCKS", 8)
+    hasher = BlockHasher("sha256", "seed")
+    first = hasher.keys(list(range(64)), 16)  # 4 blocks remembered
+    second = hasher.keys(list(range(100, 164)), 16)  # 4 more: full
+    hasher.keys(list(range(200, 232)), 16)  # 2 more: the first prompt's 2 oldest dropped
+    assert len(hasher._seen) == 8
+    remembered = set(hasher._seen.values())
+    assert {block_key(h) for h in remembered} >= set(second)  # the newer prompt is still hashed by lookups
+    assert hasher.keys(list(range(64)), 16) == first  # a dropped block hashes to the same key again
+
+
 # SGLang 0.5.17's own page hash (sglang/srt/mem_cache/cpp_utils/native_hash.py's extension, built once from its
 # wheel) over these tokens at page 16, as its events carry the keys: the digest's first 8 bytes as a signed int64
 SGLANG_TOKENS = [(i * 7919 + 13) % 151000 for i in range(100)]
