@@ -112,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pass-s", type=float, help="a pass stops issuing requests after this long")
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--settle-s", type=float, help="after a router (re)starts, before requests")
+    parser.add_argument(
+        "--balance-abs-threshold", type=int, help="the project's cache_aware routers' load bound (default: theirs)"
+    )
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--gpu-memory-utilization", type=float)
     parser.add_argument("--seed", type=int, default=0)
@@ -260,9 +263,9 @@ def vllm_router_binary() -> str:
 class RouterGroup:
     """One system's router process(es) in front of the engines, their CPU time and /metrics."""
 
-    def __init__(self, system: str, count: int, engines: Engines, procs: Processes, work: Path, settle_s: float):
+    def __init__(self, system: str, count: int, engines: Engines, procs: Processes, work: Path, args) -> None:
         self.system, self.count, self.engines, self.procs = system, count, engines, procs
-        self.work, self.settle_s = work, settle_s
+        self.work, self.settle_s, self.balance = work, args.settle_s, args.balance_abs_threshold
         self.live: list[tuple[Any, str, Any]] = []  # (Popen, url, psutil.Process)
         self.cpu_s = 0.0  # CPU seconds of processes already stopped, counted from their start's settle
         self.baseline: dict[int, float] = {}
@@ -279,6 +282,8 @@ class RouterGroup:
             ]  # fmt: skip
         policy = "round_robin" if self.system == "round_robin" else "cache_aware"
         settings = {"kv_events": self.system == "kv_events"} if policy == "cache_aware" else {}
+        if settings and self.balance is not None:
+            settings["balance_abs_threshold"] = self.balance
         replicas = [{"url": u, "kv_events": k} for u, k in zip(self.engines.urls, self.engines.kv_events)]
         config = {
             "port": port, "app": f"kvbench-{os.getpid()}-{self.starts}", "replicas": replicas, "models": [MODEL],
@@ -477,9 +482,7 @@ def run_pass(system: str, workload: str, ctx: dict[str, Any], args) -> dict[str,
     engines: Engines = ctx["engines"]
     engines.reset_caches()
     time.sleep(0.3)
-    group = RouterGroup(
-        system, args.routers if workload == "e" else 1, engines, ctx["procs"], ctx["work"], args.settle_s
-    )
+    group = RouterGroup(system, args.routers if workload == "e" else 1, engines, ctx["procs"], ctx["work"], args)
     try:
         urls = group.start()
         hits0, queries0 = engines.hit_counters()
