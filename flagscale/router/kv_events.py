@@ -178,6 +178,11 @@ class KVEvents:
         on_gpu, anywhere = self.index.replicas[index_id].depth(keys)
         return on_gpu + CPU_TIER_WEIGHT * (anywhere - on_gpu)
 
+    def reset_at(self, replica_id: str) -> float:
+        """When the replica's engine cache was last found emptied (any of its ranks'); -inf if never."""
+        indexes = self.index.replicas
+        return max((indexes[i].reset_at for i in self.parts.get(replica_id, ()) if i in indexes), default=float("-inf"))
+
     def has_ranks(self, replicas: list[Any]) -> bool:
         """Whether any of these replicas runs several data-parallel engines followed apart."""
         return any(len(self.parts.get(u.replica_id, ())) > 1 for u in replicas)

@@ -54,6 +54,7 @@ class ReplicaIndex:
     lost: int = 0  # batches neither the stream nor a replay delivered (the replay buffer no longer had them)
     restarts: int = 0  # the publisher began again from sequence 0 (its engine restarted)
     cleared: int = 0  # AllBlocksCleared events
+    reset_at: float = float("-inf")  # when the index last found its engine's cache emptied (cleared, restarted)
     evicted: int = 0  # blocks dropped by max_blocks
     events: int = 0
     last_event_at: float | None = None
@@ -73,7 +74,7 @@ class ReplicaIndex:
                 return DUPLICATE
             # an earlier sequence number with a later stamp than anything applied: a new publisher (its engine
             # restarted), whose cache began empty; the caller replays it from its start
-            self.clear()
+            self.clear(now)
             self.restarts += 1
             self.last_seq, self.last_stamp = -1, float("-inf")
             return RESTARTED
@@ -99,7 +100,7 @@ class ReplicaIndex:
                 for block_hash in event.get("block_hashes") or ():
                     hashes.pop(block_key(block_hash), None)
             elif kind == "AllBlocksCleared":
-                self.clear()
+                self.clear(now)
                 self.cleared += 1
         self.events += len(events)
         self.last_stamp = max(self.last_stamp, _stamp(batch))
@@ -124,9 +125,10 @@ class ReplicaIndex:
             self.evicted += 1
             over -= 1
 
-    def clear(self) -> None:
+    def clear(self, now: float) -> None:
         for hashes in self.media.values():
             hashes.clear()
+        self.reset_at = now
 
     def depth(self, keys: list[int]) -> tuple[int, int]:
         """How many leading blocks of `keys` the replica holds: on its GPU, and on its GPU or CPU tier."""

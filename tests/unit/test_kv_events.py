@@ -17,7 +17,7 @@ from flagscale.router import token_prefixes
 from flagscale.router.kv_events import KVEvents
 from flagscale.router.kv_index import GPU
 from flagscale.router.kv_keys import PromptTokens
-from flagscale.router.policies import RequestInfo, make_policy
+from flagscale.router.policies import RequestInfo, cache_aware, make_policy
 from flagscale.router.policies.adapters import AdapterAware, Placement
 from tests.unit.fakes import upstream
 
@@ -140,7 +140,9 @@ def test_cache_aware_goes_by_the_engines_blocks_over_its_table(demo_model_path):
     body = {"model": "m", "prompt": prompt, "max_tokens": 1}
     tokens, _ = PromptTokens(str(demo_model_path)).of(body, 65536)
     keys = hub.model_keys["m"].hasher.keys(tokens, 16)
-    policy.before_request(r1, RequestInfo("m", body))  # the table says: r1 was sent it
+    sent = RequestInfo("m", body)
+    policy._prompt_keys(sent)  # the table says: r1 was sent it (a minute ago: not in flight any more)
+    policy.table.insert(sent.memo["prefix_keys"], "r1", now=time.monotonic() - 60)
     for up in (r1, r2):
         hub.index.replicas[up.replica_id].synced = True
     hub.index.replicas["r2"].media[GPU] = dict.fromkeys(keys)  # the engines say: r2 holds it (r1 evicted it)
@@ -155,6 +157,22 @@ def test_cache_aware_goes_by_the_engines_blocks_over_its_table(demo_model_path):
     assert policy.select([r1, r2], RequestInfo("m", body), time.monotonic())[0] is r1
     assert hub.fallbacks == {("m", "not tokenizable"): 1, ("m", "index not live"): 1}
     assert policy.stats("r2")["kv_index"]["state"] == "silent"
+
+
+def test_a_prompt_just_sent_counts_as_held_until_its_engine_announces_it_or_empties(demo_model_path):
+    policy, hub, (r1, r2) = synced_hub(demo_model_path)
+    body = {"model": "m", "prompt": "A new customer's long system prompt, then a question. " * 12}
+    first = RequestInfo("m", body)
+    assert policy.select([r1, r2], first, time.monotonic())[0] is r1  # nothing held anywhere: by load
+    policy.before_request(r1, first)
+    r1.inflight, r1.sent = 1, r2.sent + 1  # its prefill runs; r1's engine has announced nothing yet
+    burst = RequestInfo("m", body)
+    assert policy.select([r1, r2], burst, time.monotonic())[0] is r1  # not spread to r2 meanwhile
+    assert burst.memo["kv_depths"] == {"r1": 0, "r2": 0}  # (the events' depth, and so the prediction: none)
+    later = time.monotonic() + cache_aware.SENT_FRESH_S + 1  # never announced: no longer taken as held
+    assert policy.select([r1, r2], RequestInfo("m", body), later)[0] is r2
+    hub.index.replicas["r1"].apply(0, [0.0, [{"type": "AllBlocksCleared"}]], time.monotonic())
+    assert policy.select([r1, r2], RequestInfo("m", body), time.monotonic())[0] is r2  # r1's engine emptied since
 
 
 def test_a_disaggregated_models_prefill_pool_is_followed_and_routed_on_its_events(demo_model_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -16,6 +17,7 @@ from flagscale.router.policies.base import Policy, RequestInfo, Settings, rank_r
 
 PREFIX_KEY_BYTES = 12  # a prefix block's key: blake2b of the blocks up to it, this many bytes
 MAX_PREFIX_CHARS = 32_768  # CacheAwareSettings.max_prefix_chars's default; the policy passes its node's
+SENT_FRESH_S = 5.0  # on KV events: a prompt sent to a replica counts as held there this long before its events say
 
 
 @dataclass(frozen=True)
@@ -89,13 +91,13 @@ def prompt_text(body: dict[str, Any], max_chars: int = MAX_PREFIX_CHARS) -> str:
 class PrefixTable:
     """An approximate prefix tree over character blocks: the prompt is cut into blocks of `block_chars`
     characters, block i is keyed by a hash of blocks 0..i (a hash chain, so equal keys mean equal prefixes),
-    and each key maps to the replicas that were sent a prompt with that prefix. Bounded to `max_blocks` keys,
-    least recently used evicted first (deeper blocks of a prompt before shallower ones)."""
+    and each key maps to the replicas that were sent a prompt with that prefix (and when, last). Bounded to
+    `max_blocks` keys, least recently used evicted first (deeper blocks of a prompt before shallower ones)."""
 
     def __init__(self, block_chars: int = 64, max_blocks: int = 100_000):
         self.block_chars = block_chars
         self.max_blocks = max_blocks
-        self.blocks: OrderedDict[bytes, set[str]] = OrderedDict()
+        self.blocks: OrderedDict[bytes, dict[str, float]] = OrderedDict()  # key -> {replica id: sent at}
 
     def keys(self, text: str) -> list[bytes]:
         keys, digest = [], b""
@@ -106,25 +108,27 @@ class PrefixTable:
             keys.append(digest)
         return keys
 
-    def match(self, keys: list[bytes]) -> dict[str, int]:
-        """Replica id -> how many leading blocks of the prompt it was sent."""
+    def match(self, keys: list[bytes], since: Callable[[str], float] | None = None) -> dict[str, int]:
+        """Replica id -> how many leading blocks of the prompt it was sent (`since(replica id)`: sent at or after
+        then)."""
         matched: dict[str, int] = {}
         for depth, key in enumerate(keys, 1):
             holders = self.blocks.get(key)
             if not holders:
                 break
-            for replica_id in holders:
-                if matched.get(replica_id, 0) == depth - 1:  # it holds every block up to this one
-                    matched[replica_id] = depth
+            for replica_id, sent_at in holders.items():
+                if matched.get(replica_id, 0) == depth - 1 and (since is None or sent_at >= since(replica_id)):
+                    matched[replica_id] = depth  # it holds every block up to this one
         return matched
 
-    def insert(self, keys: list[bytes], replica_id: str) -> None:
+    def insert(self, keys: list[bytes], replica_id: str, now: float | None = None) -> None:
+        sent_at = time.monotonic() if now is None else now
         for key in reversed(keys):  # the first block ends up most recently used: evicted last
             holders = self.blocks.get(key)
             if holders is None:
-                self.blocks[key] = {replica_id}
+                self.blocks[key] = {replica_id: sent_at}
             else:
-                holders.add(replica_id)
+                holders[replica_id] = sent_at
                 self.blocks.move_to_end(key)
         while len(self.blocks) > self.max_blocks:
             self.blocks.popitem(last=False)
@@ -132,7 +136,7 @@ class PrefixTable:
     def remove_replica(self, replica_id: str) -> None:
         for key in list(self.blocks):
             holders = self.blocks[key]
-            holders.discard(replica_id)
+            holders.pop(replica_id, None)
             if not holders:
                 del self.blocks[key]
 
@@ -177,21 +181,49 @@ class CacheAware(Policy):
         if len(ranked) < 2 and not (self.exact is not None and self.exact.has_ranks(ranked)):
             return ranked  # (one replica of DP ranks is matched still: before_request picks its rank)
         found = self.exact.match(request, ranked, now) if self.exact is not None else None
-        if found is not None:  # blocks each replica's engine holds, in tokens
-            matched, unit, size = found.depths, found.block_tokens, found.prompt_tokens
-        else:  # the table of what was sent where, in characters
-            matched, unit, size = self.table.match(keys), self.table.block_chars, request.memo["prompt_chars"]
+        reuse = (
+            self._reuse_on_events(found, keys, request, now)
+            if found is not None
+            else self._reuse_on_table(keys, request)
+        )
         least = min(u.inflight for u in ranked)
         best = None
         for upstream in ranked:  # ranked order breaks ties between equally long matches
-            depth = matched.get(upstream.replica_id, 0)
-            if depth and (best is None or depth > matched[best.replica_id]):
+            share = reuse.get(upstream.replica_id, 0.0)
+            if share and (best is None or share > reuse[best.replica_id]):
                 best = upstream
         if best is None or best.inflight > least + self.settings.balance_abs_threshold:
             return ranked
-        if matched[best.replica_id] * unit < self.settings.cache_threshold * size:
+        if reuse[best.replica_id] < self.settings.cache_threshold:
             return ranked  # only a small part is cached (say a shared system prompt): spread by load
         return [best] + [u for u in ranked if u is not best]
+
+    def _reuse_on_table(self, keys: list[bytes], request: RequestInfo) -> dict[str, float]:
+        """Replica id -> the share of the prompt it was sent, by the table."""
+        chars = request.memo["prompt_chars"]
+        if not chars:
+            return {}
+        return {rid: depth * self.table.block_chars / chars for rid, depth in self.table.match(keys).items()}
+
+    def _reuse_on_events(self, found: Any, keys: list[bytes], request: RequestInfo, now: float) -> dict[str, float]:
+        """Replica id -> the share of the prompt its engine holds, by its events; or, where more, the share it was
+        sent in the last SENT_FRESH_S (after its engine's last reset): blocks it is computing or has not announced
+        yet, which a burst of requests for one new prefix would otherwise spread over every replica. A replica
+        among them that publishes no events: the table, as without events."""
+        share = {rid: depth * found.block_tokens / found.prompt_tokens for rid, depth in found.depths.items()}
+        chars = request.memo["prompt_chars"]
+        if not chars or not found.prompt_tokens:
+            return share if found.prompt_tokens else {}
+        exact = self.exact
+
+        def since(replica_id: str) -> float:
+            if replica_id not in found.depths:
+                return float("-inf")
+            return max(now - SENT_FRESH_S, exact.reset_at(replica_id))
+
+        for rid, depth in self.table.match(keys, since).items():
+            share[rid] = max(share.get(rid, 0.0), depth * self.table.block_chars / chars)
+        return share
 
     def before_request(self, upstream, request):
         self.table.insert(self._prompt_keys(request), upstream.replica_id)
