@@ -42,12 +42,14 @@ def gpu_count() -> int:
 
 
 def gpu_apps() -> list[dict[str, Any]]:
-    """Every process with a CUDA context: {"pid", "gpu" (index, as a string), "used_mb"}."""
+    """Every process with a CUDA context: {"pid", "gpu" (index, as a string), "uuid", "used_mb"}."""
     index = {row[1]: row[0] for row in nvidia_smi("--query-gpu=index,uuid") if len(row) == 2}
     apps = []
     for row in nvidia_smi("--query-compute-apps=pid,gpu_uuid,used_memory"):
         with contextlib.suppress(ValueError, IndexError):
-            apps.append({"pid": int(row[0]), "gpu": index.get(row[1], row[1]), "used_mb": float(row[2])})
+            apps.append(
+                {"pid": int(row[0]), "gpu": index.get(row[1], row[1]), "uuid": row[1], "used_mb": float(row[2])}
+            )
     return apps
 
 

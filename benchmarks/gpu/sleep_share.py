@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import sys
 import threading
@@ -60,7 +61,8 @@ def nodes(model_dir: str, sleep_s: float | None, max_model_len: int) -> list[dic
 
 
 class MemorySampler:
-    """nvidia-smi every `every_s` in a thread: (monotonic time, MiB held by every process on the GPUs)."""
+    """nvidia-smi every `every_s` in a thread: (monotonic time, MiB held by every process on the GPUs this process
+    may use: CUDA_VISIBLE_DEVICES's, by index or UUID; all of them when it is unset)."""
 
     def __init__(self, every_s: float = 0.5):
         self.every_s, self.samples = every_s, []
@@ -69,9 +71,14 @@ class MemorySampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            used = sum(app["used_mb"] for app in checks.gpu_apps())
+            used = sum(app["used_mb"] for app in checks.gpu_apps() if self._visible(app))
             self.samples.append((time.monotonic(), used))
             self._stop.wait(self.every_s)
+
+    @staticmethod
+    def _visible(app: dict) -> bool:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return visible is None or bool({app["gpu"], app["uuid"]} & {d.strip() for d in visible.split(",")})
 
     def __enter__(self) -> MemorySampler:
         self._thread.start()
