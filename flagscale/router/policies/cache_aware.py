@@ -210,10 +210,12 @@ class CacheAware(Policy):
         sent in the last SENT_FRESH_S (after its engine's last reset): blocks it is computing or has not announced
         yet, which a burst of requests for one new prefix would otherwise spread over every replica. A replica
         among them that publishes no events: the table, as without events."""
+        if not found.prompt_tokens:
+            return {}
         share = {rid: depth * found.block_tokens / found.prompt_tokens for rid, depth in found.depths.items()}
         chars = request.memo["prompt_chars"]
-        if not chars or not found.prompt_tokens:
-            return share if found.prompt_tokens else {}
+        if not chars:
+            return share
         exact = self.exact
 
         def since(replica_id: str) -> float:
