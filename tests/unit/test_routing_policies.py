@@ -75,6 +75,16 @@ def test_prefix_table_longest_match_and_lru_bound():
     assert table.match(keys_abc) == {"r1": 2, "r2": 2}  # abc's deepest block was evicted, its first ones stay
 
 
+def test_prefix_table_counts_only_what_was_sent_since_a_replicas_own_time():
+    table = PrefixTable(block_chars=4, max_blocks=100)
+    keys = table.keys("aaaabbbbcccc")
+    table.insert(keys, "r1", now=10.0)
+    table.insert(keys[:2], "r2", now=20.0)
+    table.insert(keys[:1], "r1", now=30.0)  # r1 sent the first block again, later
+    assert table.match(keys, since=lambda replica: 15.0) == {"r1": 1, "r2": 2}  # r1's deeper blocks are older
+    assert table.match(keys, since={"r1": 0.0, "r2": 25.0}.get) == {"r1": 3}
+
+
 def test_cache_aware_sends_a_prefix_back_where_it_went():
     policy = make_policy(RoutingSpec(policy="cache_aware"))
     ups = [upstream("r1"), upstream("r2")]
