@@ -218,18 +218,11 @@ def test_a_node_with_kv_events_off_is_not_followed():
 
 
 def test_the_cost_counts_gpu_blocks_above_cpu_tier_ones_and_keeps_the_load_bound(demo_model_path):
-    policy, (r1, r2) = cache_aware_over("r1", "r2")
-    hub = KVEvents()
-    for up in (r1, r2):
-        up.record.kv_events = {"endpoint": f"tcp://127.0.0.1:1/{up.replica_id}", "tokenizer": str(demo_model_path)}
-    hub.sync({"m": [r1.record, r2.record]}, {"m": policy})
+    policy, hub, (r1, r2) = synced_hub(demo_model_path)
     body = {"model": "m", "prompt": "Shared context for the cost test, long enough for some blocks. " * 12}
     tokens, _ = PromptTokens(str(demo_model_path)).of(body, 65536)
     keys = hub.model_keys["m"].hasher.keys(tokens, 16)
     assert len(keys) >= 8
-    for up in (r1, r2):
-        index = hub.index.replicas[up.replica_id]
-        index.synced, index.block_size = True, 16
     hub.index.replicas["r1"].media["CPU"] = dict.fromkeys(keys)  # all of it, on the CPU tier: worth half
     hub.index.replicas["r2"].media[GPU] = dict.fromkeys(keys[: len(keys) // 2 + 1])  # over half, on the GPU
     request = RequestInfo("m", body)
