@@ -216,14 +216,9 @@ class CacheAware(Policy):
         chars = request.memo["prompt_chars"]
         if not chars:
             return share
-        exact = self.exact
-
-        def since(replica_id: str) -> float:
-            if replica_id not in found.depths:
-                return float("-inf")
-            return max(now - SENT_FRESH_S, exact.reset_at(replica_id))
-
-        for rid, depth in self.table.match(keys, since).items():
+        # per replica once (the table asks per block it holds): fresh since SENT_FRESH_S ago or its engine's reset
+        fresh_since = {rid: max(now - SENT_FRESH_S, self.exact.reset_at(rid)) for rid in found.depths}
+        for rid, depth in self.table.match(keys, lambda rid: fresh_since.get(rid, float("-inf"))).items():
             share[rid] = max(share.get(rid, 0.0), depth * self.table.block_chars / chars)
         return share
 
