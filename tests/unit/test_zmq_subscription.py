@@ -92,3 +92,36 @@ def test_a_stream_read_moments_ago_waits_out_the_coalescing_without_spinning_the
             pub.close(0)
 
     asyncio.run(scenario())
+
+
+def test_a_message_that_comes_after_the_coalescing_window_costs_no_timer(monkeypatch):
+    """A quiet stream (an engine's batch every few steps) is read at the FD's wake alone: the reader waits for the
+    message first and sleeps out the coalescing window only when the message came within it."""
+    sleeps: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def counted_sleep(delay: float, *args):
+        sleeps.append(delay)
+        return await real_sleep(delay, *args)
+
+    async def scenario():
+        pub, sub = _pair()
+        try:
+            await _joined(pub, sub)
+            await real_sleep(0.3)  # a probe still on its way is read and dropped
+            list(sub.queued())
+            await pub.send_multipart([b"t", b"read just now"])
+            await asyncio.wait_for(sub.ready(), 10)
+            assert [frames[1] for frames in sub.queued()] == [b"read just now"]
+            monkeypatch.setattr(zmq_subscription.asyncio, "sleep", counted_sleep)
+            reading = asyncio.get_running_loop().create_task(sub.ready())  # asked at once after the last read
+            await real_sleep(zmq_subscription.COALESCE_S * 5)
+            await pub.send_multipart([b"t", b"quiet"])
+            await asyncio.wait_for(reading, 10)
+            assert [frames[1] for frames in sub.queued()] == [b"quiet"]
+            assert sleeps == []
+        finally:
+            sub.close()
+            pub.close(0)
+
+    asyncio.run(scenario())
