@@ -1,7 +1,8 @@
 """Prefix routing on the engines' own KV events against the approximate table, round_robin and vllm-router, on the
 same engines (issue 53's benchmark matrix).
 
-Engines: `--engines` plain vLLM servers started here one after another (no Ray), each with prefix caching, a KV
+Engines: `--engines` plain vLLM servers started here together (no Ray; on a GPU each given its KV cache in bytes,
+so that none profiles memory another is filling; --engines-one-by-one as before), each with prefix caching, a KV
 cache capped by `num_gpu_blocks_override` (sized so that workload (a)'s working set exceeds one engine's cache but
 fits in all of them: --fill x working set / engines), and `--kv-events-config` on two ports of its own
 (flagscale/engines/vllm_kv_events.py, as a replica's engine is planned), with VLLM_SERVER_DEV_MODE so that every
@@ -97,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=["a", "c", "d", "e"])
     parser.add_argument("--size", help="benchmarks/gpu/model.py size, or demo (CPU: demo; GPU: 8b)")
     parser.add_argument("--engines", type=int)
+    parser.add_argument(
+        "--engines-one-by-one", action="store_true", help="each engine healthy before the next starts (as before)"
+    )
     parser.add_argument("--block-size", type=int, help="KV block size in tokens (CPU: 128, vLLM's; GPU: 16)")
     parser.add_argument("--cache-blocks", type=int, help="num_gpu_blocks_override (default: sized by --fill)")
     parser.add_argument("--fill", type=float, default=1.5, help="all engines' caches together / (a)'s working set")
@@ -185,8 +189,21 @@ def cache_blocks_for(prefix_blocks: list[int], engines: int, fill: float, floor_
 # ------------------------------------------------------------------------------------------------ engines
 
 
+def kv_cache_bytes(model_dir: Path, blocks: int, block_size: int) -> int:
+    """What `blocks` KV blocks of the model take on a GPU (bf16 keys and values of every layer), with room to
+    spare: --num-gpu-blocks-override then sets the count, and no engine profiles the GPU's free memory."""
+    config = json.loads((model_dir / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    per_block = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 2 * block_size
+    return int(blocks * per_block * 1.1) + (256 << 20)
+
+
 class Engines:
-    """The plain vLLM servers, each publishing its KV events on two ports of its own; started one after another."""
+    """The plain vLLM servers, each publishing its KV events on two ports of its own. Started together (on a GPU
+    with `--kv-cache-memory-bytes`: no engine profiles the memory another is allocating), or one after another
+    with --engines-one-by-one."""
 
     def __init__(self, args, model_dir: Path, procs: Processes, cache_blocks: int) -> None:
         from flagscale.engines.vllm_kv_events import kv_events_launch
@@ -195,6 +212,8 @@ class Engines:
         self.urls: list[str] = []
         self.kv_events: list[dict[str, Any]] = []
         self.argvs: list[list[str]] = []
+        together = not args.engines_one_by_one
+        starting = []
         for i in range(args.engines):
             port = free_port()
             argv = [
@@ -205,6 +224,8 @@ class Engines:
                 "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--prefix-caching-hash-algo", "sha256",
             ]  # fmt: skip
             argv += ["--load-format", "dummy"] if args.gpu else ["--dtype", "float32", "--max-num-seqs", "16"]
+            if args.gpu and together:
+                argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes(model_dir, cache_blocks, args.block_size))]
             # /reset_prefix_cache between passes; a hash seed shared by every engine and the router (vLLM 0.26
             # draws a random first parent without one), as the orchestrator gives its engines
             env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONHASHSEED": "1234"}
@@ -214,13 +235,17 @@ class Engines:
             assert made is not None, "these engine args rule KV events out"
             argv += made[0]
             self.argvs.append(argv)
-            proc = procs.start(argv, f"engine-{i}", env)
-            url = f"http://127.0.0.1:{port}"
-            started = time.monotonic()
-            wait_healthy(url, 900, f"vLLM engine {i}", proc)  # one after another: each profiles the GPU alone
-            print(f"engine {i} up at {url} in {time.monotonic() - started:.0f} s", flush=True)
-            self.urls.append(url)
+            self.urls.append(f"http://127.0.0.1:{port}")
             self.kv_events.append(made[1])
+            starting.append((i, procs.start(argv, f"engine-{i}", env), time.monotonic()))
+            if not together:  # each profiles the GPU alone
+                self._healthy(*starting.pop())
+        for one in starting:
+            self._healthy(*one)
+
+    def _healthy(self, index: int, proc: Any, started: float) -> None:
+        wait_healthy(self.urls[index], 900, f"vLLM engine {index}", proc)
+        print(f"engine {index} up at {self.urls[index]} in {time.monotonic() - started:.0f} s", flush=True)
 
     def reset_caches(self) -> None:
         """Every engine's prefix cache emptied, and its AllBlocksCleared published: an idle engine publishes its

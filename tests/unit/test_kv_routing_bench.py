@@ -3,6 +3,7 @@ benchmarks/fixed_router.py's file stand-in for the GCS's key-value store."""
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 from pathlib import Path
@@ -163,3 +164,12 @@ def test_file_kv_stands_in_for_the_gcs(tmp_path):
 def test_fixed_records_carry_the_kv_events_endpoints():
     records = fixed_router.records("app", [{"url": "http://a", "kv_events": {"endpoint": "tcp://a:1"}}], ["demo"])
     assert records[0].replica_id == "r0" and records[0].kv_events == {"endpoint": "tcp://a:1"}
+
+
+def test_kv_cache_bytes_hold_the_blocks_of_the_model(tmp_path):
+    """Engines started together get their KV cache in bytes (no profiling of a GPU another engine is filling):
+    room for every block of an 8B shape (2 MiB a 16-token block in bf16), not much more."""
+    config = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    got = kv_routing.kv_cache_bytes(tmp_path, 1000, 16)
+    assert 1000 * (2 << 20) <= got <= 1000 * (2 << 20) * 1.2 + (256 << 20)
