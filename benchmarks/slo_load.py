@@ -33,6 +33,10 @@ slo-load-<ts>.json in it; a .json path: that file), a markdown table printed. Ev
   .venv/bin/python benchmarks/slo_load.py                                  # CPU, every system, --rate 2
   .venv/bin/python benchmarks/slo_load.py --systems slo request_count --rate 3 --target 2
   python3 benchmarks/slo_load.py --gpu --size 1b --out /tmp/slo/slo-load-gpu.json  # 2 GPUs, one per replica
+  python3 benchmarks/slo_load.py --gpu --gpus-per-replica 0.5 --max-replicas 4 --time-scale 2   # 2 GPUs, 1..4
+
+With 1..2 replicas the trace leaves no system under 74 % of static max's replica-seconds (the floor printed with
+the results), so the issue's "<= 60 %" needs a wider range: 1..4 replicas, two a GPU, leave 39 %.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import contextlib
 import functools
 import importlib.util
 import json
+import math
 import os
 import queue
 import subprocess
@@ -88,6 +93,14 @@ SYSTEMS = ("slo", "request_count", "static_max", "static_min")
 CPU_ENGINE_ARGS = {"max_model_len": 512, "max_num_seqs": 16, "gpu_memory_utilization": 0.1, "dtype": "float32"}
 # benchmarks/gpu/bench_gpu.py's GPU engine args, without CUDA graphs (a start in ~40-60 s, not ~100 s)
 GPU_ENGINE_ARGS = {"max_model_len": 2048, "max_num_seqs": 1024, "gpu_memory_utilization": 0.4, "dtype": "bfloat16"}
+
+
+def gpu_engine_args(gpus_per_replica: float) -> dict[str, Any]:
+    """GPU_ENGINE_ARGS for a replica that reserves `gpus_per_replica` of a GPU: replicas that share one fit in it."""
+    share = math.floor(min(GPU_ENGINE_ARGS["gpu_memory_utilization"], 0.8 * gpus_per_replica) * 1000) / 1000
+    return {**GPU_ENGINE_ARGS, "gpu_memory_utilization": share}
+
+
 GPU_ENVS = {**MULTICAST_OFF, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 # (CPU, GPU) defaults of the options that differ
 DEFAULTS = {
@@ -117,6 +130,11 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ladder", type=int, nargs="+", help="calibration streams per replica, rising")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--max-replicas", type=int, default=2)
+    parser.add_argument(
+        "--gpus-per-replica", type=float, default=1.0,
+        help="GPU: the share of a GPU each replica reserves (0.5: two replicas a GPU, so 2 GPUs hold max 4; its "
+        "gpu_memory_utilization follows: 0.4 at most, 0.8 of its share)",
+    )  # fmt: skip
     parser.add_argument("--ttft-ms", type=float, help="SLO: TTFT at p90 (CPU 2000, GPU 500)")
     parser.add_argument("--itl-ms", type=float, help="SLO: inter-token latency at p90 (CPU 250, GPU 50)")
     parser.add_argument("--input-len", type=int, help="CPU 128, GPU 512")
@@ -138,6 +156,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     for key, (cpu, gpu) in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, gpu if args.gpu else cpu)
+    if not 0 < args.gpus_per_replica <= 1:
+        parser.error(f"--gpus-per-replica {args.gpus_per_replica:g}: a share of one GPU, over 0 and at most 1")
     if args.rate is not None:
         args.calibrate = False
     elif not args.calibrate:
@@ -146,7 +166,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resources(system: str, args: argparse.Namespace) -> dict[str, Any]:
-    common: dict[str, Any] = {"num_cpus": 1, **({"num_gpus": 1} if args.gpu else {})}
+    common: dict[str, Any] = {"num_cpus": 1, **({"num_gpus": args.gpus_per_replica} if args.gpu else {})}
     if system == "static_max":
         return {**common, "num_replicas": args.max_replicas}
     if system in ("static_min", "calibrate"):
@@ -184,7 +204,7 @@ class Deployment:
             "action": "run",
             "hydra": {"run": {"dir": "${experiment.exp_dir}/hydra"}},
         }
-        engine = GPU_ENGINE_ARGS if args.gpu else CPU_ENGINE_ARGS
+        engine = gpu_engine_args(args.gpus_per_replica) if args.gpu else CPU_ENGINE_ARGS
         engine_args = {"model": str(args.model_dir), "served_model_name": "demo", **engine, "enforce_eager": True}
         node = {"serve_id": "demo", "engine": "vllm", "engine_args": engine_args, "resources": resources(system, args)}
         (self.conf / "serve.yaml").write_text(yaml.safe_dump(main, sort_keys=False))

@@ -1,0 +1,29 @@
+"""benchmarks/slo_load.py's options: replicas that share a GPU (--gpus-per-replica) reserve their share and fit in
+it together."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import slo_load  # noqa: E402
+
+
+def test_replicas_sharing_a_gpu_reserve_their_share_and_fit_in_it():
+    args = slo_load.arguments(["--gpu", "--gpus-per-replica", "0.5", "--max-replicas", "4"])
+    assert slo_load.resources("static_max", args) == {"num_cpus": 1, "num_gpus": 0.5, "num_replicas": 4}
+    assert slo_load.resources("slo", args)["num_gpus"] == 0.5
+    two, three = slo_load.gpu_engine_args(0.5), slo_load.gpu_engine_args(1 / 3)
+    assert 2 * two["gpu_memory_utilization"] <= 0.8 and 3 * three["gpu_memory_utilization"] <= 0.8
+    assert slo_load.gpu_engine_args(1.0) == slo_load.GPU_ENGINE_ARGS  # a whole GPU: as before
+    assert "num_gpus" not in slo_load.resources("slo", slo_load.arguments([]))  # CPU: no GPU asked
+
+
+@pytest.mark.parametrize("share", ["0", "1.5", "-0.5"])
+def test_a_share_that_is_not_part_of_one_gpu_is_refused(share, capsys):
+    with pytest.raises(SystemExit):
+        slo_load.arguments(["--gpu", "--gpus-per-replica", share])
+    assert "--gpus-per-replica" in capsys.readouterr().err
