@@ -5,12 +5,14 @@ A router process is started with one JSON argument (`router_argv`):
 
   {"port": 8400, "app": "bench", "replicas": [{"url": ..., "kv_events": {...}}, ...], "models": ["demo"],
    "routing": {"demo": {"policy": "cache_aware", "settings": {"kv_events": true}}},
-   "spec": {...further RouterSpec fields...}, "peers_dir": null}
+   "spec": {...further RouterSpec fields...}, "peers_dir": null, "adapter_placement": true}
 
 Each replica is a registry record (flagscale/replica/registry.py) whose `kv_events` is what a replica publishes
 (flagscale/engines/vllm_kv_events.py's kv_events_launch: endpoints, tokenizer, hash). `peers_dir`: several router
 processes of one app share their reports (and so their routing hints, flagscale/router/peers.py) through files in
-that folder, the benchmark's stand-in for Ray's key-value store; none: each process is on its own.
+that folder, the benchmark's stand-in for Ray's key-value store; none: each process is on its own. A model's routing
+{} is the default policy. `adapter_placement` false: LoRA adapters (spec's `adapters`, `max_loras` by the serve_id
+"bench") are counted but not placed, as a router oblivious of them routes (benchmarks/lora_bench.py's baseline).
 """
 
 from __future__ import annotations
@@ -149,6 +151,10 @@ def serve(config: dict[str, Any]) -> None:
     from flagscale.router.router import Router
     from flagscale.router.spec import RouterSpec
 
+    if config.get("adapter_placement") is False:  # the same bookkeeping, no ordering: adapter-oblivious routing
+        from flagscale.router.policies import adapters
+
+        adapters.Placement.order = lambda self, adapter, ranked: ranked
     fixed = records(config["app"], config["replicas"], config["models"])
     registry.list_replicas = lambda app, include_stale=False: fixed  # the benchmark's stand-in for the GCS
     extra = dict(config.get("spec") or {})
@@ -163,7 +169,7 @@ def serve(config: dict[str, Any]) -> None:
         port=int(config["port"]),
         models=dict.fromkeys(config["models"], "bench"),
         pin_cpus=False,
-        routing={model: RoutingSpec.from_json(r) for model, r in config["routing"].items()},
+        routing={m: RoutingSpec.from_json(r) if r else RoutingSpec() for m, r in config.get("routing", {}).items()},
         share_with_peers=bool(config.get("peers_dir")),
         processes=int(config.get("processes", 1)),
         **{"refresh_s": 3600.0, **extra},

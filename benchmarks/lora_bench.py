@@ -12,11 +12,11 @@ after another, 0.4 of its memory each); `--max-loras` (4 CPU, 16 GPU): adapter s
 adapters either way; `--max-cpu-loras` (default: every adapter): the adapters an engine keeps in host memory; one
 not among them is read from disk again when a request needs it.
 
-The router: the project's Router class in a process of its own, its replica list fixed to those engines (no Ray),
-with or without the placement; the placement counts what it would call loads and evictions in both modes (an
-adapter sent to a replica that did not hold it among its last max_loras), per adapter (its /metrics). The plain
-baseline: the same workload straight to the first engine, per replica the fair comparison ("no worse than plain
-vLLM per replica": the router's tok/s over its replicas).
+The router: the project's Router class in a process of its own (benchmarks/fixed_router.py), its replica list
+fixed to those engines (no Ray), with or without the placement; the placement counts what it would call loads and
+evictions in both modes (an adapter sent to a replica that did not hold it among its last max_loras), per adapter
+(its /metrics). The plain baseline: the same workload straight to the first engine, per replica the fair comparison
+("no worse than plain vLLM per replica": the router's tok/s over its replicas).
 
 Workloads (`--workloads`): `zipf`: `--requests` streamed completions, `--concurrency` at once, each for an adapter
 drawn from a Zipf law (s = `--zipf`) over the adapters, a prompt of `--input-len` tokens (0: a short one), `--tokens`
@@ -50,7 +50,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -64,7 +63,7 @@ from flagscale.devices.nvidia import MULTICAST_OFF  # noqa: E402
 from flagscale.net import free_port  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from fixed_router import Processes, wait_healthy  # noqa: E402  (benchmarks/fixed_router.py)
+from fixed_router import Processes, router_argv, wait_healthy  # noqa: E402  (benchmarks/fixed_router.py)
 
 BASE = "demo"
 MODES = ("placed", "oblivious", "plain")
@@ -173,42 +172,6 @@ def load_adapters(url: str, adapters: dict[str, str]) -> None:
             url + "/v1/load_lora_adapter", body, {"Content-Type": "application/json"}, method="POST"
         )
         urllib.request.urlopen(request, timeout=120).read()
-
-
-def serve_router(port: int, urls: list[str], adapters: list[str], max_loras: int, placed: bool) -> None:
-    """One router process: the project's Router over `urls`, each replica serving the base and every adapter;
-    `placed`: the adapters' placement orders replicas, else it only counts (adapter-oblivious routing)."""
-    from flagscale.config.routing import RoutingSpec
-    from flagscale.replica import registry
-    from flagscale.router.policies import adapters as placement_module
-    from flagscale.router.router import Router
-    from flagscale.router.spec import RouterSpec
-
-    if not placed:  # the same bookkeeping, no ordering: the loads and evictions today's routing causes
-        placement_module.Placement.order = lambda self, adapter, ranked: ranked
-    models = [BASE, *adapters]
-    records = [
-        registry.ReplicaRecord(
-            app="lora", serve_id="demo", replica_id=f"r{i}", models=models, url=url, node_id="", node_ip="127.0.0.1",
-            pid=0, engine_pid=0, log_path="", updated_at=time.time() + 10**9,
-        )
-        for i, url in enumerate(urls)
-    ]  # fmt: skip
-    registry.list_replicas = lambda app, include_stale=False: records  # the benchmark's stand-in for the GCS
-    spec = RouterSpec(
-        app="lora",
-        host="127.0.0.1",
-        port=port,
-        models=dict.fromkeys(models, "demo"),
-        pin_cpus=False,
-        routing={model: RoutingSpec() for model in models},
-        refresh_s=3600,
-        share_with_peers=False,
-        adapters=dict.fromkeys(adapters, BASE),
-        max_loras={"demo": max_loras},
-    )
-    Router(spec)
-    threading.Event().wait()
 
 
 def workload(adapters: list[str], requests: int, zipf: float, hot: bool, seed: int) -> list[str]:
@@ -376,8 +339,13 @@ def run_pass(args, procs: Processes, urls: list[str], mode: str, picks: list[str
     router, url = None, urls[0]
     if mode != "plain":
         port = free_port()
-        argv = [sys.executable, __file__, "router", str(port), json.dumps(urls), json.dumps(names)]
-        router = procs.start([*argv, str(args.max_loras), mode], f"router-{mode}")
+        models = [BASE, *names]
+        config = {
+            "port": port, "app": "lora", "replicas": [{"url": u} for u in urls], "models": models,
+            "routing": dict.fromkeys(models, {}), "adapter_placement": mode == "placed",
+            "spec": {"adapters": dict.fromkeys(names, BASE), "max_loras": {"bench": args.max_loras}},
+        }  # fmt: skip
+        router = procs.start(router_argv(config), f"router-{mode}")
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, 60, "the router", router, procs.log_dir / f"router-{mode}.log")
     result = asyncio.run(drive(url, picks, prompts, args, args.pass_max_s))
@@ -507,8 +475,4 @@ def report(args, results: dict[str, list[dict[str, Any]]], setup: dict[str, Any]
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["router"]:
-        port, urls, names, max_loras, mode = sys.argv[2:7]
-        serve_router(int(port), json.loads(urls), json.loads(names), int(max_loras), placed=mode == "placed")
-    else:
-        main()
+    main()
