@@ -205,11 +205,29 @@ def test_logs_show_the_llama_server_log(deployment, client):
 def test_back_to_back_streams_never_meet_a_closed_connection(deployment, client):
     """llama-server closes a connection after each stream although it says Keep-Alive: a router that reused it
     would fail about every second request there and move it to another replica (docs/engines.md)."""
-    moved_before = status_json(deployment)["router"]["moved"]
+    # the router's totals are published every few seconds: read when they show nothing in flight, and again once
+    # they count these 16 streams, so neither read predates what it is compared over
+    before = wait_for(lambda: router_totals(deployment, idle=True), STATUS_WAIT_S, "the router's totals, idle")
     for _ in range(16):
         stream = client.completions.create(model=LLAMA, prompt="hi", max_tokens=4, stream=True)
         assert "".join(c.choices[0].text for c in stream if c.choices)
-    assert status_json(deployment)["router"]["moved"] == moved_before
+    after = wait_for(
+        lambda: router_totals(deployment, served_at_least=served(before) + 16),
+        STATUS_WAIT_S,
+        "the router's totals to count the 16 streams",
+    )
+    assert after["moved"] == before["moved"], after
+
+
+def served(router: dict) -> int:
+    return sum(process["served"] for process in router["processes"].values())
+
+
+def router_totals(deployment, idle: bool = False, served_at_least: int = 0) -> dict | None:
+    router = status_json(deployment).get("router") or {}
+    if not router or (idle and router.get("inflight")) or served(router) < served_at_least:
+        return None
+    return router
 
 
 def test_api_key_guards_llama_server(deployment, client):
