@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -346,20 +346,22 @@ def _keyed(
     """A request's memo entries: its prompt's length in tokens and its block keys (none before the engines stored
     any block: nothing can be reused then), `lora` the adapter (name, path) it runs with; None when it cannot be
     tokenized as the engine would. `held(key)`: whether any replica it may go to holds that block. Blocks chain,
-    so none after the first block no replica holds can be reused anywhere: the prompt is tokenized no further
-    (its length in tokens then estimated from the characters left), and a prompt never seen costs one chunk."""
+    so none after a block no replica holds can be reused anywhere: once a chunk's last block is held nowhere, the
+    prompt is tokenized no further (its length in tokens then estimated from the characters left), and a prompt
+    never seen costs one chunk. (Only a chunk's last block is asked: an engine evicts a prompt's later blocks
+    first, and asking too little only tokenizes further, never keys wrong.)"""
     assert keys.tokens is not None
     growing = keys.tokens.growing(body, MAX_KEYED_CHARS)
     if growing is None:
         return None
     chain = KeyChain(keys.hasher, block, lora, _salt(body)) if block else None
-    tokens: list[int] = []
+    tokens: Sequence[int] = []
     for tokens, covered, cut in growing:
         if chain is None:
             continue
         # a prompt cut short: its last block may tokenize otherwise
         added = chain.extend(tokens, len(tokens) // block - (1 if cut and covered >= 1 else 0))
-        if covered < 1 and held is not None and not all(held(key) for key in added):
+        if covered < 1 and held is not None and added and not held(added[-1]):
             return {"kv_tokens": round(len(tokens) / covered), "kv_keys": chain.keys, "kv_block": block}
     return {"kv_tokens": len(tokens), "kv_keys": chain.keys if chain else [], "kv_block": block or 1}
 

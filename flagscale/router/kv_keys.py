@@ -22,8 +22,10 @@ import json
 import os
 import pickle
 import struct
+import threading
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,9 @@ SCHEMES: dict[str, HashScheme] = {
     "sglang_sha256": HashScheme(_sglang_page, lambda _seed: b"", lambda digest: int.from_bytes(digest[:8], "big")),
 }
 MAX_SEEN_BLOCKS = 200_000  # block hashes remembered per hasher (~60 MB at 128 tokens a block)
+MIN_RUN_BLOCKS = 4  # the blocks one extend of a prompt's keys adds: a run this long or longer is remembered ...
+MAX_RUN_TOKENS = 4096  # ... up to this many tokens (a chunk of text is ~300; a whole prompt keyed at once is not)
+MAX_RUN_BYTES = 32 << 20  # the runs remembered per hasher, counted by their tokens (4 bytes each)
 
 
 class BlockHasher:
@@ -83,6 +88,12 @@ class BlockHasher:
         # hash costs a tenth of pickling and sha256 it); the oldest dropped one at a time when full (clearing it
         # whole made the next prompts pay every block's hash at once)
         self._seen: OrderedDict[tuple, bytes] = OrderedDict()
+        # (parent, the tokens of a run of blocks as uint32 bytes, block size, LoRA) -> (the run's last hash, its
+        # keys): a prompt is keyed a chunk of text at a time (token_prefixes.py), so a long prefix seen before
+        # comes as the same runs, each keyed by one lookup rather than a loop turn per block
+        self._runs: OrderedDict[tuple, tuple[bytes, tuple[int, ...]]] = OrderedDict()
+        self._run_bytes = 0
+        self._runs_lock = threading.Lock()  # the router's loop and its executor threads key prompts at once
 
     def keys(
         self,
@@ -108,6 +119,25 @@ class BlockHasher:
             self._seen[item] = known
         return known
 
+    def run(self, item: tuple) -> tuple[bytes, tuple[int, ...]] | None:
+        """A run of blocks keyed before: (its last block's hash, its keys), or None."""
+        with self._runs_lock:
+            known = self._runs.get(item)
+            if known is not None:
+                self._runs.move_to_end(item)  # a prefix in use stays; runs of one-off prompts are dropped first
+            return known
+
+    def remember_run(self, item: tuple, known: tuple[bytes, tuple[int, ...]]) -> None:
+        """Remember a run, the oldest dropped first beyond MAX_RUN_BYTES of tokens."""
+        with self._runs_lock:
+            if item in self._runs:
+                return
+            self._runs[item] = known
+            self._run_bytes += len(item[1])
+            while self._run_bytes > MAX_RUN_BYTES:
+                dropped, _ = self._runs.popitem(last=False)
+                self._run_bytes -= len(dropped[1])
+
 
 class KeyChain:
     """The block keys of one prompt, extended as more of its tokens are known (a prompt keyed a chunk at a time
@@ -116,24 +146,52 @@ class KeyChain:
     def __init__(self, hasher: BlockHasher, block_size: int, lora: tuple[str, str] | None, cache_salt: str | None):
         self.hasher, self.block_size = hasher, block_size
         self._lora = [("lora", *lora)] if lora else []
+        self._lora_key = tuple(lora) if lora else None
         self._salt = cache_salt
         self._parent = hasher.none_hash
         self.keys: list[int] = []
 
-    def extend(self, tokens: list[int], max_blocks: int | None = None) -> list[int]:
+    def extend(self, tokens: Sequence[int], max_blocks: int | None = None) -> list[int]:
         """Hash the full blocks of `tokens` (the prompt's tokens so far; at most `max_blocks`) not hashed yet;
-        their keys (also appended to self.keys)."""
-        size = self.block_size
-        count = len(tokens) // size if max_blocks is None else min(max_blocks, len(tokens) // size)
-        added = []
+        their keys (also appended to self.keys). The blocks one call adds are a run the hasher may know."""
+        first = len(self.keys)
+        count = (
+            len(tokens) // self.block_size if max_blocks is None else min(max_blocks, len(tokens) // self.block_size)
+        )
+        start = first
+        if start == 0 < count and self._salt:  # the salt is hashed into the first block only
+            self._extend_block(tokens, 0)
+            start = 1
+        if MIN_RUN_BLOCKS <= count - start and (count - start) * self.block_size <= MAX_RUN_TOKENS:
+            self._extend_run(tokens, start, count)
         for i in range(len(self.keys), count):
-            extra = self._lora + ([("cache_salt", self._salt)] if i == 0 and self._salt else [])
-            self._parent = self.hasher.chained(
-                self._parent, tuple(tokens[i * size : (i + 1) * size]), tuple(extra) if extra else None
-            )
-            added.append(self.hasher.key(self._parent))
-        self.keys += added
-        return added
+            self._extend_block(tokens, i)
+        return self.keys[first:]
+
+    def _extend_run(self, tokens: Sequence[int], start: int, end: int) -> None:
+        size = self.block_size
+        run = tokens[start * size : end * size]
+        try:
+            packed = run.tobytes() if isinstance(run, array) else array("I", run).tobytes()
+        except OverflowError:  # an id that is no uint32: block by block
+            return
+        item = (self._parent, packed, size, self._lora_key)
+        known = self.hasher.run(item)
+        if known is None:
+            for i in range(start, end):
+                self._extend_block(tokens, i)
+            self.hasher.remember_run(item, (self._parent, tuple(self.keys[start:end])))
+        else:
+            self._parent, keys = known
+            self.keys += keys
+
+    def _extend_block(self, tokens: Sequence[int], i: int) -> None:
+        size = self.block_size
+        extra = self._lora + ([("cache_salt", self._salt)] if i == 0 and self._salt else [])
+        self._parent = self.hasher.chained(
+            self._parent, tuple(tokens[i * size : (i + 1) * size]), tuple(extra) if extra else None
+        )
+        self.keys.append(self.hasher.key(self._parent))
 
 
 def _token_text(value: Any) -> str | None:
@@ -209,7 +267,7 @@ class PromptTokens:
         text, special = source
         return self.prefixes.encode(text[:max_chars], special), len(text) > max_chars
 
-    def growing(self, body: dict[str, Any], max_chars: int) -> Iterator[tuple[list[int], float, bool]] | None:
+    def growing(self, body: dict[str, Any], max_chars: int) -> Iterator[tuple[Sequence[int], float, bool]] | None:
         """The request's prompt tokens as they grow a chunk at a time (TokenPrefixes.growing): (the tokens so
         far, the share of the prompt's first `max_chars` characters they cover, whether the prompt was cut
         there); None when it cannot be tokenized as the engine would."""

@@ -67,15 +67,16 @@ class TokenPrefixes:
             self._check(text, special, ids)
         return ids if self.exact else self._encode(text, special)
 
-    def growing(self, text: str, special: bool) -> Iterator[tuple[list[int], int]]:
+    def growing(self, text: str, special: bool) -> Iterator[tuple[list[int] | array, int]]:
         """The text's tokens as they grow a chunk at a time: (the tokens of text[:end], end) after each chunk, the
         last with end = len(text); a caller that has seen enough stops, and the rest is never tokenized. Until
-        the chunked tokens are trusted (CHECKS passed), the whole text at once."""
+        the chunked tokens are trusted (CHECKS passed), the whole text at once. The growing tokens are a uint32
+        array (chunks are appended as memory, not as a list's ints)."""
         positions = cuts(text, self._chunk_chars) if self.exact and self.checked >= CHECKS else []
         if not positions:
             yield self.encode(text, special), len(text)
             return
-        ids: list[int] = []
+        ids = array("I")
         for end, chunk in self._chunks_of(text, special, positions):
             ids.extend(chunk)
             yield ids, end

@@ -3,12 +3,14 @@ looked up with (flagscale/router/kv_keys.py): the keys equal the engine's own, c
 
 from __future__ import annotations
 
+import random
 import types
+from array import array
 
 import pytest
 
 from flagscale.router.kv_index import APPLIED, DUPLICATE, GAP, RESTARTED, KVIndex, ReplicaIndex, block_key
-from flagscale.router.kv_keys import BlockHasher, PromptTokens
+from flagscale.router.kv_keys import BlockHasher, KeyChain, PromptTokens
 
 
 def stored(hashes, medium=None, block_size=4):
@@ -165,6 +167,53 @@ def test_the_block_hash_memo_drops_its_oldest_entries_not_all_of_them(monkeypatc
     remembered = set(hasher._seen.values())
     assert {block_key(h) for h in remembered} >= set(second)  # the newer prompt is still hashed by lookups
     assert hasher.keys(list(range(64)), 16) == first  # a dropped block hashes to the same key again
+
+
+def _chunkwise(hasher, tokens, step, lora=None, salt=None, as_array=False):
+    """The keys of `tokens` extended `step` tokens at a time, as a prompt keyed a chunk of text at a time is."""
+    chain = KeyChain(hasher, 16, lora, salt)
+    for end in range(step, len(tokens) + step, step):
+        chain.extend(array("I", tokens[:end]) if as_array else tokens[:end])
+    return chain.keys
+
+
+@pytest.mark.parametrize("lora, salt", [(None, None), (("sql", "/a"), None), (None, "tenant-7")])
+def test_a_prefix_keyed_again_is_keyed_by_runs_to_the_same_keys(lora, salt):
+    rng = random.Random(3)
+    shared = [rng.randrange(70_000) for _ in range(400)]
+    first, second = shared + [1] * 200, shared + [2] * 200
+    hasher = BlockHasher("sha256", "seed")
+    assert _chunkwise(hasher, first, 100, lora, salt) == BlockHasher("sha256", "seed").keys(first, 16, lora, salt)
+    chained, calls = hasher.chained, []
+    hasher.chained = lambda *args: calls.append(args) or chained(*args)
+    keys = _chunkwise(hasher, second, 100, lora, salt, as_array=True)
+    assert keys == BlockHasher("sha256", "seed").keys(second, 16, lora, salt)
+    # the shared 25 blocks came from the runs remembered (a salted first block apart): a loop turn for each block
+    # after them only
+    assert len(calls) == len(second) // 16 - len(shared) // 16 + (1 if salt else 0)
+    # the same tokens under another adapter: other keys, not the runs remembered
+    other = BlockHasher("sha256", "seed").keys(first, 16, ("other", "/o"), salt)
+    assert _chunkwise(hasher, first, 100, ("other", "/o"), salt) == other != keys
+
+
+def test_ids_that_are_no_uint32_are_keyed_block_by_block():
+    tokens = [2**40 + i for i in range(100)]
+    assert _chunkwise(BlockHasher("sha256", "s"), tokens, 50) == BlockHasher("sha256", "s").keys(tokens, 16)
+
+
+def test_the_run_memo_keeps_to_its_bound_and_drops_the_least_recently_used(monkeypatch):
+    from flagscale.router import kv_keys
+
+    monkeypatch.setattr(kv_keys, "MAX_RUN_BYTES", 3 * 64 * 4)  # three runs of 64 tokens
+    hasher = BlockHasher("sha256", "seed")
+    prompts = [list(range(base, base + 64)) for base in (0, 1000, 2000, 3000)]
+    for tokens in prompts[:3]:
+        hasher.keys(tokens, 16)
+    hasher.keys(prompts[0], 16)  # used again: now the most recent
+    hasher.keys(prompts[3], 16)  # a fourth: the least recently used (prompts[1]'s) dropped
+    assert hasher._run_bytes <= kv_keys.MAX_RUN_BYTES and len(hasher._runs) == 3
+    kept = {bytes(item[1]) for item in hasher._runs}
+    assert array("I", prompts[0]).tobytes() in kept and array("I", prompts[1]).tobytes() not in kept
 
 
 # SGLang 0.5.17's own page hash (sglang/srt/mem_cache/cpp_utils/native_hash.py's extension, built once from its
