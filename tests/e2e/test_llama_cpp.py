@@ -3,7 +3,8 @@
 The config is FlagScale v1.0-shaped: `experiment.task.backend: llama_cpp` gives the node without `engine` its
 engine; the vLLM node says `engine: vllm` (the mixed case). One deployment is shared by the module, in order:
 refusals before start (dryrun) -> serve -> both models through the OpenAI SDK (completion, streamed chat) ->
-status names each replica's engine kind and reads llama.cpp's load -> logs show llama-server's own lines -> the
+status names each replica's engine kind and reads llama.cpp's load -> the vLLM replica is routed on its engine's
+KV events, llama.cpp's on the approximate table (status says which) -> logs show llama-server's own lines -> the
 key guards llama-server -> a killed llama-server's requests go to the other replica, which Serve replaces ->
 an engine arg change (--parallel) updates in place -> stop leaves no llama-server.
 """
@@ -192,6 +193,26 @@ def test_status_names_each_engine_and_reads_llama_cpp_load(deployment, client):
     table = status_cli(deployment["conf"])
     assert table.returncode == 0 and "llama_cpp" in table.stdout, table.stdout
     record_llama_servers(deployment)
+
+
+def test_vllm_is_routed_on_its_kv_events_and_llama_cpp_on_the_approximate_table(deployment, client):
+    prompt = " ".join(["the router keeps what each engine holds in its cache"] * 14)  # ~380 tokens: 2 full blocks
+    for model in (LLAMA, VLLM):
+        client.completions.create(model=model, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True})
+
+    def sources_read() -> list[dict]:
+        replicas = status_json(deployment)["replicas"]
+        vllm = [r for r in replicas if r["engine_kind"] == "vllm"]
+        llama = [r for r in replicas if r["engine_kind"] == "llama_cpp"]
+        index = (vllm[0].get("router") or {}).get("kv_index") or {}
+        assert vllm[0]["kv_events"].startswith("tcp://") and index.get("live") and index.get("blocks", 0) > 0, vllm
+        assert all(not r["kv_events"] and "kv_index" not in (r.get("router") or {}) for r in llama), llama
+        assert any((r.get("router") or {}).get("prefix_blocks", 0) > 0 for r in llama), llama  # the table in use
+        return replicas
+
+    wait_for(sources_read, STATUS_WAIT_S, "the vLLM replica's KV-event index to hold the prompt's blocks")
+    wide = status_cli(deployment["conf"], "output=wide")
+    assert wide.returncode == 0 and "approximate" in wide.stdout and "live" in wide.stdout, wide.stdout
 
 
 def test_logs_show_the_llama_server_log(deployment, client):
