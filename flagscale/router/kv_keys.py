@@ -69,10 +69,59 @@ SCHEMES: dict[str, HashScheme] = {
     "sha256_cbor": HashScheme(_cbor_sha256, _cbor_sha256, block_key),
     "sglang_sha256": HashScheme(_sglang_page, lambda _seed: b"", lambda digest: int.from_bytes(digest[:8], "big")),
 }
-MAX_SEEN_BLOCKS = 200_000  # block hashes remembered per hasher (~60 MB at 128 tokens a block)
+# The hasher's memos, each an LRU bounded by what its entries hold (tokens as uint32 bytes, keys, and the
+# dict's own share per entry, measured with psutil: ~230 bytes); per model, so a router's keying holds at most
+# TokenPrefixes' 16 MB of tokens and these
+MAX_SEEN_BYTES = 48 << 20  # block hashes: ~190k blocks of 16 tokens, ~60k of 128
+MAX_RUN_BYTES = 32 << 20  # runs of blocks
+ENTRY_BYTES = 230
 MIN_RUN_BLOCKS = 4  # the blocks one extend of a prompt's keys adds: a run this long or longer is remembered ...
 MAX_RUN_TOKENS = 4096  # ... up to this many tokens (a chunk of text is ~300; a whole prompt keyed at once is not)
-MAX_RUN_BYTES = 32 << 20  # the runs remembered per hasher, counted by their tokens (4 bytes each)
+
+
+class BoundedMemo:
+    """A map from keys to what they cost to compute, least recently used dropped first beyond `max_bytes` as
+    `size(key, value)` counts them; the router's loop and its executor threads key prompts at once."""
+
+    def __init__(self, max_bytes: int, size: Callable[[tuple, Any], int]):
+        self.max_bytes, self._size = max_bytes, size
+        self._items: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: tuple) -> Any:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)  # in use: stays; one-off prompts' entries go first
+            return value
+
+    def put(self, key: tuple, value: Any) -> None:
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = value
+            self.bytes += self._size(key, value)
+            while self.bytes > self.max_bytes:
+                dropped = self._items.popitem(last=False)
+                self.bytes -= self._size(*dropped)
+
+    def keys(self) -> list[tuple]:
+        with self._lock:
+            return list(self._items)
+
+
+def _packed(tokens: Sequence[int]) -> bytes | tuple:
+    """Tokens as a memo keys them: uint32 bytes (4 a token), or a tuple of an id that does not fit."""
+    if isinstance(tokens, array):
+        return tokens.tobytes()
+    try:
+        return array("I", tokens).tobytes()
+    except OverflowError:
+        return tuple(tokens)
 
 
 class BlockHasher:
@@ -84,16 +133,13 @@ class BlockHasher:
         scheme = SCHEMES[algo]
         self.hash, self.key = scheme.block, scheme.key
         self.none_hash = scheme.first_parent(seed)
-        # (parent, block tokens, extra keys) -> its hash: a prefix seen before is hashed by lookups (a tuple's own
-        # hash costs a tenth of pickling and sha256 it); the oldest dropped one at a time when full (clearing it
-        # whole made the next prompts pay every block's hash at once)
-        self._seen: OrderedDict[tuple, bytes] = OrderedDict()
-        # (parent, the tokens of a run of blocks as uint32 bytes, block size, LoRA) -> (the run's last hash, its
-        # keys): a prompt is keyed a chunk of text at a time (token_prefixes.py), so a long prefix seen before
-        # comes as the same runs, each keyed by one lookup rather than a loop turn per block
-        self._runs: OrderedDict[tuple, tuple[bytes, tuple[int, ...]]] = OrderedDict()
-        self._run_bytes = 0
-        self._runs_lock = threading.Lock()  # the router's loop and its executor threads key prompts at once
+        # (parent, block tokens, extra keys) -> its hash: a prefix seen before is hashed by lookups (a dict lookup
+        # costs a tenth of pickling and sha256 it)
+        self._seen = BoundedMemo(MAX_SEEN_BYTES, lambda key, _: len(key[1]) + ENTRY_BYTES)
+        # (parent, the tokens of a run of blocks, block size, LoRA) -> (the run's last hash, its keys): a prompt is
+        # keyed a chunk of text at a time (token_prefixes.py), so a long prefix seen before comes as the same runs,
+        # each keyed by one lookup rather than a lookup per block
+        self._runs = BoundedMemo(MAX_RUN_BYTES, lambda key, value: len(key[1]) + 36 * len(value[1]) + ENTRY_BYTES)
 
     def keys(
         self,
@@ -108,35 +154,21 @@ class BlockHasher:
         chain.extend(tokens, max_blocks)
         return chain.keys
 
-    def chained(self, parent: bytes, block: tuple, extra: tuple | None) -> bytes:
+    def chained(self, parent: bytes, block: Sequence[int], extra: tuple | None) -> bytes:
         """The hash of a block whose parent hash is `parent`."""
-        item = (parent, block, extra)
+        item = (parent, _packed(block), extra)
         known = self._seen.get(item)
         if known is None:
-            known = self.hash(item)
-            if len(self._seen) >= MAX_SEEN_BLOCKS:
-                self._seen.popitem(last=False)
-            self._seen[item] = known
+            known = self.hash((parent, tuple(block), extra))
+            self._seen.put(item, known)
         return known
 
     def run(self, item: tuple) -> tuple[bytes, tuple[int, ...]] | None:
         """A run of blocks keyed before: (its last block's hash, its keys), or None."""
-        with self._runs_lock:
-            known = self._runs.get(item)
-            if known is not None:
-                self._runs.move_to_end(item)  # a prefix in use stays; runs of one-off prompts are dropped first
-            return known
+        return self._runs.get(item)
 
     def remember_run(self, item: tuple, known: tuple[bytes, tuple[int, ...]]) -> None:
-        """Remember a run, the oldest dropped first beyond MAX_RUN_BYTES of tokens."""
-        with self._runs_lock:
-            if item in self._runs:
-                return
-            self._runs[item] = known
-            self._run_bytes += len(item[1])
-            while self._run_bytes > MAX_RUN_BYTES:
-                dropped, _ = self._runs.popitem(last=False)
-                self._run_bytes -= len(dropped[1])
+        self._runs.put(item, known)
 
 
 class KeyChain:
@@ -170,12 +202,7 @@ class KeyChain:
 
     def _extend_run(self, tokens: Sequence[int], start: int, end: int) -> None:
         size = self.block_size
-        run = tokens[start * size : end * size]
-        try:
-            packed = run.tobytes() if isinstance(run, array) else array("I", run).tobytes()
-        except OverflowError:  # an id that is no uint32: block by block
-            return
-        item = (self._parent, packed, size, self._lora_key)
+        item = (self._parent, _packed(tokens[start * size : end * size]), size, self._lora_key)
         known = self.hasher.run(item)
         if known is None:
             for i in range(start, end):
@@ -189,7 +216,7 @@ class KeyChain:
         size = self.block_size
         extra = self._lora + ([("cache_salt", self._salt)] if i == 0 and self._salt else [])
         self._parent = self.hasher.chained(
-            self._parent, tuple(tokens[i * size : (i + 1) * size]), tuple(extra) if extra else None
+            self._parent, tokens[i * size : (i + 1) * size], tuple(extra) if extra else None
         )
         self.keys.append(self.hasher.key(self._parent))
 

@@ -10,7 +10,7 @@ from array import array
 import pytest
 
 from flagscale.router.kv_index import APPLIED, DUPLICATE, GAP, RESTARTED, KVIndex, ReplicaIndex, block_key
-from flagscale.router.kv_keys import BlockHasher, KeyChain, PromptTokens
+from flagscale.router.kv_keys import BlockHasher, BoundedMemo, KeyChain, PromptTokens
 
 
 def stored(hashes, medium=None, block_size=4):
@@ -155,17 +155,29 @@ def test_a_shared_seed_gives_the_engines_keys(monkeypatch):
     assert BlockHasher("sha256", "12345").keys(tokens, 16) == _vllm_keys("sha256", tokens, 16)
 
 
-def test_the_block_hash_memo_drops_its_oldest_entries_not_all_of_them(monkeypatch):
+def test_a_bounded_memo_drops_the_least_recently_used_entries_past_its_bytes():
+    memo = BoundedMemo(30, lambda key, value: len(key[0]) + value)
+    for name in ("a", "b", "c"):
+        memo.put((name * 5,), 5)  # 10 bytes each: full
+    assert memo.get(("aaaaa",)) == 5  # used: now the most recent
+    memo.put(("ddddd",), 5)  # past 30: the least recently used ("b") dropped, not all of them
+    assert memo.keys() == [("ccccc",), ("aaaaa",), ("ddddd",)] and memo.bytes == 30
+    memo.put(("e" * 15,), 0)  # a larger one drops as many as it takes
+    assert memo.keys() == [("ddddd",), ("e" * 15,)] and memo.bytes == 25
+
+
+def test_the_block_hash_memo_keeps_to_its_bound_and_a_dropped_block_hashes_alike(monkeypatch):
     from flagscale.router import kv_keys
 
-    monkeypatch.setattr(kv_keys, "MAX_SEEN_BLOCKS", 8)
+    monkeypatch.setattr(kv_keys, "MAX_SEEN_BYTES", 8 * (16 * 4 + kv_keys.ENTRY_BYTES))  # 8 blocks of 16 tokens
+    monkeypatch.setattr(kv_keys, "MIN_RUN_BLOCKS", 10**6)  # block by block
     hasher = BlockHasher("sha256", "seed")
     first = hasher.keys(list(range(64)), 16)  # 4 blocks remembered
-    second = hasher.keys(list(range(100, 164)), 16)  # 4 more: full
+    hasher.keys(list(range(100, 164)), 16)  # 4 more: full
     hasher.keys(list(range(200, 232)), 16)  # 2 more: the first prompt's 2 oldest dropped
-    assert len(hasher._seen) == 8
-    remembered = set(hasher._seen.values())
-    assert {block_key(h) for h in remembered} >= set(second)  # the newer prompt is still hashed by lookups
+    assert len(hasher._seen) == 8 and hasher._seen.bytes <= kv_keys.MAX_SEEN_BYTES
+    remembered = {key[1] for key in hasher._seen.keys()}
+    assert all(array("I", range(base, base + 16)).tobytes() in remembered for base in (100, 116, 132, 148))
     assert hasher.keys(list(range(64)), 16) == first  # a dropped block hashes to the same key again
 
 
@@ -201,19 +213,16 @@ def test_ids_that_are_no_uint32_are_keyed_block_by_block():
     assert _chunkwise(BlockHasher("sha256", "s"), tokens, 50) == BlockHasher("sha256", "s").keys(tokens, 16)
 
 
-def test_the_run_memo_keeps_to_its_bound_and_drops_the_least_recently_used(monkeypatch):
+def test_the_run_memo_keeps_to_its_bound(monkeypatch):
     from flagscale.router import kv_keys
 
-    monkeypatch.setattr(kv_keys, "MAX_RUN_BYTES", 3 * 64 * 4)  # three runs of 64 tokens
+    monkeypatch.setattr(kv_keys, "MAX_RUN_BYTES", 3 * (64 * 4 + 36 * 4 + kv_keys.ENTRY_BYTES))  # three 4-block runs
     hasher = BlockHasher("sha256", "seed")
     prompts = [list(range(base, base + 64)) for base in (0, 1000, 2000, 3000)]
-    for tokens in prompts[:3]:
+    for tokens in prompts:
         hasher.keys(tokens, 16)
-    hasher.keys(prompts[0], 16)  # used again: now the most recent
-    hasher.keys(prompts[3], 16)  # a fourth: the least recently used (prompts[1]'s) dropped
-    assert hasher._run_bytes <= kv_keys.MAX_RUN_BYTES and len(hasher._runs) == 3
-    kept = {bytes(item[1]) for item in hasher._runs}
-    assert array("I", prompts[0]).tobytes() in kept and array("I", prompts[1]).tobytes() not in kept
+    assert len(hasher._runs) == 3 and hasher._runs.bytes <= kv_keys.MAX_RUN_BYTES
+    assert hasher.keys(prompts[0], 16) == BlockHasher("sha256", "seed").keys(prompts[0], 16)  # dropped: rehashed
 
 
 # SGLang 0.5.17's own page hash (sglang/srt/mem_cache/cpp_utils/native_hash.py's extension, built once from its
