@@ -72,7 +72,7 @@ SCHEMES: dict[str, HashScheme] = {
 # The hasher's memos, each an LRU bounded by what its entries hold (tokens as uint32 bytes, keys, and the
 # dict's own share per entry, measured with psutil: ~230 bytes); per model, so a router's keying holds at most
 # TokenPrefixes' 16 MB of tokens and these
-MAX_SEEN_BYTES = 48 << 20  # block hashes: ~190k blocks of 16 tokens, ~60k of 128
+MAX_SEEN_BYTES = 48 << 20  # block hashes: ~170k blocks of 16 tokens, ~65k of 128
 MAX_RUN_BYTES = 32 << 20  # runs of blocks
 ENTRY_BYTES = 230
 MIN_RUN_BLOCKS = 4  # the blocks one extend of a prompt's keys adds: a run this long or longer is remembered ...
