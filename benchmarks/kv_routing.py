@@ -39,6 +39,7 @@ cached against the engines' own hits, and requests that fell back to the table. 
 
   .venv/bin/python benchmarks/kv_routing.py                   # CPU smoke: 2 engines of the demo model
   python3 benchmarks/kv_routing.py --gpu --output /tmp/kv_routing.json    # 4 engines on one GPU (8b, dummy weights)
+  python3 benchmarks/kv_routing.py --gpu --gpus 2 --engines 2              # an engine per GPU: balance counts there
 
 Everything it started is stopped (by process group), also on error or Ctrl-C.
 """
@@ -98,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=["a", "c", "d", "e"])
     parser.add_argument("--size", help="benchmarks/gpu/model.py size, or demo (CPU: demo; GPU: 8b)")
     parser.add_argument("--engines", type=int)
+    parser.add_argument(
+        "--gpus", type=int, default=1, help="with --gpu: the engines dealt over this many GPUs (default: all on one)"
+    )
     parser.add_argument(
         "--engines-one-by-one", action="store_true", help="each engine healthy before the next starts (as before)"
     )
@@ -200,6 +204,15 @@ def kv_cache_bytes(model_dir: Path, blocks: int, block_size: int) -> int:
     return int(blocks * per_block * 1.1) + (256 << 20)
 
 
+def engine_device(index: int, gpus: int, visible: str | None) -> str:
+    """The GPU engine `index` runs on with --gpus: the engines dealt round-robin over the first `gpus` of the
+    visible devices (CUDA_VISIBLE_DEVICES, else 0..gpus-1)."""
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(n) for n in range(gpus)]
+    if len(devices) < gpus:
+        raise SystemExit(f"--gpus {gpus}: only {len(devices)} visible (CUDA_VISIBLE_DEVICES={visible!r})")
+    return devices[index % gpus]
+
+
 class Engines:
     """The plain vLLM servers, each publishing its KV events on two ports of its own. Started together (on a GPU
     with `--kv-cache-memory-bytes`: no engine profiles the memory another is allocating), or one after another
@@ -231,6 +244,8 @@ class Engines:
             env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONHASHSEED": "1234"}
             if not args.gpu:  # each engine's model worker on a core of its own, as the orchestrator binds them
                 env |= {"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}
+            elif args.gpus > 1:
+                env |= {"CUDA_VISIBLE_DEVICES": engine_device(i, args.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))}
             made = kv_events_launch(argv, "127.0.0.1", free_port(), free_port(), f"kv@r{i}", env)
             assert made is not None, "these engine args rule KV events out"
             argv += made[0]

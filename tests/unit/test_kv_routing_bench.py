@@ -173,3 +173,10 @@ def test_kv_cache_bytes_hold_the_blocks_of_the_model(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     got = kv_routing.kv_cache_bytes(tmp_path, 1000, 16)
     assert 1000 * (2 << 20) <= got <= 1000 * (2 << 20) * 1.2 + (256 << 20)
+
+
+def test_engines_are_dealt_over_the_visible_gpus():
+    assert [kv_routing.engine_device(i, 2, None) for i in range(4)] == ["0", "1", "0", "1"]
+    assert [kv_routing.engine_device(i, 2, "3, 5,7") for i in range(3)] == ["3", "5", "3"]
+    with pytest.raises(SystemExit, match="--gpus 4: only 2 visible"):
+        kv_routing.engine_device(0, 4, "0,1")
