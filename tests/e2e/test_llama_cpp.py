@@ -211,8 +211,13 @@ def test_vllm_is_routed_on_its_kv_events_and_llama_cpp_on_the_approximate_table(
         return replicas
 
     wait_for(sources_read, STATUS_WAIT_S, "the vLLM replica's KV-event index to hold the prompt's blocks")
-    wide = status_cli(deployment["conf"], "output=wide")
-    assert wide.returncode == 0 and "approximate" in wide.stdout and "live" in wide.stdout, wide.stdout
+
+    def wide_says_which() -> str:
+        wide = status_cli(deployment["conf"], "output=wide")
+        assert wide.returncode == 0 and "approximate" in wide.stdout and "live" in wide.stdout, wide.stdout
+        return wide.stdout
+
+    wait_for(wide_says_which, STATUS_WAIT_S, "status output=wide to say 'approximate' for llama.cpp, 'live' for vLLM")
 
 
 def test_logs_show_the_llama_server_log(deployment, client):
