@@ -72,7 +72,15 @@ from fixed_router import Processes, router_argv, wait_healthy  # noqa: E402  (be
 from kv_events_bench import simulate  # noqa: E402  (benchmarks/kv_events_bench.py: the oracle)
 
 MODEL = "demo"  # served model name (benchmarks/routing.py's chats ask for this one too)
-SYSTEMS = ("kv_events", "table", "round_robin", "vllm_router")
+SYSTEMS = (
+    "kv_events", "table", "round_robin", "vllm_router", "kv_prefill", "table_prefill", "kv_inflight", "table_inflight"
+)  # fmt: skip
+# the project's cache_aware systems: (on KV events, balance_by: None = the default; *_prefill / *_inflight the
+# load weighed as prefill characters / in-flight requests, whichever the default is)
+CACHE_AWARE = {
+    "kv_events": (True, None), "table": (False, None), "kv_prefill": (True, "prefill"),
+    "table_prefill": (False, "prefill"), "kv_inflight": (True, "inflight"), "table_inflight": (False, "inflight"),
+}  # fmt: skip
 WORKLOADS = ("a", "c", "d", "e", "b")
 # the demo tokenizer's words (one or two tokens each), as benchmarks/routing.py writes its prompts
 WORDS = (
@@ -95,7 +103,7 @@ GPU_DEFAULTS = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpu", action="store_true", help="GPU sizes (4 engines on one GPU, 8b dummy weights)")
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS[:4]))
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=["a", "c", "d", "e"])
     parser.add_argument("--size", help="benchmarks/gpu/model.py size, or demo (CPU: demo; GPU: 8b)")
     parser.add_argument("--engines", type=int)
@@ -320,10 +328,14 @@ class RouterGroup:
                 vllm_router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
                 "--log-level", "warning", "--prometheus-port", str(free_port()), "--worker-urls", *self.engines.urls,
             ]  # fmt: skip
-        policy = "round_robin" if self.system == "round_robin" else "cache_aware"
-        settings = {"kv_events": self.system == "kv_events"} if policy == "cache_aware" else {}
-        if settings and self.balance is not None:
-            settings["balance_abs_threshold"] = self.balance
+        policy = "cache_aware" if self.system in CACHE_AWARE else "round_robin"
+        settings: dict[str, Any] = {}
+        if policy == "cache_aware":
+            settings["kv_events"], balance_by = CACHE_AWARE[self.system]
+            if balance_by is not None:
+                settings["balance_by"] = balance_by
+            if self.balance is not None:
+                settings["balance_abs_threshold"] = self.balance
         replicas = [{"url": u, "kv_events": k} for u, k in zip(self.engines.urls, self.engines.kv_events)]
         config = {
             "port": port, "app": f"kvbench-{os.getpid()}-{self.starts}", "replicas": replicas, "models": [MODEL],
@@ -549,7 +561,7 @@ def run_pass(system: str, workload: str, ctx: dict[str, Any], args) -> dict[str,
             "oracle_hit_rate"
         ]  # (vLLM keeps one block of the pool as its null block)
     row["router_cpu_ms_per_request"] = round(group.cpu_s * 1000 / max(1, row["requests"]), 3)
-    if system == "kv_events":
+    if CACHE_AWARE.get(system, (False,))[0]:
         row["predicted_hit_tokens"] = group.router_metrics.get(ROUTER_COUNTERS[0])
         row["kv_fallbacks"] = group.router_metrics.get(ROUTER_COUNTERS[1])
     print(json.dumps({k: v for k, v in row.items() if k != "errors" or v}), flush=True)
@@ -589,9 +601,9 @@ def medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float |
     return out
 
 
-def targets(meds: dict[str, dict[str, dict[str, float | None]]]) -> list[dict[str, Any]]:
-    """The issue's targets for the KV-events system, each with its measured value and whether it is met (None:
-    a system it compares with was not run)."""
+def targets(meds: dict[str, dict[str, dict[str, float | None]]], kv: str = "kv_events") -> list[dict[str, Any]]:
+    """The issue's targets for a KV-events system (`kv`), each with its measured value and whether it is met
+    (None: a system it compares with was not run); the baselines are today's defaults (table, round_robin)."""
 
     def get(workload: str, system: str, key: str) -> float | None:
         return meds.get(workload, {}).get(system, {}).get(key)
@@ -601,27 +613,27 @@ def targets(meds: dict[str, dict[str, dict[str, float | None]]]) -> list[dict[st
 
     found = []
     for workload in ("a", "c", "d", "e"):
-        hit, best = get(workload, "kv_events", "hit_rate"), get(workload, "kv_events", "oracle_hit_rate")
+        hit, best = get(workload, kv, "hit_rate"), get(workload, kv, "oracle_hit_rate")
         gap = None if hit is None or best is None else best - hit
-        found.append({"workload": workload, "target": "hit rate within 5 points of the oracle", "value": gap,
+        found.append({"system": kv, "workload": workload, "target": "hit rate within 5 points of the oracle", "value": gap,
                       "shown": None if gap is None else f"{gap * 100:+.1f} points below", "met": None if gap is None
                       else gap <= 0.05})  # fmt: skip
     for workload in ("d", "e"):
-        hits = ratio(get(workload, "kv_events", "hit_rate"), get(workload, "table", "hit_rate"))
-        p90 = ratio(get(workload, "kv_events", "ttft_p90_ms"), get(workload, "table", "ttft_p90_ms"))
+        hits = ratio(get(workload, kv, "hit_rate"), get(workload, "table", "hit_rate"))
+        p90 = ratio(get(workload, kv, "ttft_p90_ms"), get(workload, "table", "ttft_p90_ms"))
         met = None if hits is None and p90 is None else (hits or 0) >= 1.2 or (p90 is not None and p90 <= 0.6)
         shown = None if met is None else f"hit rate {hits or 0:.2f}x, P90 TTFT {p90 or 0:.2f}x the table's"
-        found.append({"workload": workload, "target": ">= 1.2x the table's hit rate or <= 0.6x its P90 TTFT",
+        found.append({"system": kv, "workload": workload, "target": ">= 1.2x the table's hit rate or <= 0.6x its P90 TTFT",
                       "value": [hits, p90], "shown": shown, "met": met})  # fmt: skip
-    speed = ratio(get("a", "kv_events", "output_tok_s"), get("a", "round_robin", "output_tok_s"))
-    found.append({"workload": "a", "target": ">= 2x round_robin's output tok/s", "value": speed,
+    speed = ratio(get("a", kv, "output_tok_s"), get("a", "round_robin", "output_tok_s"))
+    found.append({"system": kv, "workload": "a", "target": ">= 2x round_robin's output tok/s", "value": speed,
                   "shown": None if speed is None else f"{speed:.2f}x", "met": None if speed is None else speed >= 2})  # fmt: skip
-    speed = ratio(get("c", "kv_events", "output_tok_s"), get("c", "table", "output_tok_s"))
-    kv50, table50 = get("c", "kv_events", "ttft_p50_ms"), get("c", "table", "ttft_p50_ms")
+    speed = ratio(get("c", kv, "output_tok_s"), get("c", "table", "output_tok_s"))
+    kv50, table50 = get("c", kv, "ttft_p50_ms"), get("c", "table", "ttft_p50_ms")
     extra = None if kv50 is None or table50 is None else kv50 - table50
     met = None if speed is None or extra is None else speed >= 0.98 and extra <= 2.0
     shown = None if met is None else f"{speed:.3f}x tok/s, TTFT p50 {extra:+.1f} ms"
-    found.append({"workload": "c", "target": ">= 0.98x the table's tok/s and TTFT p50 at most +2 ms",
+    found.append({"system": kv, "workload": "c", "target": ">= 0.98x the table's tok/s and TTFT p50 at most +2 ms",
                   "value": [speed, extra], "shown": shown, "met": met})  # fmt: skip
     return found
 
@@ -636,10 +648,10 @@ def markdown(meds, found: list[dict[str, Any]]) -> str:
                 continue
             cells = ["-" if values[key] is None else fmt.format(values[key]) for _, key, fmt in COLUMNS]
             lines.append(f"| {workload} | {system} | " + " | ".join(cells) + " |")
-    lines += ["", "| workload | target (KV events) | measured | met |", "|---|---|---|---|"]
+    lines += ["", "| workload | system | target | measured | met |", "|---|---|---|---|---|"]
     for t in found:
         met = "-" if t["met"] is None else ("yes" if t["met"] else "no")
-        lines.append(f"| {t['workload']} | {t['target']} | {t['shown'] or '-'} | {met} |")
+        lines.append(f"| {t['workload']} | {t['system']} | {t['target']} | {t['shown'] or '-'} | {met} |")
     return "\n".join(lines)
 
 
@@ -717,7 +729,7 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         procs.stop()
     meds = medians(rows)
-    found = targets(meds)
+    found = [t for kv in ("kv_events", "kv_prefill", "kv_inflight") if kv in args.systems for t in targets(meds, kv)]
     report = {
         "command": command, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "model_dir": str(model_dir), "cache_blocks": ctx["cache_blocks"],

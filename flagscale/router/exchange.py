@@ -70,6 +70,7 @@ class Exchange:
             return True
         if self.first_byte_at is None:
             self.first_byte_at = time.monotonic()
+            self.policy.first_byte(self.info)
         self.sent_bytes += len(out)
         transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self.chunked else out)
         return transport.get_write_buffer_size() <= CLIENT_BUFFER_BYTES
@@ -84,6 +85,7 @@ class Exchange:
         """Bytes of a streamed answer to the client."""
         if self.first_byte_at is None:
             self.first_byte_at = time.monotonic()
+            self.policy.first_byte(self.info)
         self.sent_bytes += len(data)
         await self.response.write(data)
 

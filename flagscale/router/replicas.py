@@ -45,6 +45,9 @@ class Upstream:
     max_ongoing: int = DEFAULT_MAX_ONGOING_REQUESTS  # its deployment's max_ongoing_requests: more wait in the router
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     woken: int = -1  # the sleep of the replica (record.sleeps) this router woke it from (router/wake.py)
+    # prompt characters of this router's requests here that have no first byte yet, less what was cached for them
+    # (cache_aware's balance_by prefill: the prefill queued before a new request's first token), over all its models
+    prefill_chars: float = 0.0
 
     @property
     def replica_id(self) -> str:

@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -22,9 +23,9 @@ from flagscale.router.policies.adapters import AdapterAware, Placement
 from tests.unit.fakes import upstream
 
 
-def synced_hub(tokenizer):
+def synced_hub(tokenizer, **settings):
     """cache_aware over replicas r1 and r2 that publish (no sockets: no loop), their indexes synced, blocks of 16."""
-    policy, (r1, r2) = cache_aware_over("r1", "r2")
+    policy, (r1, r2) = cache_aware_over("r1", "r2", **settings)
     hub = KVEvents()
     for up in (r1, r2):
         up.record.kv_events = {"endpoint": f"tcp://127.0.0.1:1/{up.replica_id}", "tokenizer": str(tokenizer)}
@@ -88,8 +89,8 @@ async def wait_until(predicate, what: str, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
-def cache_aware_over(*names: str):
-    policy = make_policy(RoutingSpec.of("cache_aware"))
+def cache_aware_over(*names: str, **settings):
+    policy = make_policy(RoutingSpec.of("cache_aware", **settings))
     return policy, [upstream(name, 0, sent=i) for i, name in enumerate(names)]
 
 
@@ -160,7 +161,7 @@ def test_cache_aware_goes_by_the_engines_blocks_over_its_table(demo_model_path):
 
 
 def test_a_prompt_just_sent_counts_as_held_until_its_engine_announces_it_or_empties(demo_model_path):
-    policy, hub, (r1, r2) = synced_hub(demo_model_path)
+    policy, hub, (r1, r2) = synced_hub(demo_model_path, balance_by="inflight")
     body = {"model": "m", "prompt": "A new customer's long system prompt, then a question. " * 12}
     first = RequestInfo("m", body)
     assert policy.select([r1, r2], first, time.monotonic())[0] is r1  # nothing held anywhere: by load
@@ -217,8 +218,9 @@ def test_a_node_with_kv_events_off_is_not_followed():
     assert policy.exact is None and not hub.tasks
 
 
-def test_the_cost_counts_gpu_blocks_above_cpu_tier_ones_and_keeps_the_load_bound(demo_model_path):
-    policy, hub, (r1, r2) = synced_hub(demo_model_path)
+@pytest.mark.parametrize("balance_by", ["inflight", "prefill"])
+def test_the_cost_counts_gpu_blocks_above_cpu_tier_ones_and_keeps_the_load_bound(demo_model_path, balance_by):
+    policy, hub, (r1, r2) = synced_hub(demo_model_path, balance_by=balance_by)
     body = {"model": "m", "prompt": "Shared context for the cost test, long enough for some blocks. " * 12}
     tokens, _ = PromptTokens(str(demo_model_path)).of(body, 65536)
     keys = hub.model_keys["m"].hasher.keys(tokens, 16)
@@ -228,7 +230,10 @@ def test_the_cost_counts_gpu_blocks_above_cpu_tier_ones_and_keeps_the_load_bound
     request = RequestInfo("m", body)
     assert policy.select([r1, r2], request, time.monotonic())[0] is r2
     assert request.memo["kv_depths"] == {"r1": len(keys) / 2, "r2": len(keys) // 2 + 1}
-    r2.inflight = policy.settings.balance_abs_threshold + 1  # the warm replica saturated: the load decides
+    if balance_by == "inflight":
+        r2.inflight = policy.settings.balance_abs_threshold + 1  # the warm replica saturated: the load decides
+    else:  # a prefill queued at r2 longer than what it saves: r1 computes the prompt's rest first
+        r2.prefill_chars = len(body["prompt"])
     assert policy.select([r1, r2], RequestInfo("m", body), time.monotonic())[0] is r1
 
 

@@ -3,6 +3,7 @@ benchmarks/fixed_router.py's file stand-in for the GCS's key-value store."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
@@ -142,6 +143,22 @@ def test_targets_judge_the_kv_events_system():
     assert "| a | kv_events |" in kv_routing.markdown(
         kv_routing.medians(rows), kv_routing.targets(kv_routing.medians(rows))
     )
+
+
+def test_the_prefill_systems_route_cache_aware_weighing_prefill_and_are_judged_too():
+    engines = argparse.Namespace(urls=["http://a", "http://b"], kv_events=[{"endpoint": "tcp://a:1"}, None])
+    args = argparse.Namespace(settle_s=0.0, balance_abs_threshold=16)
+    for system, kv_events, balance_by in (("kv_prefill", True, "prefill"), ("table", False, None)):
+        group = kv_routing.RouterGroup(system, 1, engines, None, Path("/nowhere"), args)
+        routing = json.loads(group.argv(1234, None)[-1])["routing"][kv_routing.MODEL]
+        assert routing["policy"] == "cache_aware" and routing["settings"]["kv_events"] is kv_events
+        assert routing["settings"].get("balance_by") == balance_by
+        assert routing["settings"]["balance_abs_threshold"] == 16
+    rows = [_row("a", "kv_prefill", output_tok_s=250), _row("a", "round_robin", output_tok_s=100)]
+    found = kv_routing.targets(kv_routing.medians(rows), "kv_prefill")
+    assert {t["system"] for t in found} == {"kv_prefill"}
+    assert next(t for t in found if t["target"].startswith(">= 2x"))["met"] is True
+    assert "| a | kv_prefill |" in kv_routing.markdown(kv_routing.medians(rows), found)
 
 
 def test_medians_sum_failures_over_rounds():

@@ -35,6 +35,7 @@ class Rep:
     replica_id: str
     inflight: int = 0
     sent: int = 0
+    prefill_chars: float = 0.0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
 
@@ -180,6 +181,8 @@ def test_an_adapters_own_policy_still_orders_within_the_tier():
     info = RequestInfo("x", {"model": "x", "prompt": prompt})
     policy.select(replicas, info, 0.0)
     policy.before_request(replicas[1], info)  # sent to b first
+    policy.first_byte(info)  # (its prefill done: b has nothing queued before a next request)
+    assert replicas[1].prefill_chars == 0
     again = RequestInfo("x", {"model": "x", "prompt": prompt + " more"})
     assert ids(policy.select(replicas, again, 0.0))[0] == "b"
 

@@ -21,9 +21,12 @@ def names(ups) -> list[str]:
     return [u.replica_id for u in ups]
 
 
+_SENT: dict[int, RequestInfo] = {}  # id(body) -> the request `send` routed, for `finish`'s hooks
+
+
 def send(policy, ups, body, headers=None, now=1.0) -> Upstream:
     """Route one request and account it as the router does (picked: sent, hooks); it stays in flight."""
-    info = RequestInfo("m", body, headers or {})
+    info = _SENT[id(body)] = RequestInfo("m", body, headers or {})
     chosen = policy.select(ups, info, now)[0]
     policy.before_request(chosen, info)
     chosen.inflight += 1
@@ -33,7 +36,7 @@ def send(policy, ups, body, headers=None, now=1.0) -> Upstream:
 
 def finish(policy, up: Upstream, body) -> None:
     up.inflight -= 1
-    policy.after_request(up, RequestInfo("m", body), True)
+    policy.after_request(up, _SENT.pop(id(body), None) or RequestInfo("m", body), True)
 
 
 PREFIX_A = "alpha " * 40  # 240 characters: 3 blocks of 64 and some
@@ -103,7 +106,7 @@ def test_cache_aware_sends_a_prefix_back_where_it_went():
 
 
 def test_cache_aware_falls_back_to_least_load_beyond_the_imbalance_bound():
-    policy = make_policy(RoutingSpec.of("cache_aware", balance_abs_threshold=2))
+    policy = make_policy(RoutingSpec.of("cache_aware", balance_by="inflight", balance_abs_threshold=2))
     ups = [upstream("r1"), upstream("r2")]
     body = {"prompt": PREFIX_A + "?"}
     holder = send(policy, ups, body)
@@ -265,3 +268,66 @@ def test_routing_options_are_every_policys_settings_with_the_same_defaults():
         declared |= {f.name for f in fields(settings)}
         assert {k: v for k, v in RoutingOptions().model_dump().items() if k in asdict(settings)} == asdict(settings)
     assert declared == set(RoutingOptions.model_fields)
+
+
+def test_cache_aware_by_prefill_keeps_the_warm_replica_past_the_in_flight_bound_while_its_prefill_queue_is_short():
+    policy = make_policy(RoutingSpec.of("cache_aware", balance_by="prefill", balance_abs_threshold=2))
+    ups = [upstream("r1"), upstream("r2")]
+    first = RequestInfo("m", {"prompt": PREFIX_A * 4 + "?"})
+    holder = policy.select(ups, first, 1.0)[0]
+    policy.before_request(holder, first)
+    holder.inflight += 1
+    policy.first_byte(first)  # decoding: no prefill left of it
+    other = next(u for u in ups if u is not holder)
+    # answered requests (past their prefill) do not weigh: 8 in flight against 0 and the warm replica still wins
+    for i in range(7):
+        info = RequestInfo("m", {"prompt": PREFIX_A * 4 + f"q{i}"})
+        assert policy.select(ups, info, 1.0)[0] is holder
+        policy.before_request(holder, info)
+        holder.inflight += 1
+        policy.first_byte(info)
+    assert holder.inflight == 8 and holder.prefill_chars == 0
+    # requests still in prefill there queue their uncached characters, until computing the whole prompt elsewhere is less
+    waiting = []
+    while True:
+        info = RequestInfo("m", {"prompt": PREFIX_A * 4 + "a longer question " * 3})
+        chosen = policy.select(ups, info, 1.0)[0]
+        if chosen is other:
+            break
+        policy.before_request(chosen, info)
+        waiting.append(info)
+        assert len(waiting) < 20
+    prompt_chars = info.memo["prompt_chars"]
+    uncached = info.memo["uncached_chars"][holder.replica_id]
+    assert 0 < uncached < prompt_chars
+    assert holder.prefill_chars + uncached > prompt_chars >= holder.prefill_chars
+    # their first bytes (or their ends) take the queue off: the warm replica again
+    policy.first_byte(waiting[0])
+    policy.after_request(holder, waiting[1], True)
+    policy.first_byte(waiting[1])  # (already off: counted once)
+    again = RequestInfo("m", {"prompt": PREFIX_A * 4 + "a longer question " * 3})
+    assert policy.select(ups, again, 1.0)[0] is holder
+    for info in waiting[2:]:
+        policy.after_request(holder, info, True)
+    assert holder.prefill_chars == 0 and other.prefill_chars == 0
+
+
+def test_cache_aware_by_prefill_without_reuse_spreads_by_the_prefill_queue_then_least_load():
+    policy = make_policy(RoutingSpec.of("cache_aware", balance_by="prefill"))
+    ups = [upstream("r1", inflight=3), upstream("r2", inflight=0)]
+    assert names(policy.select(ups, RequestInfo("m", {"prompt": "short"}), 1.0)) == ["r2", "r1"]  # least_load
+    long_prompt = RequestInfo("m", {"prompt": PREFIX_B})
+    policy.before_request(ups[1], RequestInfo("m", {"prompt": "x"}))  # (no select: nothing queued)
+    assert ups[1].prefill_chars == 0
+    policy.select(ups, long_prompt, 1.0)
+    policy.before_request(ups[1], long_prompt)  # r2 computes PREFIX_B: 240 characters before its first byte
+    assert ups[1].prefill_chars == len(PREFIX_B)
+    assert names(policy.select(ups, RequestInfo("m", {"prompt": "other " * 40}), 1.0)) == ["r1", "r2"]
+    # sent again elsewhere (the first replica failed it before any byte): counted at the new replica only
+    policy.before_request(ups[0], long_prompt)
+    assert (ups[0].prefill_chars, ups[1].prefill_chars) == (len(PREFIX_B), 0)
+    # another model's policy (an adapter, another served name) on the same replicas sees that queue too
+    neighbour = make_policy(RoutingSpec.of("cache_aware", balance_by="prefill"))
+    assert names(neighbour.select(ups, RequestInfo("m", {"prompt": "third " * 40}), 1.0)) == ["r2", "r1"]
+    policy.first_byte(long_prompt)
+    assert ups[0].prefill_chars == 0

@@ -142,6 +142,9 @@ class AdapterAware(Policy):
         self.placement.sent(self.adapter, upstream.replica_id)
         self.inner.before_request(upstream, request)
 
+    def first_byte(self, request: RequestInfo) -> None:
+        self.inner.first_byte(request)
+
     def after_request(self, upstream: Replica, request: RequestInfo, ok: bool) -> None:
         self.placement.done(self.adapter, upstream.replica_id)
         self.inner.after_request(upstream, request, ok)

@@ -5,6 +5,8 @@ replica, and the least_load order the others fall back on.
   replica refuses the connection, i.e. while nothing was sent yet);
 - `before_request(upstream, request)` / `after_request(upstream, request, ok)`: hooks around the request sent
   to the replica chosen (before_request may set `request.upstream_headers` for that replica);
+- `first_byte(request)`: the first byte of the request's answer reached the client (a stream's first event: the
+  engine finished the prompt's prefill);
 - `on_replica_joined(upstream)` / `on_replica_left(replica_id)`: the registry's replica list changed;
 - `learn(replica_id, prefix_keys)`: another router process sent a prompt there (routing hints);
 - `stats(replica_id)`: the policy's table for `stats`.
@@ -28,6 +30,7 @@ class Replica(Protocol):
 
     inflight: int
     sent: int  # requests routed there, counted when picked
+    prefill_chars: float  # prompt characters queued there before a first byte (cache_aware's PrefillBacklog)
     breaker: CircuitBreaker
 
     @property
@@ -107,6 +110,9 @@ class Policy:
         pass
 
     def after_request(self, upstream: Replica, request: RequestInfo, ok: bool) -> None:
+        pass
+
+    def first_byte(self, request: RequestInfo) -> None:
         pass
 
     def on_replica_joined(self, upstream: Replica) -> None:

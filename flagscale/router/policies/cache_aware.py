@@ -1,4 +1,4 @@
-"""cache_aware (the default): the replica that was sent the longest prefix of the prompt, within a load bound.
+"""cache_aware (the default): the replica holding the longest prefix of the prompt, as long as that saves time.
 
 A prompt's prefix is tracked in blocks of characters (PrefixTable): the replica's engine caches the KV of what
 it was sent, so sending a conversation's next turn where its earlier turns went reuses that cache.
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from flagscale.router.policies.base import Policy, RequestInfo, Settings, rank_replicas, setting
+from flagscale.router.policies.base import Policy, Replica, RequestInfo, Settings, rank_replicas, setting
 
 PREFIX_KEY_BYTES = 12  # a prefix block's key: blake2b of the blocks up to it, this many bytes
 MAX_PREFIX_CHARS = 32_768  # CacheAwareSettings.max_prefix_chars's default; the policy passes its node's
@@ -26,9 +26,17 @@ class CacheAwareSettings(Settings):
 
     balance_abs_threshold: int = setting(
         4,
-        "the replica with the longest cached prefix is skipped (least load instead) when its in-flight requests "
-        "exceed the least busy replica's by more than this.",
+        "balance_by inflight (and the data-parallel rank within a replica): the replica with the longest cached "
+        "prefix is skipped (least load instead) when its in-flight requests exceed the least busy replica's by more "
+        "than this.",
         ge=0,
+    )
+    balance_by: Literal["prefill", "inflight"] = setting(
+        "prefill",
+        "how the warm replica's load is weighed: prefill = the prompt characters each replica would compute before "
+        "this request's first token (the part of it not cached there, plus what this router sent there that has no "
+        "first byte yet), least first; inflight = its in-flight requests over the least busy replica's, within "
+        "balance_abs_threshold (docs/routing.md).",
     )
     cache_threshold: float = setting(
         0.3,
@@ -144,11 +152,33 @@ class PrefixTable:
         return sum(1 for holders in self.blocks.values() if replica_id in holders)
 
 
+class PrefillBacklog:
+    """The prompt characters a replica has yet to compute before its queued requests' first tokens (`balance_by:
+    prefill`), kept on the replica (Replica.prefill_chars: one count over all the models it serves): each request's
+    uncached part, added when sent, taken off at its first byte or its end, whichever comes first. A router process
+    counts only what it sent itself."""
+
+    @staticmethod
+    def add(request: RequestInfo, upstream: Replica, chars: float) -> None:
+        PrefillBacklog.answered(request)  # (an earlier attempt of this request, elsewhere)
+        request.memo["backlog"] = (upstream, chars)
+        upstream.prefill_chars += chars
+
+    @staticmethod
+    def answered(request: RequestInfo) -> None:
+        entry = request.memo.pop("backlog", None)
+        if entry is not None:
+            upstream, chars = entry
+            upstream.prefill_chars = max(0.0, upstream.prefill_chars - chars)
+
+
 class CacheAware(Policy):
-    """Prefix-cache-aware routing: the replica that was sent the longest prefix of this prompt (blocks of the
-    PrefixTable) goes first, unless its in-flight requests exceed the least busy replica's by more than
-    `balance_abs_threshold`: then the least_load order. No match, or a match shorter than `cache_threshold` of
-    the prompt (e.g. only a shared system prompt): least_load, so new conversations still spread. The replica
+    """Prefix-cache-aware routing on the share of this prompt each replica holds (its engine's KV events, or the
+    PrefixTable of what it was sent). `balance_by: prefill` (the default): the replica that would compute the
+    fewest prompt characters before this request's first token (the part it does not hold, plus its PrefillBacklog)
+    goes first. `balance_by: inflight`: the one holding most goes first, unless its in-flight requests exceed the
+    least busy replica's by more than `balance_abs_threshold`: then the least_load order. Either way a share under
+    `cache_threshold` (e.g. only a shared system prompt) counts as none, so new conversations spread. The replica
     picked is recorded as holding the prompt's blocks (when the request is sent: the engine caches it as it runs).
     On the engines' KV events, a replica of several data-parallel engines counts its deepest rank, and the request
     is pinned to a rank of it by the same rule (router/kv_ranks.py).
@@ -186,6 +216,8 @@ class CacheAware(Policy):
             if found is not None
             else self._reuse_on_table(keys, request)
         )
+        if self.settings.balance_by == "prefill":
+            return self._by_prefill(ranked, reuse, request)
         least = min(u.inflight for u in ranked)
         best = None
         for upstream in ranked:  # ranked order breaks ties between equally long matches
@@ -197,6 +229,18 @@ class CacheAware(Policy):
         if reuse[best.replica_id] < self.settings.cache_threshold:
             return ranked  # only a small part is cached (say a shared system prompt): spread by load
         return [best] + [u for u in ranked if u is not best]
+
+    def _by_prefill(self, ranked: list, reuse: dict[str, float], request: RequestInfo) -> list:
+        """`ranked` by the prompt characters each replica would compute before this request's first token; ranked
+        order breaks ties (no reuse and no backlog anywhere: least_load's order)."""
+        chars = request.memo["prompt_chars"]
+        threshold = self.settings.cache_threshold
+        uncached = {}
+        for upstream in ranked:
+            share = min(1.0, reuse.get(upstream.replica_id, 0.0))
+            uncached[upstream.replica_id] = chars * (1.0 - (share if share >= threshold else 0.0))
+        request.memo["uncached_chars"] = uncached
+        return sorted(ranked, key=lambda u: uncached[u.replica_id] + u.prefill_chars)
 
     def _reuse_on_table(self, keys: list[bytes], request: RequestInfo) -> dict[str, float]:
         """Replica id -> the share of the prompt it was sent, by the table."""
@@ -224,11 +268,18 @@ class CacheAware(Policy):
 
     def before_request(self, upstream, request):
         self.table.insert(self._prompt_keys(request), upstream.replica_id)
+        uncached = request.memo.get("uncached_chars")
+        if uncached is not None:
+            PrefillBacklog.add(request, upstream, uncached.get(upstream.replica_id, 0.0))
         if self.exact is not None:
             self.exact.pin(upstream, request, self.settings.balance_abs_threshold, self.settings.cache_threshold)
             self.exact.sent(upstream, request, time.monotonic())
 
+    def first_byte(self, request):
+        PrefillBacklog.answered(request)
+
     def after_request(self, upstream, request, ok):
+        PrefillBacklog.answered(request)
         if self.exact is not None:
             self.exact.done(request)
 
