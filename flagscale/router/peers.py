@@ -148,7 +148,7 @@ def merge_stats(by_process: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if into is None:
                 merged["replicas"][replica_id] = dict(entry)
                 continue
-            for key in ("served", "inflight", "migrations", "circuit_opened", "sessions"):
+            for key in ("served", "inflight", "prefill_queue_chars", "migrations", "circuit_opened", "sessions"):
                 if key in entry:
                     into[key] = into.get(key, 0) + entry[key]
             if "prefix_blocks" in entry:

@@ -143,6 +143,7 @@ class Replicas:
                 "url": upstream.record.url,
                 "served": upstream.served,
                 "inflight": upstream.inflight,
+                "prefill_queue_chars": round(upstream.prefill_chars),
                 "circuit": upstream.breaker.state().value,
                 "circuit_opened": upstream.breaker.opened,
                 "migrations": upstream.migrations,

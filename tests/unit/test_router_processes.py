@@ -84,7 +84,16 @@ def test_stats_of_several_processes_merge():
         "inflight": 2,
         "moved": 1,
         "resumed": 0,
-        "replicas": {"r1": {"served": 5, "inflight": 2, "migrations": 1, "circuit": "closed", "prefix_blocks": 10}},
+        "replicas": {
+            "r1": {
+                "served": 5,
+                "inflight": 2,
+                "prefill_queue_chars": 700,
+                "migrations": 1,
+                "circuit": "closed",
+                "prefix_blocks": 10,
+            }
+        },
     }
     two = {
         "pid": 2,
@@ -93,7 +102,14 @@ def test_stats_of_several_processes_merge():
         "resumed": 1,
         "draining": True,
         "replicas": {
-            "r1": {"served": 3, "inflight": 1, "migrations": 0, "circuit": "open", "prefix_blocks": 12},
+            "r1": {
+                "served": 3,
+                "inflight": 1,
+                "prefill_queue_chars": 300,
+                "migrations": 0,
+                "circuit": "open",
+                "prefix_blocks": 12,
+            },
             "r2": {"served": 4, "inflight": 0, "migrations": 0, "circuit": "closed"},
         },
     }
@@ -102,6 +118,7 @@ def test_stats_of_several_processes_merge():
     assert merged["replicas"]["r1"] == {
         "served": 8,
         "inflight": 3,
+        "prefill_queue_chars": 1000,  # the replica's queue as all the processes sent it
         "migrations": 1,
         "circuit": "open",
         "prefix_blocks": 12,
