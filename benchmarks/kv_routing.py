@@ -201,14 +201,16 @@ def cache_blocks_for(prefix_blocks: list[int], engines: int, fill: float, floor_
 # ------------------------------------------------------------------------------------------------ engines
 
 
-def kv_cache_bytes(model_dir: Path, blocks: int, block_size: int) -> int:
-    """What `blocks` KV blocks of the model take on a GPU (bf16 keys and values of every layer), with room to
-    spare: --num-gpu-blocks-override then sets the count, and no engine profiles the GPU's free memory."""
+def kv_cache_bytes(model_dir: Path, blocks: int, block_size: int, dtype_bytes: int = 2) -> int:
+    """What `blocks` KV blocks of the model take (keys and values of every layer, bf16 on a GPU, float32 on CPU),
+    with room to spare: --num-gpu-blocks-override then sets the count, and no engine profiles the GPU's free
+    memory (nor, on CPU, sizes its cache as a share of its NUMA node less its own RSS, which is <= 0 for a small
+    share of a small node)."""
     config = json.loads((model_dir / "config.json").read_text())
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    per_block = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 2 * block_size
+    per_block = 2 * config["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes * block_size
     return int(blocks * per_block * 1.1) + (256 << 20)
 
 
@@ -245,8 +247,9 @@ class Engines:
                 "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--prefix-caching-hash-algo", "sha256",
             ]  # fmt: skip
             argv += ["--load-format", "dummy"] if args.gpu else ["--dtype", "float32", "--max-num-seqs", "16"]
-            if args.gpu and together:
-                argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes(model_dir, cache_blocks, args.block_size))]
+            if together or not args.gpu:
+                size = kv_cache_bytes(model_dir, cache_blocks, args.block_size, 2 if args.gpu else 4)
+                argv += ["--kv-cache-memory-bytes", str(size)]
             # /reset_prefix_cache between passes; a hash seed shared by every engine and the router (vLLM 0.26
             # draws a random first parent without one), as the orchestrator gives its engines
             env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONHASHSEED": "1234"}

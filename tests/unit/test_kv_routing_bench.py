@@ -190,6 +190,8 @@ def test_kv_cache_bytes_hold_the_blocks_of_the_model(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     got = kv_routing.kv_cache_bytes(tmp_path, 1000, 16)
     assert 1000 * (2 << 20) <= got <= 1000 * (2 << 20) * 1.2 + (256 << 20)
+    in_float32 = kv_routing.kv_cache_bytes(tmp_path, 1000, 16, 4)  # CPU engines: twice the bytes a block
+    assert 1000 * (4 << 20) <= in_float32 <= 1000 * (4 << 20) * 1.2 + (256 << 20)
 
 
 def test_engines_are_dealt_over_the_visible_gpus():
