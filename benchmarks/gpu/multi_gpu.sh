@@ -123,8 +123,24 @@ llama_test() {
   llama_prep || return
   python3 -m pytest tests/gpu/test_llama_cpp.py -v -p no:cacheprovider --junitxml="$out/tests-llama.xml"
 }
+# A step's engines can hold GPU memory for a while after the step stopped them (on 2026-11-30 lora2's engine found
+# 24 GB held on GPU 0 ~80 s after a kv4 of 4 engines there had ended, presumably one still exiting, and refused to
+# start; the same command a minute later started): each step first waits, bounded, for its visible GPUs
+# (CUDA_VISIBLE_DEVICES, else all) to hold no process.
+gpus_free() {
+  local waited=0 held
+  while held=$(nvidia-smi ${CUDA_VISIBLE_DEVICES:+-i "$CUDA_VISIBLE_DEVICES"} --query-compute-apps=pid,used_memory \
+      --format=csv,noheader 2>/dev/null) && [ -n "$held" ]; do
+    if [ $waited -ge ${GPU_FREE_WAIT_S:-180} ]; then
+      echo "=== GPUs still hold processes after ${waited} s, starting anyway:" $held; return
+    fi
+    [ $((waited % 30)) -eq 0 ] && echo "=== waiting for the GPUs to free (${waited} s):" $held
+    sleep 5; waited=$((waited + 5))
+  done
+}
 for step in $steps; do
   [ -n "${interrupted:-}" ] && { echo "=== interrupted before $step"; break; }
+  gpus_free
   echo "=== $step start $(date -u +%T)"
   case $step in
     tp2) python3 benchmarks/gpu/bench_gpu.py $model --engine-arg tensor_parallel_size=2 --rounds 3 \
