@@ -15,7 +15,13 @@ from omegaconf import DictConfig
 from flagscale.actions.dispatch import dispatch, main_exit, report_error
 from flagscale.actions.invocation import RUN_PY, Invocation
 from flagscale.cli.resources import conf_dir
-from flagscale.config.cli import check_yaml_files, config_dir_of, upsert_overrides, without_hydra_config_copy
+from flagscale.config.cli import (
+    check_yaml_files,
+    config_dir_of,
+    ids_as_text,
+    upsert_overrides,
+    without_hydra_config_copy,
+)
 from flagscale.config.resolvers import register_resolvers
 from flagscale.errors import FlagScaleError
 
@@ -59,7 +65,7 @@ def main(argv: list[str] | None = None, base_dir: Path | None = None, invocation
         check_yaml_files(argv, CONFIG_DIR, "serve")
     except FlagScaleError as exc:
         main_exit(report_error(exc))
-    argv = without_hydra_config_copy(upsert_overrides(argv, config_dir_of(argv, CONFIG_DIR)))
+    argv = without_hydra_config_copy(ids_as_text(upsert_overrides(argv, config_dir_of(argv, CONFIG_DIR))))
     if not any(arg.lstrip("+").startswith("hydra.job.name=") for arg in argv):
         argv.append("hydra.job.name=run")
     sys.argv[1:] = argv

@@ -7,6 +7,8 @@
 - Plain `key=value` overrides become `++key=value` (set or add): a FlagScale config that lacks a key
   such as `output` or `experiment.bench` still accepts it. Typos are not lost: the typed schema
   rejects unknown keys with a did-you-mean. Config-group choices (`serve=7b`) stay as they are.
+- Ids typed after `serve_id=` and `replica=` stay text: Hydra would read a replica id's prefix such as `1e523`
+  as a number (here infinity), so an unquoted one is quoted for it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,21 @@ def upsert_overrides(argv: list[str], config_dir: Path) -> list[str]:
         is_plain_override = "=" in arg and not arg.startswith(("-", "+", "~")) and not key.startswith("hydra.")
         if is_plain_override and not (config_dir / key).is_dir():
             arg = "++" + arg
+        out.append(arg)
+    return out
+
+
+ID_KEYS = ("serve_id", "replica")
+
+
+def ids_as_text(argv: list[str]) -> list[str]:
+    """`replica=1e523` as `replica='1e523'`: an id is never a number, whatever Hydra's grammar would make of it."""
+    out = []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        quoted = value[:1] in ("'", '"') or "'" in value
+        if key.lstrip("+") in ID_KEYS and value and not quoted:
+            arg = f"{key}='{value}'"
         out.append(arg)
     return out
 

@@ -390,9 +390,13 @@ def two_router_processes(conf, without_pid: int | None = None) -> dict[str, dict
 
 
 def exited(pid: int) -> bool:
+    """Whether every thread of `pid` is through its exit, so its sockets are closed. The leader alone shows as a
+    zombie while its other threads may still be exiting, holding the fd table they share (and the listening socket
+    in it): those threads must be gone from /proc/<pid>/task too."""
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
+        zombie = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        return zombie and os.listdir(f"/proc/{pid}/task") == [str(pid)]
+    except (psutil.NoSuchProcess, FileNotFoundError):
         return True
 
 

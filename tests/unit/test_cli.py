@@ -16,6 +16,7 @@ from flagscale.cli import argv as cli_argv
 from flagscale.cli.hydra_entry import absolute_config_path
 from flagscale.cli.main import ACTION_HELP, hydra_call
 from flagscale.cli.resources import conf_dir, example_names, examples_dir
+from flagscale.config.cli import ids_as_text
 from flagscale.errors import ConfigError
 from tests.conftest import REPO
 
@@ -244,3 +245,13 @@ def test_what_to_type_next_is_said_in_the_form_the_user_typed(tmp_path):
     run = hydra_call(["run", "-p", str(tmp_path / "my conf"), "-n", "mine"]).invocation
     assert run.command("stop") == f"flagscale run -p '{tmp_path / 'my conf'}' -n mine -a stop"
     assert RUN_PY.command("status") == "python run.py ... action=status"
+
+
+@pytest.mark.parametrize("typed", ["1e523", "4", "0x1f", "true", "null", "ab12cd"])
+def test_ids_typed_on_the_command_line_reach_the_config_as_typed(typed):
+    """A replica id's prefix is whatever Ray drew: Hydra would read `1e523` as infinity and `true` as a bool."""
+    for key in ("replica", "++replica", "serve_id"):
+        (arg,) = ids_as_text([f"{key}={typed}"])
+        (override,) = OverridesParser.create().parse_overrides([arg])
+        assert override.value() == typed, arg
+    assert ids_as_text(["replica='x'", "lines=5", "replica="]) == ["replica='x'", "lines=5", "replica="]
