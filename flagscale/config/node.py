@@ -62,9 +62,9 @@ class Resources(Strict):
     sleep_delay_s: float | None = Field(
         None,
         gt=0,
-        description="Engines with a sleep mode, on GPUs: idle this long, a replica sleeps (weights to host memory, "
-        "KV cache freed) instead of holding its GPU memory; the router wakes it for the next request "
-        '(docs/operations.md, "Idle replicas asleep").',
+        description="Engines with a sleep mode (docs/engines.md): idle this long, a replica sleeps (its weights "
+        "off the device or unloaded, its KV cache freed) instead of holding its memory, and wakes for the next "
+        'request (docs/operations.md, "Idle replicas asleep").',
     )
     slo: Slo | None = Field(
         None, description="Autoscaling on latency (docs/autoscaling.md): the SLO planner sizes the replicas for it."

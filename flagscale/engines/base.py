@@ -29,23 +29,36 @@ class Capabilities:
     expert_parallel: bool = False  # spreads a MoE model's experts over its DP x TP ranks (enable_expert_parallel)
     keeps_connections: bool = True  # its server keeps a connection open after a response (the router reuses it)
     sleep_on_gpu: bool = False  # on a GPU, frees its memory while idle and takes it back (EngineKind.sleep_mode)
+    sleep_on_cpu: bool = False  # the same on a replica without GPUs (its host memory)
     kv_events: bool = False  # publishes its KV cache's block events (the router's exact prefix index: kv_events)
 
 
 @dataclass(frozen=True)
 class SleepMode:
     """An engine's sleep and wake (resources.sleep_delay_s, flagscale/replica/sleep.py): the engine args and the
-    server env that turn it on, and its routes: POST `sleep_path` (in-flight requests finish first; new ones are
-    held until the wake), POST `wake_path`, GET `sleeping_path` (JSON with `sleeping_field` true or false); and the
-    counters of its /metrics that move with every request (with load_metrics at zero and these unchanged, it idles)."""
+    server env that turn it on; GET `sleeping_path` (JSON with `sleeping_field` true or false); and the counters of
+    its /metrics that move with every request (with load_metrics at zero and these unchanged, it idles).
+
+    Put to sleep by the replica: POST `sleep_path` (in-flight requests finish first; new ones are held until the
+    wake), woken by the router: POST `wake_path`. An engine that sleeps by itself has neither: `idle_arg`, the
+    engine arg its idle delay goes to, and its next request wakes it."""
 
     args: dict[str, Any]
     env: dict[str, str]
-    sleep_path: str
-    wake_path: str
     sleeping_path: str
     sleeping_field: str
     activity_metrics: tuple[str, ...]
+    asleep_means: str  # what a sleeping replica has let go of and how it comes back (dryrun, docs)
+    sleep_path: str | None = None
+    wake_path: str | None = None
+    idle_arg: str | None = None
+
+    def __post_init__(self) -> None:
+        assert (self.idle_arg is None) == (self.sleep_path is not None and self.wake_path is not None), self
+
+    @property
+    def sleeps_by_itself(self) -> bool:
+        return self.idle_arg is not None
 
 
 @dataclass(frozen=True)

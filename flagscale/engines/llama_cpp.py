@@ -25,7 +25,7 @@ from typing import Any
 
 from flagscale.adaptors import ray
 from flagscale.engines import llama_cpp_build
-from flagscale.engines.base import OPENAI_INFERENCE_PATHS, Capabilities, EngineKind, ServerLaunch
+from flagscale.engines.base import OPENAI_INFERENCE_PATHS, Capabilities, EngineKind, ServerLaunch, SleepMode
 from flagscale.errors import ConfigError
 
 GGUF_MAGIC = b"GGUF"
@@ -153,7 +153,19 @@ class LlamaCpp(EngineKind):
     # computed again (cache_prompt, on by default). Resume: see docs/engines.md.
     # It closes a connection after every streamed response although its headers say Keep-Alive (measured): the
     # router opens a fresh connection per request instead of reusing one that may already be gone.
-    capabilities = Capabilities(prefix_caching=True, keeps_connections=False)
+    # Sleep: llama-server unloads its model after --sleep-idle-seconds without a task (its memory, host or GPU,
+    # freed; /props says `is_sleeping`) and loads it again for the next request, which waits meanwhile: no route to
+    # call either way, the replica only reads the state for the router.
+    capabilities = Capabilities(prefix_caching=True, keeps_connections=False, sleep_on_gpu=True, sleep_on_cpu=True)
+    sleep_mode = SleepMode(
+        args={},
+        env={},
+        sleeping_path="/props",
+        sleeping_field="is_sleeping",
+        activity_metrics=("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total"),
+        asleep_means="its model unloaded and its memory freed; the next request loads it again",
+        idle_arg="sleep_idle_seconds",
+    )
     status_gauges = {"llamacpp:requests_processing": "running", "llamacpp:requests_deferred": "waiting"}
     load_metrics = ("llamacpp:requests_processing", "llamacpp:requests_deferred")
     slo_samples = {  # no latency histograms: sized on its queue and token rates alone

@@ -149,11 +149,12 @@ class VLLM(EngineKind):
     sleep_mode = SleepMode(
         args={"enable_sleep_mode": True},
         env={"VLLM_SERVER_DEV_MODE": "1"},
-        sleep_path="/sleep?level=1&mode=wait",
-        wake_path="/wake_up",
         sleeping_path="/is_sleeping",
         sleeping_field="is_sleeping",
         activity_metrics=("vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total"),
+        asleep_means="weights to host memory, KV cache freed; its GPU memory is free for others",
+        sleep_path="/sleep?level=1&mode=wait",
+        wake_path="/wake_up",
     )
     status_gauges = {
         "vllm:num_requests_running": "running",

@@ -35,7 +35,7 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
     args.update(lora.engine_args if lora else {})
     names = args["served_model_name"] = served_names(node, args)
     sleep_delay_s = node.resources.sleep_delay_s
-    args.update(sleep_args(kind, sleep_delay_s, inputs.on_cpu, pool.role, f"{pool.where}.resources"))
+    args.update(sleep_args(kind, sleep_delay_s, inputs.on_cpu, pool.role, pool.where, args))
     parallel = kind.parallel(args, where)
     experts = inputs.facts.experts_of(model)
     expert_parallel = kind.expert_parallel(args, parallel, inputs.on_cpu, experts, where)

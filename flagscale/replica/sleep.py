@@ -5,6 +5,8 @@ waiting) have been zero and its request counters unchanged for sleep_delay_s (Id
 to sleep (its kind's SleepMode: vLLM level 1, weights to host memory, KV cache freed; requests still running finish
 first, new ones are held by the engine until its wake) and publishes `asleep` in its registry record. The router
 wakes it for the next request (flagscale/router/wake.py); the thread sees the engine awake again and publishes that.
+An engine that sleeps by itself (llama.cpp: its idle delay is an engine arg) is only watched: the thread reads
+whether it sleeps every TICK_S and publishes each change.
 """
 
 from __future__ import annotations
@@ -96,6 +98,12 @@ class SleepController:
                 self.judge.reset(now)
                 self._note("sleep: the engine is awake again")
                 self._publish(False)
+            return
+        if self.mode.sleeps_by_itself:
+            if self._engine_sleeping():
+                self.asleep = True
+                self._publish(True)
+                self._note(f"sleep: the engine went to sleep by itself, idle for {self.judge.delay_s:g}s")
             return
         metrics = engine_metrics(self.url, METRICS_TIMEOUT_S, self._api_key)
         if not self.judge.due(metrics, now) or self._stop.is_set():

@@ -8,7 +8,8 @@ WAKE_ATTEMPTS times, one wake shared by every request that waits for it, counted
 
 A request the router sent just as the replica went to sleep is held by the engine (new requests wait for the
 wake), not failed: at each registry read the router wakes every replica the record says asleep that holds
-requests of its own (wake_held).
+requests of its own (wake_held). An engine that sleeps by itself (llama.cpp) has no wake route: the request it is
+sent wakes it, so the router only counts the wake (its time is in that request's time to first token).
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ class Waker:
         mode = engines.get(record.engine).sleep_mode
         if mode is None:
             raise WakeFailed(f"replica {record.replica_id}: its engine has no sleep mode")
+        if mode.wake_path is None:  # the engine wakes for the request itself
+            upstream.woken = sleeps
+            self._metrics.wakes.labels(model).inc()
+            return
         key = self._api_key()
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         began, failure = time.monotonic(), ""

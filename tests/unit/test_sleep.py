@@ -222,7 +222,7 @@ def test_a_wake_without_an_engine_sleep_mode_fails_clearly():
     async def main():
         engine = WakeableEngine("a")
         (up,) = await started_upstreams([engine])
-        up.record.asleep, up.record.sleeps, up.record.engine = True, 1, "llama_cpp"
+        up.record.asleep, up.record.sleeps, up.record.engine = True, 1, "sglang"
         try:
             await Waker(lambda: None, lambda: None, bare_router([up], "least_load").metrics).ready(up)
         finally:
@@ -230,6 +230,21 @@ def test_a_wake_without_an_engine_sleep_mode_fails_clearly():
 
     with pytest.raises(WakeFailed, match="no sleep mode"):
         asyncio.run(main())
+
+
+def test_an_engine_that_wakes_for_its_request_is_sent_it_at_once_and_the_wake_counted():
+    async def main():
+        engine = WakeableEngine("a")
+        (up,) = await started_upstreams([engine])
+        up.record.asleep, up.record.sleeps, up.record.engine = True, 3, "llama_cpp"
+        metrics = bare_router([up], "least_load").metrics
+        try:
+            await Waker(lambda: None, lambda: None, metrics).ready(up)  # no session: no call to make
+        finally:
+            await engine.runner.cleanup()
+        return engine.wakes, up.woken, metrics.wakes.labels(up.record.models[0])._value.get()
+
+    assert asyncio.run(main()) == (0, 3, 1)
 
 
 # ---- the config -------------------------------------------------------------------------------------------
@@ -270,17 +285,30 @@ def test_a_bad_sleep_delay_is_refused_naming_the_key(gpus, demo_model_path, dela
         plan(demo_model_path, {"sleep_delay_s": delay})
 
 
-@pytest.mark.parametrize("engine", ["llama_cpp", "sglang"])
-def test_engines_without_a_sleep_mode_refuse_it_naming_the_key(engine):
+def test_engines_without_a_sleep_mode_refuse_it_naming_the_key():
     with pytest.raises(ConfigError, match=r"has no sleep mode; an idle replica can be stopped instead") as info:
-        sleep_args(engines.get(engine), 30.0, on_cpu=False, role=None, where="serve[0](llm).resources")
+        sleep_args(engines.get("sglang"), 30.0, on_cpu=False, role=None, where="serve[0](llm)", args={})
     assert info.value.where == "serve[0](llm).resources.sleep_delay_s"
 
 
 def test_a_disaggregated_pool_refuses_sleep():
     with pytest.raises(ConfigError, match="decode pool cannot sleep"):
-        sleep_args(VLLM, 30.0, on_cpu=False, role="decode", where="serve[0](llm).disaggregation.decode.resources")
-    assert sleep_args(VLLM, None, on_cpu=True, role="decode", where="x") == {}
+        sleep_args(VLLM, 30.0, on_cpu=False, role="decode", where="serve[0](llm).disaggregation.decode", args={})
+    assert sleep_args(VLLM, None, on_cpu=True, role="decode", where="x", args={}) == {}
+
+
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_llama_cpp_sleeps_by_itself_on_its_idle_delay_in_whole_seconds(on_cpu):
+    llama = engines.get("llama_cpp")
+    assert sleep_args(llama, 2.5, on_cpu=on_cpu, role=None, where="serve[0](m)", args={}) == {"sleep_idle_seconds": 3}
+    assert sleep_args(llama, 0.2, on_cpu=on_cpu, role=None, where="serve[0](m)", args={}) == {"sleep_idle_seconds": 1}
+
+
+@pytest.mark.parametrize("delay", [None, 30.0])
+def test_the_engines_own_idle_delay_is_refused_for_sleep_delay_s(delay):
+    with pytest.raises(ConfigError, match="set resources.sleep_delay_s instead") as info:
+        sleep_args(engines.get("llama_cpp"), delay, False, None, "serve[0](m)", {"sleep_idle_seconds": 5})
+    assert info.value.where == "serve[0](m).engine_args.sleep_idle_seconds"
 
 
 def test_dryrun_on_this_cpu_machine_refuses_sleep_with_one_clear_error_and_exit_2(tmp_path):

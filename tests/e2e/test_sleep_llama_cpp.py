@@ -1,0 +1,107 @@
+"""End to end on one host: idle llama.cpp replicas asleep (resources.sleep_delay_s) and woken by their next request.
+
+llama-server unloads its model after `--sleep-idle-seconds` without a task and loads it again for the next request
+(its own log says both); the replica publishes the state, status shows it, and the router sends a request to an
+awake replica first and counts the wakes it causes. One deployment of two replicas, in order: dryrun says what
+sleep means for this engine -> both replicas fall asleep -> one request wakes one replica only and is answered ->
+the woken one falls asleep again -> stop.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.conftest import STATUS_WAIT_S, llama_cpp_node, run_cli, status_cli, wait_for, write_config
+
+PORT = 19283
+MODEL = "nap"
+SLEEP_DELAY_S = 2
+REPLICAS = 2
+ENTERS = "server is entering sleeping state"  # llama-server's own log lines (tools/server: handle_sleep)
+EXITS = "server is exiting sleeping state"
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sleep-llama")
+    node = llama_cpp_node(MODEL, num_replicas=REPLICAS, sleep_delay_s=SLEEP_DELAY_S, num_cpus=1)
+    conf = write_config(root / "conf", [node], root / "exp", PORT)
+    dryrun = run_cli(conf, "action=dryrun", timeout=300)
+    result = run_cli(conf, timeout=600)
+    yield {"conf": conf, "exp": root / "exp", "dryrun": dryrun, "run": result}
+    if (root / "exp" / "state.json").exists():
+        run_cli(conf, "action=stop", timeout=300)
+
+
+@pytest.fixture(scope="module")
+def client(deployment):
+    assert deployment["run"].returncode == 0, deployment["run"].output
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
+
+
+def replicas(deployment) -> list[dict]:
+    result = status_cli(deployment["conf"], "output=json")
+    assert result.returncode == 0, result.output
+    return json.loads(result.stdout[result.stdout.index("{") :])["replicas"]
+
+
+def asleep_count(deployment, count: int):
+    """The replicas, once exactly `count` of the READY ones are asleep (else None)."""
+    found = replicas(deployment)
+    ready = [r for r in found if r["state"] == "READY"]
+    return found if len(ready) == REPLICAS and sum(r["asleep"] for r in ready) == count else None
+
+
+def engine_log(deployment, replica: dict) -> str:
+    shown = run_cli(deployment["conf"], "action=logs", f"replica={replica['replica_id']}", "lines=400", timeout=120)
+    assert shown.returncode == 0, shown.output
+    return shown.stdout
+
+
+def wakes() -> float:
+    """The wakes of MODEL's replicas the router counted (flagscale_router_replica_wakes_total)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=30) as resp:
+        lines = resp.read().decode().splitlines()
+    counted = [line for line in lines if line.startswith("flagscale_router_replica_wakes_total{")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in counted if f'model="{MODEL}"' in line)
+
+
+def test_dryrun_says_the_replicas_sleep_and_wake_by_themselves(deployment):
+    dryrun = deployment["dryrun"]
+    assert dryrun.returncode == 0, dryrun.output
+    assert f"serve '{MODEL}': a replica idle for {SLEEP_DELAY_S}s sleeps (llama.cpp sleep mode" in dryrun.stdout
+    assert "wakes by itself for the next request" in dryrun.stdout
+    assert f"sleep_idle_seconds={SLEEP_DELAY_S}" in dryrun.stdout  # the engine arg the delay becomes
+
+
+def test_idle_replicas_fall_asleep_and_the_engine_says_so(deployment, client):
+    asleep = wait_for(lambda: asleep_count(deployment, REPLICAS), STATUS_WAIT_S, "both replicas asleep")
+    for replica in asleep:
+        said = lambda r=replica: ENTERS in engine_log(deployment, r)  # noqa: E731
+        wait_for(said, 60, f"llama-server of replica {replica['replica_id']} to say it sleeps")
+    table = status_cli(deployment["conf"])
+    assert table.stdout.count("ASLEEP") == REPLICAS, table.stdout
+
+
+def test_a_request_wakes_one_replica_and_is_answered(deployment, client):
+    wait_for(lambda: asleep_count(deployment, REPLICAS), STATUS_WAIT_S, "both replicas asleep")
+    before = wakes()
+    answer = client.completions.create(model=MODEL, prompt="wake up", max_tokens=4)
+    assert answer.choices[0].text and answer.usage.completion_tokens == 4
+    assert wakes() == before + 1
+    woken = [r for r in replicas(deployment) if EXITS in engine_log(deployment, r)]
+    assert len(woken) == 1, [r["replica_id"] for r in woken]
+    # idle again, it sleeps again: the engine's second sleep
+    wait_for(lambda: engine_log(deployment, woken[0]).count(ENTERS) >= 2, 60, "the woken llama-server asleep again")
+    wait_for(lambda: asleep_count(deployment, REPLICAS), STATUS_WAIT_S, "both replicas asleep again")
+
+
+def test_stop_ends_sleeping_replicas(deployment, client):
+    result = run_cli(deployment["conf"], "action=stop", timeout=300)
+    assert result.returncode == 0, result.output
+    assert not Path(deployment["exp"], "state.json").exists()
