@@ -81,9 +81,14 @@ def _replicas_cell(engine) -> str:
     cell = f"{engine.describe_replicas()}\nrouting: {engine.routing.policy}"
     if engine.kv_events:  # the engines publish their KV-cache events (docs/routing.md)
         cell += "\n(KV events)"
-    if (engine.autoscaling or {}).get("min_replicas") == 0:  # sleep mode: GPU engines only (issue 51, item 3)
+    autoscaling = engine.autoscaling or {}
+    if engine.sleep_delay_s is not None and autoscaling.get("slo"):
+        cell += "\nidle: sleeps, kept started; the SLO planner sizes the replicas awake"
+    elif autoscaling.get("min_replicas") == 0:
         on_cpu = engine.device == "cpu"
-        why = f"{engine.kind.display} on CPU cannot sleep" if on_cpu else "with resources.sleep_delay_s it sleeps first"
+        can = engine.kind.capabilities.sleep_on_cpu if on_cpu else engine.kind.capabilities.sleep_on_gpu
+        where = " on CPU" if on_cpu else ""
+        why = "with resources.sleep_delay_s it sleeps first" if can else f"{engine.kind.display}{where} cannot sleep"
         cell += f"\nidle: stops at zero, starts on the next request ({why})"
     return cell
 

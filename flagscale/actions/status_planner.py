@@ -1,6 +1,6 @@
 """`status`'s SLO planner table (docs/autoscaling.md): per pool with `resources.slo`, the SLO, what its engines
-measured over the last window, the forecast, the replicas now and the target, and the reason of the last change
-(the records flagscale/replica/slo_policy.py publishes)."""
+measured over the last window, the forecast, the replicas now and the target (a node whose replicas sleep: the
+replicas kept awake), and the reason of the last change (the records flagscale/replica/slo_policy.py publishes)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ def planner_table(records: dict[str, dict[str, Any]], table: Table) -> Table:
     for serve_id, record in sorted(records.items()):
         low, high = record.get("bounds", ["?", "?"])
         replicas = f"{record.get('replicas')} -> {record.get('target')} ({low}..{high})"
+        if record.get("sleeps"):  # the target is the replicas kept awake; Serve keeps the others asleep
+            awake = (record.get("replicas") or 0) - (record.get("asleep") or 0)
+            replicas = f"{record.get('replicas')} ({awake} awake) -> {record.get('target')} awake (..{high})"
         last = record.get("last_change") or ""
         cells = (
             serve_id + (f" ({record['role']})" if record.get("role") else ""),

@@ -9,7 +9,8 @@ How it decides (docs/autoscaling.md):
    dimensions; no capacity known yet: one more replica while the SLO is broken with requests queued;
 3. guards: the SLO broken now with requests queued, or the KV cache nearly full (decode), add one when every
    replica asked for is serving; requests held at zero replicas ask for one at once; a pool with no request
-   in flight and none forecast wants zero;
+   in flight and none forecast wants zero, any other at least one; a pool whose replicas sleep is sized in
+   replicas awake (those asleep are started, a wake away);
 4. hysteresis: grow past `headroom`, shrink only when the rest would run below `release_below`, and only after
    the wish has lasted `upscale_delay_s` / `downscale_delay_s` (0 -> n at once); never outside min/max; never
    below the count asked for while a replica of it is still starting (it is judged once it serves).
@@ -70,7 +71,7 @@ class Planner:
         keeps it; else the planner's own."""
         settings = self.settings
         current = target_now if target_now is not None else self.target
-        current = obs.replicas if current is None else current
+        current = obs.awake if current is None else current
         self._learn(obs)
         desired, why = self._desired(obs, current)
         if desired < current and obs.replicas < current:  # a replica asked for has not served yet: judge it then
@@ -93,14 +94,16 @@ class Planner:
         for dim in self.dimensions:
             demand = self.load(dim, obs)
             dim.trend.update(obs.time_s, demand)
-            if obs.replicas > 0:
-                dim.curve.update(demand / obs.replicas, getattr(obs, f"{dim.name}_ms"))
+            if obs.awake > 0:
+                dim.curve.update(demand / obs.awake, getattr(obs, f"{dim.name}_ms"))
 
     def _desired(self, obs: Observation, current: int) -> tuple[int, str]:
-        if obs.replicas == 0 and current == 0:
+        if obs.awake == 0 and current == 0:
+            if obs.asleep and (obs.running or obs.queue or obs.arrival_rps > 0):
+                return 1, "requests for a pool whose replicas all sleep: keep one awake"
             if obs.held or obs.arrival_rps > 0:
                 return 1, f"{obs.held} request(s) held with no replica: start one"
-            return 0, "idle at zero"
+            return 0, "idle at zero" if not obs.asleep else f"idle, {obs.asleep} asleep"
         if self._idle(obs):
             return 0, "idle: nothing in flight and no arrival forecast"
         sized = [self._sized(dim, obs, current) for dim in self.dimensions]
@@ -110,6 +113,8 @@ class Planner:
         broken = self._broken(obs)
         if broken and obs.replicas >= current and count <= current:
             return current + 1, broken
+        if count == 0:  # not idle (above): a request in flight or arriving needs a replica
+            return 1, f"{why}; requests in flight or arriving: at least one"
         return count, why
 
     def _idle(self, obs: Observation) -> bool:

@@ -57,6 +57,13 @@ class Observation:
     arrival_rps: float = 0.0
     held: int = 0  # requests the router holds because the pool has no replica
     output_token_cost: float | None = None  # measured: an output token's cost in prompt tokens (colocated load)
+    # of `replicas`, those asleep (resources.sleep_delay_s): started, holding no device memory, a wake away. A pool
+    # whose replicas sleep is sized in replicas kept awake
+    asleep: int = 0
+
+    @property
+    def awake(self) -> int:
+        return max(0, self.replicas - self.asleep)
 
 
 @dataclass(frozen=True)

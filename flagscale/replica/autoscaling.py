@@ -31,17 +31,18 @@ def engine_load_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
 
 
 def with_engine_load_policy(
-    scaling: dict[str, Any], slo: dict[str, Any] | None = None, role: str | None = None
+    scaling: dict[str, Any], slo: dict[str, Any] | None = None, role: str | None = None, sleeps: bool = False
 ) -> dict[str, Any]:
     """An engine deployment's replica keywords, its autoscaling (if any) driven by the engines' load, or by the
-    SLO planner where the node states an `slo` (role: the pool's, for what the planner sizes it on)."""
+    SLO planner where the node states an `slo` (role: the pool's, for what the planner sizes it on; `sleeps`: its
+    replicas sleep when idle, and the planner sizes the replicas awake)."""
     if "autoscaling_config" not in scaling:
         return scaling
     autoscaling = dict(scaling["autoscaling_config"])
     if autoscaling.get("min_replicas") == 0:
         autoscaling["initial_replicas"] = 1
     if slo:
-        autoscaling = with_slo_policy({**autoscaling, "slo": slo}, role)
+        autoscaling = with_slo_policy({**autoscaling, "slo": slo}, role, sleeps)
     else:
         autoscaling["policy"] = {"policy_function": POLICY_FUNCTION}
     return {**scaling, "autoscaling_config": autoscaling}

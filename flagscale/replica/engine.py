@@ -337,7 +337,8 @@ class EngineReplica:
         metrics, buckets = await asyncio.get_running_loop().run_in_executor(
             None, engine_metrics_and_buckets, self.url, 2.0, self.spec.api_key
         )
-        stats = replica_stats(self.spec.kind, metrics, buckets, self.start_s)
+        sleeper = getattr(self, "sleeper", None)
+        stats = replica_stats(self.spec.kind, metrics, buckets, self.start_s, asleep=bool(sleeper and sleeper.asleep))
         return {ENGINE_REQUESTS: self.spec.kind.load(metrics), **stats}
 
     async def wake(self) -> str:

@@ -9,6 +9,12 @@ simulator must decide as the deployment does), so Serve's own delays are set to 
 keeps the count within min/max and starts the first replica of a pool at zero at once when a request waits for it
 (the router's held request reaches Serve as a handle call, flagscale/router/cold_start.py).
 
+A node whose replicas sleep (resources.sleep_delay_s) is planned in replicas kept *awake*: the planner's target
+goes to the router, which sends the node's requests to that many replicas (awake ones first) so that the rest
+idle into sleep, and wakes one when the target rises (flagscale/router/wake.py). Serve's count is then the most
+replicas the planner has wanted awake (within min/max): a replica no longer wanted sleeps, holding no device
+memory, and is a wake away (a fraction of a second) where a new one is a cold start (a minute and more on GPUs).
+
 Each decision is published in Ray's key-value store (`planner/<app>/<serve_id>`): `status` shows it per pool
 (the SLO, what is measured, the forecast, the target and the reason of the last change), the router counts the
 changes in its /metrics, and the router's hold bound at zero replicas comes from the measured start time.
@@ -46,8 +52,13 @@ def _key(app: str, serve_id: str) -> bytes:
 class SloPolicy:
     """Serve's policy callable: (AutoscalingContext) -> (replicas, policy state)."""
 
-    def __init__(self, slo: dict[str, Any], min_replicas: int, max_replicas: int, **settings: Any):
-        self.planner = Planner(PlannerSettings(Slo(**slo), min_replicas, max_replicas, **settings))
+    def __init__(
+        self, slo: dict[str, Any], min_replicas: int, max_replicas: int, sleeps: bool = False, **settings: Any
+    ):
+        # asleep, a replica holds nothing the node's minimum is for: none need be kept awake
+        awake_min = 0 if sleeps else min_replicas
+        self.planner = Planner(PlannerSettings(Slo(**slo), awake_min, max_replicas, **settings))
+        self.sleeps = sleeps
         self.changes = 0
         self.last_change_s: float | None = None
         self.published_s = float("-inf")
@@ -60,7 +71,8 @@ class SloPolicy:
         held = round(ctx.total_num_requests or 0)  # requests through Serve's handles: the router's held ones
         now = time.time()
         obs = observe(raw, now, ctx.current_num_replicas, held, self.planner.settings.slo.percentile)
-        decision = self.planner.decide(obs, target_now=ctx.target_num_replicas)
+        # Serve keeps the count of a node that sleeps, not the planner's (awake) target
+        decision = self.planner.decide(obs, target_now=None if self.sleeps else ctx.target_num_replicas)
         if decision.changed:
             self.changes += 1
             self.last_change_s = now
@@ -68,10 +80,12 @@ class SloPolicy:
                 "SLO planner %s: %d -> %d: %s", ctx.deployment_name, decision.current, decision.target, decision.reason
             )
         if decision.changed or now - self.published_s >= PUBLISH_EVERY_S:
-            self._publish(ctx, decision, now)
+            self._publish(ctx, decision, obs.asleep, now)
+        if self.sleeps:
+            return max(decision.target, ctx.target_num_replicas or 0), {}
         return decision.target, {}
 
-    def _publish(self, ctx: Any, decision: Any, now: float) -> None:
+    def _publish(self, ctx: Any, decision: Any, asleep: int, now: float) -> None:
         settings = self.planner.settings
         record = {
             "slo": dataclasses.asdict(settings.slo),
@@ -79,6 +93,8 @@ class SloPolicy:
             "bounds": [settings.min_replicas, settings.max_replicas],
             "start_s": settings.start_s,
             "replicas": ctx.current_num_replicas,
+            "sleeps": self.sleeps,  # the target is the replicas kept awake
+            "asleep": asleep,
             "target": decision.target,
             "desired": decision.desired,
             "reason": decision.reason,
@@ -112,9 +128,9 @@ def recorded_start_s(app: str, serve_id: str) -> float | None:
     return json.loads(value).get("start_s") if value else None
 
 
-def with_slo_policy(autoscaling: dict[str, Any], role: str | None) -> dict[str, Any]:
+def with_slo_policy(autoscaling: dict[str, Any], role: str | None, sleeps: bool = False) -> dict[str, Any]:
     """An SLO node's Serve autoscaling config: the planner as its policy, its bounds and delays as the planner's
-    settings, Serve's own delays zero."""
+    settings, Serve's own delays zero. `sleeps`: its replicas sleep when idle (planned in replicas awake)."""
     settings = {key: autoscaling[key] for key in ("upscale_delay_s", "downscale_delay_s") if key in autoscaling}
     slo = dict(autoscaling["slo"])
     settings |= slo.pop("seeds", {})  # auto_tune's measured figures (plan/engine_plan.py), where there are some
@@ -123,6 +139,7 @@ def with_slo_policy(autoscaling: dict[str, Any], role: str | None) -> dict[str, 
         "min_replicas": autoscaling.get("min_replicas", 1),
         "max_replicas": autoscaling.get("max_replicas", 1),
         "role": role,
+        "sleeps": sleeps,
         **settings,
     }
     config = {key: value for key, value in autoscaling.items() if key != "slo"}

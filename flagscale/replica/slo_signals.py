@@ -2,8 +2,8 @@
 
 Each engine replica reports its engine's own cumulative figures (`replica_stats`, from EngineReplica.
 record_autoscaling_stats): the TTFT and ITL histograms bucket by bucket (`ttft_le:<bound>`), prompt and output
-token counters, finished requests, running and waiting requests, KV cache usage, and how long its server took to
-start. Serve keeps each replica's figures over the look-back window (`raw_metrics`); `observe` turns them into the
+token counters, finished requests, running and waiting requests, KV cache usage, how long its server took to
+start, and whether it sleeps (resources.sleep_delay_s). Serve keeps each replica's figures over the look-back window (`raw_metrics`); `observe` turns them into the
 planner's Observation: each counter's rise over the window, the window's histogram (the newest buckets less the
 oldest) merged over the replicas and read at the SLO's percentile, the gauges as they are now.
 """
@@ -20,13 +20,18 @@ from flagscale.planner.types import Observation
 HISTOGRAMS = ("ttft", "itl")
 COUNTERS = ("prompt_tokens", "output_tokens", "finished")
 START_S = "start_s"
+ASLEEP = "asleep"
 
 
 def replica_stats(
-    kind: EngineKind, sums: dict[str, float], buckets: dict[str, dict[float, float]], start_s: float
+    kind: EngineKind,
+    sums: dict[str, float],
+    buckets: dict[str, dict[float, float]],
+    start_s: float,
+    asleep: bool = False,
 ) -> dict[str, float]:
     """One replica's figures for the planner, from its engine's /metrics (engine_metrics_and_buckets)."""
-    stats = {START_S: start_s}
+    stats = {START_S: start_s, ASLEEP: float(asleep)}
     for signal, name in kind.slo_samples.items():
         if signal in HISTOGRAMS:
             stats |= {f"{signal}_le:{bound}": count for bound, count in buckets.get(name, {}).items()}
@@ -95,6 +100,7 @@ def observe(raw: dict[str, dict[Any, list[Any]]], time_s: float, replicas: int, 
     return Observation(
         time_s=time_s,
         replicas=replicas,
+        asleep=min(replicas, round(sum(_now(raw, ASLEEP)))),
         ttft_ms=_latency_ms(raw, "ttft", q),
         itl_ms=_latency_ms(raw, "itl", q),
         queue=sum(_now(raw, "waiting")),

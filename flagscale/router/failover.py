@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 from aiohttp import web
 
@@ -82,10 +83,9 @@ class _Attempt:
 class Failover:
     """The request path after admission checks: prefill (disaggregated models), then the replicas in turn.
 
-    `spec` gives the router's current spec; `replicas`, the table and policies; `counters`, where the moves and
-    resumes are counted; `admission`, the queue for a replica's free slot; `clients`, the connections to the
-    replicas; `peers`, where routing hints go; `prefill`, the prefill step; `refresh`, a read of the registry now;
-    `waker`, what wakes a sleeping replica (wake.py)."""
+    `spec`: the router's current spec; `replicas`: the table and policies; `counters`: moves and resumes counted;
+    `admission`: the queue for a free slot; `clients`: connections to the replicas; `peers`: routing hints; `prefill`:
+    the prefill step; `refresh`: a registry read now; `waker`: sleeping replicas and awake targets (wake.py)."""
 
     def __init__(
         self,
@@ -193,7 +193,8 @@ class Failover:
             same = [u for u in upstreams if u.record.fingerprint == exchange.fingerprint]
             exchange.other_versions |= any(u.replica_id not in exchange.tried for u in upstreams if u not in same)
             upstreams = same
-        return prefer_awake(lambda pool: first_untried(exchange.policy, pool, exchange.info, exchange.tried), upstreams)
+        pick = partial(first_untried, exchange.policy, info=exchange.info, tried=exchange.tried)
+        return prefer_awake(pick, upstreams, self._waker.targets.of(upstreams))
 
     async def _overloaded(self, exchange: Exchange, reason: str) -> web.StreamResponse:
         """503 with Retry-After (a stream already begun, waiting to go on elsewhere: a closing error event)."""

@@ -54,7 +54,7 @@ from flagscale.router.replicas import Replicas, Upstream, give_up_on_frozen, pro
 from flagscale.router.spec import RouterSpec
 from flagscale.router.state import Clients, Counters
 from flagscale.router.upstream_http import UpstreamClient
-from flagscale.router.wake import Waker
+from flagscale.router.wake import AwakeTargets, Waker
 
 try:  # the router's event loop: uvloop where installed (requirements/base.txt), asyncio's otherwise
     import uvloop
@@ -191,7 +191,8 @@ class Router:
         self._read_began = float("-inf")  # when the last registry read that completed began (monotonic)
         spec = self._current_spec
         self.peers = peers.PeerLink(spec, self.replicas, self.counters, self.metrics, self.collect_stats)
-        self.waker = Waker(lambda: self.clients.session, lambda: self.spec.engine_key, self.metrics)
+        targets = AwakeTargets(lambda: self.spec.app, lambda: self.spec.awake_planned)
+        self.waker = Waker(lambda: self.clients.session, lambda: self.spec.engine_key, self.metrics, targets)
         self.prefill = Prefill(spec, self.replicas, self.counters, self.admission, self.clients, self.peers)
         self.failover = Failover(
             spec,
@@ -307,6 +308,8 @@ class Router:
                 )
             await asyncio.get_running_loop().run_in_executor(None, registry.withdraw_stale, self.spec.app, stale)
         self.waker.wake_held(self.replicas.table.by_replica.values())
+        await self.waker.targets.refresh()
+        self.waker.wake_wanted(self.replicas.table.by_replica.values())
         if self.spec.lora_nodes:
             await self._adopt_adapter_sets()
         if self._pinning is not None:

@@ -82,6 +82,9 @@ class RouterSpec:
     # A request waits (as above) for a decode pool at zero; a prefill pool at zero is asked for a replica while the
     # decode pool computes the prompts itself (decode-only)
     zero_pools: dict[str, dict[str, str]] = field(default_factory=dict)
+    # nodes whose SLO planner sizes the replicas kept awake (slo with sleep_delay_s): their requests go to the
+    # planner's target count of replicas, the others idle into sleep (flagscale/router/wake.py)
+    awake_planned: list[str] = field(default_factory=list)
 
     def share(self, limit: int) -> int:
         """This process's share of a deployment-wide limit (at least 1)."""

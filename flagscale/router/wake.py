@@ -10,6 +10,11 @@ A request the router sent just as the replica went to sleep is held by the engin
 wake), not failed: at each registry read the router wakes every replica the record says asleep that holds
 requests of its own (wake_held). An engine that sleeps by itself (llama.cpp) has no wake route: the request it is
 sent wakes it, so the router only counts the wake (its time is in that request's time to first token).
+
+A node whose SLO planner sizes the replicas kept awake (`slo` with `sleep_delay_s`, flagscale/replica/slo_policy.py)
+has its requests sent to the planner's target count of replicas, awake ones first (AwakeTargets, kept_awake): the
+others get a request only when those have no free slot, so they idle into sleep; when the target rises, the
+sleeping replicas it now takes in are woken at once (wake_wanted) rather than by their first request.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import aiohttp
 
 from flagscale import engines
+from flagscale.replica.slo_policy import planner_records
 from flagscale.router.metrics import RouterMetrics
 from flagscale.router.replicas import Upstream
 
@@ -40,26 +46,69 @@ def asleep(upstream: Upstream) -> bool:
     return record.asleep and upstream.woken != record.sleeps
 
 
-def prefer_awake(pick: Callable[[list[Upstream]], object], upstreams: list[Upstream]) -> object:
-    """`pick` (the policy's choice among replicas) over the awake replicas first; over all of them when no awake
-    one is left to try or has a free slot."""
-    awake = [u for u in upstreams if not asleep(u)]
-    if not awake or len(awake) == len(upstreams):
-        return pick(upstreams)
-    choice = pick(awake)
-    return choice if isinstance(choice, Upstream) else pick(upstreams)
+def kept_awake(upstreams: list[Upstream], wanted: int | None) -> list[Upstream]:
+    """The replicas a node's requests go to first when its planner wants `wanted` awake (None: all of them): awake
+    ones first, then by id, so the set holds still while the others idle into sleep; at least one."""
+    if wanted is None or wanted >= len(upstreams):
+        return upstreams
+    return sorted(upstreams, key=lambda u: (asleep(u), u.replica_id))[: max(1, wanted)]
+
+
+def prefer_awake(
+    pick: Callable[[list[Upstream]], object], upstreams: list[Upstream], wanted: int | None = None
+) -> object:
+    """`pick` (the policy's choice among replicas) over the awake replicas of kept_awake(upstreams, wanted) first,
+    then over those, the awake replicas, and all: the first that leaves a replica to try with a free slot."""
+    pools: list[list[Upstream]] = []
+    for tier in (kept_awake(upstreams, wanted), upstreams):
+        for pool in ([u for u in tier if not asleep(u)], tier):
+            if pool and pool not in pools:
+                pools.append(pool)
+    for pool in pools[:-1]:
+        choice = pick(pool)
+        if isinstance(choice, Upstream):
+            return choice
+    return pick(upstreams)
+
+
+class AwakeTargets:
+    """How many replicas each node planned in awake replicas (`serve_ids()`) wants awake: its planner's target,
+    read from the planners' records at each registry read of the router (refresh)."""
+
+    def __init__(self, app: Callable[[], str], serve_ids: Callable[[], Collection[str]]) -> None:
+        self._app, self._serve_ids = app, serve_ids
+        self.targets: dict[str, int] = {}
+
+    async def refresh(self) -> None:
+        planned = self._serve_ids()
+        if not planned:
+            self.targets = {}
+            return
+        try:
+            records = await asyncio.get_running_loop().run_in_executor(None, planner_records, self._app())
+        except Exception as exc:  # no answer from the GCS: the last targets stand until the next read
+            log.debug("no SLO planner records: %r", exc)
+            return
+        self.targets = {serve_id: int(r["target"]) for serve_id, r in records.items() if serve_id in planned}
+
+    def of(self, upstreams: list[Upstream]) -> int | None:
+        """The target of the node these replicas (one model's) belong to; None: not planned in awake replicas."""
+        return self.targets.get(upstreams[0].record.serve_id) if upstreams else None
 
 
 class Waker:
-    """Wakes sleeping replicas: `session` gives the router's HTTP session, `api_key` the key the engines require (RouterSpec.engine_key)."""
+    """Wakes sleeping replicas: `session` gives the router's HTTP session, `api_key` the key the engines require
+    (RouterSpec.engine_key); `targets`, the replicas planned nodes want awake (none: no node is)."""
 
     def __init__(
         self,
         session: Callable[[], aiohttp.ClientSession | None],
         api_key: Callable[[], str | None],
         metrics: RouterMetrics,
+        targets: AwakeTargets | None = None,
     ) -> None:
         self._session, self._api_key, self._metrics = session, api_key, metrics
+        self.targets = targets or AwakeTargets(lambda: "", lambda: ())
         self._waking: dict[str, asyncio.Future] = {}
 
     async def ready(self, upstream: Upstream) -> None:
@@ -72,6 +121,19 @@ class Waker:
             wake = self._waking[key] = asyncio.ensure_future(self._wake(upstream))
             wake.add_done_callback(lambda _: self._waking.pop(key, None))
         await asyncio.shield(wake)  # a client that leaves does not cancel the wake the others wait for
+
+    def wake_wanted(self, upstreams: Iterable[Upstream]) -> None:
+        """Wake the sleeping replicas each planned node's target takes in (those with a wake route; one that wakes
+        by itself does so for its first request)."""
+        by_node: dict[str, list[Upstream]] = {}
+        for upstream in upstreams:
+            by_node.setdefault(upstream.record.serve_id, []).append(upstream)
+        for serve_id, target in self.targets.targets.items():
+            for upstream in kept_awake(by_node.get(serve_id, []), target)[:target]:
+                mode = engines.get(upstream.record.engine).sleep_mode
+                if asleep(upstream) and mode and mode.wake_path and upstream.replica_id not in self._waking:
+                    wake = asyncio.ensure_future(self.ready(upstream))
+                    wake.add_done_callback(_log_failure)
 
     def wake_held(self, upstreams: Iterable[Upstream]) -> None:
         """Wake the replicas the registry says asleep that hold requests of this router (sent as they fell asleep)."""

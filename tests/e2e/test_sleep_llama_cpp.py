@@ -2,14 +2,17 @@
 
 llama-server unloads its model after `--sleep-idle-seconds` without a task and loads it again for the next request
 (its own log says both); the replica publishes the state, status shows it, and the router sends a request to an
-awake replica first and counts the wakes it causes. One deployment of two replicas, in order: dryrun says what
-sleep means for this engine -> both replicas fall asleep -> one request wakes one replica only and is answered ->
-the woken one falls asleep again -> stop.
+awake replica first and counts the wakes it causes. One deployment, two nodes, in order: dryrun says what sleep
+means for this engine -> both replicas of the first fall asleep -> one request wakes one replica only and is
+answered -> the woken one falls asleep again. The second node also has an SLO (min_replicas 0): its planner sizes
+the replicas awake, so idle, its replica sleeps and is kept, not stopped; a request is answered by that same
+replica, which the planner then counts awake -> stop.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from pathlib import Path
 
@@ -19,9 +22,19 @@ import pytest
 from tests.conftest import STATUS_WAIT_S, llama_cpp_node, run_cli, status_cli, wait_for, write_config
 
 PORT = 19283
-MODEL = "nap"
+MODEL, PLANNED = "nap", "planned"
 SLEEP_DELAY_S = 2
 REPLICAS = 2
+PLANNED_RESOURCES = {
+    "min_replicas": 0,
+    "max_replicas": 2,
+    "upscale_delay_s": 0,
+    "downscale_delay_s": 2,
+    "slo": {"ttft_ms": 5000},
+    "sleep_delay_s": SLEEP_DELAY_S,
+    "num_cpus": 1,
+}
+KEPT_S = 15  # how long the planner's target has been zero when its replica must still be there
 ENTERS = "server is entering sleeping state"  # llama-server's own log lines (tools/server: handle_sleep)
 EXITS = "server is exiting sleeping state"
 
@@ -30,7 +43,9 @@ EXITS = "server is exiting sleeping state"
 def deployment(tmp_path_factory):
     root = tmp_path_factory.mktemp("sleep-llama")
     node = llama_cpp_node(MODEL, num_replicas=REPLICAS, sleep_delay_s=SLEEP_DELAY_S, num_cpus=1)
-    conf = write_config(root / "conf", [node], root / "exp", PORT)
+    planned = llama_cpp_node(PLANNED)
+    planned["resources"] = PLANNED_RESOURCES
+    conf = write_config(root / "conf", [node, planned], root / "exp", PORT)
     dryrun = run_cli(conf, "action=dryrun", timeout=300)
     result = run_cli(conf, timeout=600)
     yield {"conf": conf, "exp": root / "exp", "dryrun": dryrun, "run": result}
@@ -44,14 +59,18 @@ def client(deployment):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
 
 
-def replicas(deployment) -> list[dict]:
+def status_json(deployment) -> dict:
     result = status_cli(deployment["conf"], "output=json")
     assert result.returncode == 0, result.output
-    return json.loads(result.stdout[result.stdout.index("{") :])["replicas"]
+    return json.loads(result.stdout[result.stdout.index("{") :])
+
+
+def replicas(deployment, serve_id: str = MODEL) -> list[dict]:
+    return [r for r in status_json(deployment)["replicas"] if r["serve_id"] == serve_id]
 
 
 def asleep_count(deployment, count: int):
-    """The replicas, once exactly `count` of the READY ones are asleep (else None)."""
+    """MODEL's replicas, once exactly `count` of the READY ones are asleep (else None)."""
     found = replicas(deployment)
     ready = [r for r in found if r["state"] == "READY"]
     return found if len(ready) == REPLICAS and sum(r["asleep"] for r in ready) == count else None
@@ -76,6 +95,7 @@ def test_dryrun_says_the_replicas_sleep_and_wake_by_themselves(deployment):
     assert dryrun.returncode == 0, dryrun.output
     assert f"serve '{MODEL}': a replica idle for {SLEEP_DELAY_S}s sleeps (llama.cpp sleep mode" in dryrun.stdout
     assert "wakes by itself for the next request" in dryrun.stdout
+    assert "idle: sleeps, kept started; the SLO planner sizes the replicas awake" in " ".join(dryrun.stdout.split())
     assert f"sleep_idle_seconds={SLEEP_DELAY_S}" in dryrun.stdout  # the engine arg the delay becomes
 
 
@@ -85,7 +105,7 @@ def test_idle_replicas_fall_asleep_and_the_engine_says_so(deployment, client):
         said = lambda r=replica: ENTERS in engine_log(deployment, r)  # noqa: E731
         wait_for(said, 60, f"llama-server of replica {replica['replica_id']} to say it sleeps")
     table = status_cli(deployment["conf"])
-    assert table.stdout.count("ASLEEP") == REPLICAS, table.stdout
+    assert table.stdout.count("ASLEEP") >= REPLICAS, table.stdout
 
 
 def test_a_request_wakes_one_replica_and_is_answered(deployment, client):
@@ -99,6 +119,41 @@ def test_a_request_wakes_one_replica_and_is_answered(deployment, client):
     # idle again, it sleeps again: the engine's second sleep
     wait_for(lambda: engine_log(deployment, woken[0]).count(ENTERS) >= 2, 60, "the woken llama-server asleep again")
     wait_for(lambda: asleep_count(deployment, REPLICAS), STATUS_WAIT_S, "both replicas asleep again")
+
+
+def planned_idle(deployment, first: dict, since: dict) -> dict | None:
+    """The status once PLANNED's planner has wanted no replica awake for KEPT_S (as this test saw it; `since`
+    keeps when) and its replica sleeps (else None); the replica must be the first one all along (kept, not stopped
+    and started again)."""
+    report = status_json(deployment)
+    record = report["planner"].get(PLANNED, {})
+    live = [r for r in report["replicas"] if r["serve_id"] == PLANNED and r["state"] == "READY"]
+    assert [r["replica_id"] for r in live] == [first["replica_id"]], (live, record)
+    if record.get("target") != 0 or not live[0]["asleep"]:
+        since.clear()
+        return None
+    since.setdefault("t", time.monotonic())
+    return report if time.monotonic() - since["t"] >= KEPT_S else None
+
+
+def test_a_planned_node_keeps_its_idle_replica_asleep_and_serves_from_it(deployment, client):
+    (first,) = wait_for(lambda: replicas(deployment, PLANNED) or None, STATUS_WAIT_S, f"{PLANNED}'s replica")
+    since: dict[str, float] = {}
+    report = wait_for(lambda: planned_idle(deployment, first, since), STATUS_WAIT_S, f"{PLANNED} idle, asleep, kept")
+    record = report["planner"][PLANNED]
+    assert record["sleeps"] and record["replicas"] == 1 and record["asleep"] == 1, record
+    assert "1 (0 awake) -> 0 awake" in " ".join(status_cli(deployment["conf"]).stdout.split())
+    answer = client.completions.create(model=PLANNED, prompt="still there?", max_tokens=4)
+    assert answer.usage.completion_tokens == 4
+    assert EXITS in engine_log(deployment, first)  # the kept replica woke for it: no replica was started
+
+    def counted_awake():
+        record = status_json(deployment)["planner"][PLANNED]
+        return record if record["target"] >= 1 else None
+
+    # an answer takes milliseconds: a window may see it as finished tokens only; either way one is wanted awake
+    record = wait_for(counted_awake, 120, f"{PLANNED}'s planner to want a replica awake", interval=0.5)
+    assert [r["replica_id"] for r in replicas(deployment, PLANNED)] == [first["replica_id"]], record
 
 
 def test_stop_ends_sleeping_replicas(deployment, client):

@@ -18,7 +18,7 @@ from flagscale import engines
 from flagscale.errors import ConfigError
 from flagscale.plan.sleep import sleep_args
 from flagscale.replica.sleep import IdleJudge, SleepController
-from flagscale.router.wake import WakeFailed, Waker, asleep, prefer_awake
+from flagscale.router.wake import WakeFailed, Waker, asleep, kept_awake, prefer_awake
 from tests.conftest import bare_router, router_listening
 from tests.unit.fakes import FakeEngine, started_upstreams, upstream
 from tests.unit.test_gpu_planning import gpus, plan  # noqa: F401 (gpus: a fixture)
@@ -142,12 +142,14 @@ class WakeableEngine(FakeEngine):
         return web.Response(status=self.wake_status)
 
 
-async def _through_router(engines_, asleep_names, requests):
+async def _through_router(engines_, asleep_names, requests, awake_target: int | None = None):
     ups = await started_upstreams(engines_)
     for up in ups:
         up.record.asleep = up.record.replica_id in asleep_names
         up.record.sleeps = 3 if up.record.asleep else 0
     router = bare_router(ups, "least_load")
+    if awake_target is not None:  # the node's SLO planner wants this many awake (its record, as refresh reads it)
+        router.waker.targets.targets = {ups[0].record.serve_id: awake_target}
     body = {"model": "m", "prompt": "hi", "max_tokens": 4}
     try:
         async with router_listening(router) as url, aiohttp.ClientSession() as client:
@@ -185,6 +187,46 @@ def test_a_replica_that_cannot_be_woken_is_tried_twice_then_passed_over_for_anot
     assert statuses == [200]
     assert broken.wakes == 2 and not broken.bodies and len(other.bodies) == 1
     assert router.metrics.wake_failures.labels("m")._value.get() == 1
+
+
+def test_a_node_planned_in_replicas_awake_sends_its_requests_to_the_target_count_awake_first():
+    """Target 1 of three (one asleep): least_load would spread the requests; all go to the first awake replica."""
+    a, b, c = WakeableEngine("a"), WakeableEngine("b"), WakeableEngine("c")
+    statuses, _router, _ups = asyncio.run(_through_router([a, b, c], {"a"}, 4, awake_target=1))
+    assert statuses == [200] * 4
+    assert len(b.bodies) == 4 and not c.bodies and not a.bodies and a.wakes == 0
+
+
+def test_kept_awake_takes_awake_replicas_first_then_by_id_and_overflows_to_the_rest():
+    a, b, c = upstream("a", 1, 0), upstream("b", 2, 0), upstream("c", 3, 0)
+    a.record.asleep, a.record.sleeps = True, 1
+    assert kept_awake([a, b, c], None) == [a, b, c] and kept_awake([a, b, c], 5) == [a, b, c]
+    assert kept_awake([c, a, b], 2) == [b, c] and kept_awake([a, b, c], 0) == [b]
+    first = lambda pool: pool[0]  # noqa: E731
+    assert prefer_awake(first, [a, b, c], wanted=1) is b
+    full = {"b"}  # b has no free slot: the other awake replica before the sleeping one
+    assert prefer_awake(lambda pool: next((u for u in pool if u.replica_id not in full), "full"), [a, b, c], 1) is c
+
+
+def test_a_rising_target_wakes_the_sleeping_replicas_it_takes_in_at_once():
+    async def main():
+        engines_ = [WakeableEngine("a", wake_s=0), WakeableEngine("b", wake_s=0), WakeableEngine("c", wake_s=0)]
+        ups = await started_upstreams(engines_)
+        for up in ups[:2]:  # a and b asleep, c awake
+            up.record.asleep, up.record.sleeps = True, 1
+        async with aiohttp.ClientSession() as session:
+            waker = Waker(lambda: session, lambda: None, bare_router(ups, "least_load").metrics)
+            waker.targets.targets = {"s": 2}  # c, and one more: a (by id)
+            waker.wake_wanted(ups)
+            for _ in range(100):
+                if ups[0].woken == 1:
+                    break
+                await asyncio.sleep(0.05)
+        for engine in engines_:
+            await engine.runner.cleanup()
+        return [engine.wakes for engine in engines_]
+
+    assert asyncio.run(main()) == [1, 0, 0]
 
 
 def test_prefer_awake_falls_back_to_sleeping_replicas_when_no_awake_one_is_free():

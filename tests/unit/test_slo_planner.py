@@ -191,3 +191,26 @@ def test_no_shrinking_while_a_replica_asked_for_still_starts():
     targets = [planner.decide(Observation(t, 0), target_now=1).target for t in range(0, 60, 5)]
     assert set(targets) == {1} and "still start" in planner.decide(Observation(60, 0), target_now=1).reason
     assert 0 in [planner.decide(Observation(t, 1), target_now=1).target for t in range(65, 90, 5)]
+
+
+def test_a_pool_whose_replicas_sleep_is_sized_in_replicas_awake():
+    planner = Planner(settings(min_replicas=0, downscale_delay_s=0))
+    # both started, both asleep, nothing asked: none need be awake
+    idle = planner.decide(Observation(0, 2, asleep=2))
+    assert idle.target == 0 and idle.reason == "idle, 2 asleep"
+    # a request arrives: one kept awake at once (no upscale delay from zero), with no replica to start
+    woken = planner.decide(Observation(1, 2, asleep=2, running=1, arrival_rps=0.2))
+    assert woken.target == 1 and "keep one awake" in woken.reason
+    # the one awake carries all the pool's load: capacity is fitted per awake replica, not per replica started
+    planner.decide(Observation(2, 2, asleep=1, ttft_ms=100, running=1, arrival_rps=1, prompt_tps=100))
+    planner.decide(Observation(3, 2, asleep=1, ttft_ms=300, running=1, arrival_rps=1, prompt_tps=800))
+    (ttft,) = [dim for dim in planner.dimensions if dim.name == "ttft"]
+    # 800 tok/s at 3x the unloaded latency: saturation at 1.5x that, 0.8 of it within the 500 ms bound
+    assert ttft.curve.fitted == pytest.approx(800 * 1.5 * 0.8)  # per replica started, it would be half
+
+
+def test_a_replica_asleep_is_not_one_still_starting():
+    """Target 2 with one awake and one asleep: the planner may go down at once (nothing starts)."""
+    planner = Planner(settings(min_replicas=0, downscale_delay_s=0))
+    planner.target = 2
+    assert planner.decide(Observation(0, 2, asleep=1)).target == 0

@@ -21,13 +21,13 @@ VLLM = engines.get("vllm")
 TTFT = "vllm:time_to_first_token_seconds"
 
 
-def scrape(requests, ttft_fast, prompt, output, running=2.0, waiting=0.0):
+def scrape(requests, ttft_fast, prompt, output, running=2.0, waiting=0.0, asleep=False):
     """One replica's engine figures: `requests` finished, `ttft_fast` of them under 0.1 s, the rest under 1 s."""
     sums = {"vllm:prompt_tokens_total": prompt, "vllm:generation_tokens_total": output}
     sums |= {"vllm:request_success_total": requests, "vllm:num_requests_running": running}
     sums |= {"vllm:num_requests_waiting": waiting, "vllm:kv_cache_usage_perc": 0.5}
     buckets = {TTFT: {0.1: ttft_fast, 1.0: requests, math.inf: requests}}
-    return replica_stats(VLLM, sums, buckets, start_s=42.0)
+    return replica_stats(VLLM, sums, buckets, start_s=42.0, asleep=asleep)
 
 
 def series(*stats_at):
@@ -259,3 +259,28 @@ def test_auto_tunes_best_trial_seeds_the_planner_of_the_node_it_tuned(tmp_path, 
     assert "seeds" not in kwargs["slo"] and kwargs["seed_output_tps"] == 200.0
     settings = SloPolicy(**kwargs).planner.settings
     assert (settings.seed_prompt_tps, settings.seed_output_tps) == (400.0, 200.0)
+
+
+def test_a_node_that_sleeps_keeps_its_replicas_in_serve_and_plans_the_ones_awake():
+    resources = {"min_replicas": 1, "max_replicas": 3, "downscale_delay_s": 0, "upscale_delay_s": 0}
+    scaling = with_engine_load_policy({"autoscaling_config": resources}, {"ttft_ms": 200}, None, sleeps=True)
+    kwargs = AutoscalingConfig(**scaling["autoscaling_config"]).policy.policy_kwargs  # Serve's own schema
+    assert kwargs["sleeps"] is True
+    policy = SloPolicy(**kwargs)
+    raw = {}
+    for replica, asleep in (("r1", True), ("r2", False)):
+        stats = scrape(100, 100, 10_000, 2_000, running=0.0, asleep=asleep)
+        for key, value in stats.items():
+            raw.setdefault(key, {})[replica] = [TimeStampedValue(0.0, value), TimeStampedValue(10.0, value)]
+    # idle: none need be awake (below min_replicas, which bounds the replicas started), and Serve keeps both
+    target, _ = policy(context(raw, current=2, target=2))
+    assert target == 2 and policy.planner.target == 0 and policy.planner.last_reason.startswith("idle")
+    # both awake, TTFT past the SLO with a queue: a third awake is wanted, and Serve asked to start it
+    busy = SloPolicy(**kwargs)
+    raw = {}
+    for replica in ("r1", "r2"):
+        points = ((0.0, scrape(100, 100, 10_000, 2_000)), (30.0, scrape(130, 100, 16_000, 3_200, waiting=5)))
+        for when, stats in points:
+            for key, value in stats.items():
+                raw.setdefault(key, {}).setdefault(replica, []).append(TimeStampedValue(when, value))
+    assert busy(context(raw, current=2, target=2))[0] == 3 and busy.planner.target == 3
