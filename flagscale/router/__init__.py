@@ -3,8 +3,8 @@
 Owns the HTTP face (frontend.py, client_request.py), admission (admission.py), the request path across replicas
 with every retry and resume decision (failover.py, resume.py; what an answer says of its replica: verdict.py), the
 relay of streamed answers (exchange.py, upstream_http.py), the prefill step of disaggregated models (pd.py), the
-replicas' state, policies and circuit breakers (replicas.py, circuit_breaker.py), the wake of a sleeping replica (wake.py), the routing policies
-(policies/: one module each, one registry; policies/adapters.py: where a LoRA adapter's requests go, lora.py: its
+replicas' state, policies and circuit breakers (replicas.py, circuit_breaker.py), the wake of a sleeping replica
+and the replicas a planned node keeps awake (wake.py), the routing policies (policies/: one module each, one registry; policies/adapters.py: where a LoRA adapter's requests go, lora.py: its
 wiring and metrics), the engines' own KV events that cache_aware routes on (kv_events.py:
 the subscriptions; kv_index.py: the blocks each replica holds; kv_keys.py: a request's block keys as the engine
 computes them; token_prefixes.py: prompt prefixes tokenized once), the LoRA admin call (adapter_admin.py: a node's
