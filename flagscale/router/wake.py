@@ -59,12 +59,14 @@ def prefer_awake(
 ) -> object:
     """`pick` (the policy's choice among replicas) over the awake replicas of kept_awake(upstreams, wanted) first,
     then over those, the awake replicas, and all: the first that leaves a replica to try with a free slot."""
+    kept = kept_awake(upstreams, wanted)
     pools: list[list[Upstream]] = []
-    for tier in (kept_awake(upstreams, wanted), upstreams):
-        for pool in ([u for u in tier if not asleep(u)], tier):
-            if pool and pool not in pools:
-                pools.append(pool)
-    for pool in pools[:-1]:
+    for tier in (kept, upstreams) if kept is not upstreams else (upstreams,):
+        awake = [u for u in tier if not asleep(u)]
+        if awake and len(awake) < len(tier):
+            pools.append(awake)
+        pools.append(tier)
+    for pool in pools[:-1]:  # the last is `upstreams`
         choice = pick(pool)
         if isinstance(choice, Upstream):
             return choice
