@@ -68,9 +68,7 @@ class Exchange:
             return False
         if not out:
             return True
-        if self.first_byte_at is None:
-            self.first_byte_at = time.monotonic()
-            self.policy.first_byte(self.info)
+        self.answer_began()
         self.sent_bytes += len(out)
         transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self.chunked else out)
         return transport.get_write_buffer_size() <= CLIENT_BUFFER_BYTES
@@ -83,11 +81,16 @@ class Exchange:
 
     async def write(self, data: bytes) -> None:
         """Bytes of a streamed answer to the client."""
+        self.answer_began()
+        self.sent_bytes += len(data)
+        await self.response.write(data)
+
+    def answer_began(self) -> None:
+        """The client gets the first byte of its answer now (once: later calls do nothing): timed, and the policy
+        told (the request's prefill is done)."""
         if self.first_byte_at is None:
             self.first_byte_at = time.monotonic()
             self.policy.first_byte(self.info)
-        self.sent_bytes += len(data)
-        await self.response.write(data)
 
     def with_kv(self, payload: dict, kv: dict) -> None:
         """A disaggregated request goes to decode with the prefill's KV transfer parameters."""

@@ -330,7 +330,7 @@ class Failover:
             await exchange.write(error_event(message, answer.status, "BadRequestError"))
             await exchange.response.write_eof()
             return exchange.response
-        exchange.first_byte_at = time.monotonic()
+        exchange.answer_began()
         exchange.sent_bytes += len(body)
         return reply
 
