@@ -48,7 +48,7 @@ def what_it_needs(example: str, tmp_path: Path, demo_model_path: Path, request=N
         hosts = tmp_path / "hosts"
         hosts.write_text("127.0.0.2 slots=8 type=gpu\n127.0.0.3 slots=8 type=gpu\n")
         return [f"experiment.runner.hostfile={hosts}", "--model-path", str(demo_model_path)]
-    if example == "llama_cpp":
+    if example in ("llama_cpp", "slo_sleep"):
         if not llama_cpp_build.is_built():
             pytest.skip("llama.cpp is not built here (make llama-cpp, which make test runs first)")
     return []
