@@ -3,6 +3,10 @@ trace.py) on --gpus GPUs, one replica per GPU, replayed under four systems on th
 simulated replicas:
 
 - slo: the SLO planner (flagscale/planner/planner.py, the code the deployment runs), min..max replicas;
+- slo_sleep: the same with `sleep_delay_s` (docs/autoscaling.md, "Asleep, not stopped"): the planner sizes the
+  replicas awake (none when idle), a replica let go sleeps instead of stopping and is woken in --wake-s when the
+  target rises. A sleeping replica's GPU counts as free (time-shared with other models, what sleep is for).
+  Colocated only: a disaggregated pool cannot sleep;
 - request_count: today's autoscaling (in-flight requests / target_ongoing_requests, Serve's policy), with
   target_ongoing_requests set as auto_tune would find it: the in-flight count of one replica at the load it
   sustains within the SLO on the trace's mean request;
@@ -27,11 +31,13 @@ import importlib.util
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from flagscale.planner.planner import Planner  # noqa: E402
 from flagscale.planner.replay import RequestCount, Static, planner_pools, reactions, replay  # noqa: E402
 from flagscale.planner.simulate import ITL_SLOPE, ReplicaModel, SimPool  # noqa: E402
 from flagscale.planner.trace import DAY, bursty_day, events  # noqa: E402
@@ -50,6 +56,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--percentile", type=float, default=90.0)
     parser.add_argument("--min-replicas", type=int, default=1, help="per pool")
     parser.add_argument("--start-s", type=float, default=60.0, help="a new replica's time to serve")
+    parser.add_argument("--wake-s", type=float, default=1.0, help="a sleeping replica's (slo_sleep)")
     parser.add_argument("--upscale-delay-s", type=float, default=15.0)
     parser.add_argument("--downscale-delay-s", type=float, default=300.0)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
@@ -89,8 +96,11 @@ def systems(args: argparse.Namespace, model: ReplicaModel, slo: Slo) -> dict[str
         for role in roles
     }
     start = {role: args.min_replicas for role in roles}
+    awake = {role: replace(s, min_replicas=0) for role, s in settings.items()}  # as SloPolicy plans a node that sleeps
+    sleeping = {role: (SimPool(role, model, start[role], sleeps=True), Planner(s)) for role, s in awake.items()}
     return {
         "slo": planner_pools(settings, model, start),
+        **({} if args.pd else {"slo_sleep": sleeping}),  # a disaggregated pool cannot sleep (plan/sleep.py)
         "request_count": {
             role: (SimPool(role, model, start[role]), RequestCount(s, target_ongoing(model, slo, role)))
             for role, s in settings.items()
@@ -146,7 +156,7 @@ def markdown(results: list) -> str:
 
 def main() -> int:
     args = arguments()
-    model = ReplicaModel(start_s=args.start_s)
+    model = ReplicaModel(start_s=args.start_s, wake_s=args.wake_s)
     slo = Slo(args.ttft_ms, args.itl_ms, args.percentile)
     _, _, replica_rps = mean_request(model)
     peak_rps = args.peak_load * args.gpus * replica_rps

@@ -7,6 +7,10 @@ waits as backlog. Its latency at utilization u is floor / (1 - u) for TTFT and f
 batch slows each step less than it queues prompts), plus the backlog's wait on TTFT; one request's latency spreads
 log-normally around the window's median. A replica asked for serves `start_s` later; one let go costs its GPUs
 `drain_s` longer. Requests that find no replica are held until one serves; past `hold_s` they fail (a 503).
+
+A pool whose replicas sleep (`sleeps`: resources.sleep_delay_s with an SLO, docs/autoscaling.md) keeps the replicas
+it let go: after their drain they sleep, paying nothing (their GPU is free for other models' replicas, which is
+what sleep is for), and a rising target wakes them (`wake_s`) before it starts new ones.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class ReplicaModel:
     gpus: int = 1
     spread: float = 0.4  # log-normal sigma of one request's latency around the window's median
     hold_s: float = 90.0  # a request held at zero replicas fails past this
+    wake_s: float = 1.0  # a sleeping replica's time to serve again (weights back from host memory)
 
 
 def met_share(percentile_ms: float, bound_ms: float | None, percentile: float, spread: float) -> float:
@@ -62,26 +67,43 @@ class SimPool:
     draining: list[float] = field(default_factory=list)  # when each replica let go frees its GPUs
     backlog: float = 0.0  # replica-seconds of work waiting
     held: list[tuple[float, int]] = field(default_factory=list)  # (since, requests) with no replica to take them
+    sleeps: bool = False  # replicas let go sleep, kept (see the module's doc)
+    asleep: int = 0
+    waking: list[float] = field(default_factory=list)  # when each replica being woken serves
 
     def target(self) -> int:
-        return self.serving + len(self.starting)
+        return self.serving + len(self.starting) + len(self.waking)
 
     def set_target(self, now: float, target: int) -> None:
         while self.target() < target:
-            self.starting.append(now + self.model.start_s)
-        while self.target() > target and self.starting:
-            self.starting.pop()
+            if self.draining and self.sleeps:  # about to sleep: serves on
+                self.draining.pop()
+                self.serving += 1
+            elif self.asleep:
+                self.asleep -= 1
+                self.waking.append(now + self.model.wake_s)
+            else:
+                self.starting.append(now + self.model.start_s)
+        while self.target() > target and (self.starting or self.waking):
+            if self.starting:
+                self.starting.pop()
+            else:
+                self.waking.pop()
+                self.asleep += 1
         while self.target() > target:
             self.serving -= 1
             self.draining.append(now + self.model.drain_s)
 
     def advance(self, now: float) -> None:
-        self.serving += sum(1 for ready in self.starting if ready <= now)
+        self.serving += sum(1 for ready in self.starting + self.waking if ready <= now)
         self.starting = [ready for ready in self.starting if ready > now]
+        self.waking = [ready for ready in self.waking if ready > now]
+        if self.sleeps:
+            self.asleep += sum(1 for end in self.draining if end <= now)
         self.draining = [end for end in self.draining if end > now]
 
     def replicas_paid(self) -> int:
-        return self.serving + len(self.starting) + len(self.draining)
+        return self.serving + len(self.starting) + len(self.waking) + len(self.draining)
 
     def work(self, prompt: float, output: float) -> float:
         prefill = 0.0 if self.role == DECODE else prompt / self.model.prefill_tps
@@ -137,9 +159,11 @@ def observation(pool: SimPool, tick: Tick, window: PoolWindow, dt: float) -> Obs
     prefill_share = (0.0 if pool.role == DECODE else tick.prompt_tokens / model.prefill_tps) / work if work else 0
     done = window.utilization * pool.serving  # replica-seconds of work per second
     e2e_s = window.ttft_ms / 1000 + (tick.output_tokens / max(tick.requests, 1)) * window.itl_ms / 1000
+    asleep = pool.asleep + len(pool.waking)  # started, not serving: Serve counts them, the planner sees them asleep
     return Observation(
         time_s=tick.time_s,
-        replicas=pool.serving,
+        replicas=pool.serving + asleep,
+        asleep=asleep,
         ttft_ms=window.ttft_ms if pool.serving and tick.requests else None,
         itl_ms=window.itl_ms if pool.serving and tick.requests else None,
         queue=window.queue,

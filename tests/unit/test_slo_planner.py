@@ -214,3 +214,25 @@ def test_a_replica_asleep_is_not_one_still_starting():
     planner = Planner(settings(min_replicas=0, downscale_delay_s=0))
     planner.target = 2
     assert planner.decide(Observation(0, 2, asleep=1)).target == 0
+
+
+def test_a_simulated_pool_that_sleeps_keeps_what_it_lets_go_and_wakes_it_before_starting_more():
+    from flagscale.planner.simulate import ReplicaModel, SimPool
+
+    pool = SimPool(None, ReplicaModel(start_s=60, drain_s=30, wake_s=1), serving=3, sleeps=True)
+    pool.set_target(0, 1)
+    assert (pool.serving, len(pool.draining), pool.replicas_paid()) == (1, 2, 3)
+    pool.advance(30)  # drained: asleep, paid no more
+    assert (pool.asleep, pool.replicas_paid()) == (2, 1)
+    pool.set_target(31, 4)  # two wakes, then one start
+    assert len(pool.waking) == 2 and pool.starting == [91] and pool.asleep == 0
+    pool.advance(32)
+    assert pool.serving == 3 and pool.starting == [91]
+    pool.set_target(33, 2)  # the start is called off first
+    assert pool.starting == [] and (pool.serving, len(pool.draining)) == (2, 1)
+    pool.set_target(34, 3)  # the one about to sleep serves on
+    assert (pool.serving, pool.draining, pool.starting) == (3, [], [])
+    plain = SimPool(None, ReplicaModel(drain_s=30), serving=2)
+    plain.set_target(0, 1)
+    plain.advance(30)
+    assert (plain.asleep, plain.replicas_paid()) == (0, 1)  # let go: gone
