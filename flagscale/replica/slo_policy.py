@@ -58,7 +58,7 @@ class SloPolicy:
         # asleep, a replica holds nothing the node's minimum is for: none need be kept awake
         awake_min = 0 if sleeps else min_replicas
         self.planner = Planner(PlannerSettings(Slo(**slo), awake_min, max_replicas, **settings))
-        self.sleeps = sleeps
+        self.sleeps, self.bounds = sleeps, [min_replicas, max_replicas]  # the node's: Serve keeps the count in them
         self.changes = 0
         self.last_change_s: float | None = None
         self.published_s = float("-inf")
@@ -90,7 +90,7 @@ class SloPolicy:
         record = {
             "slo": dataclasses.asdict(settings.slo),
             "role": settings.role,
-            "bounds": [settings.min_replicas, settings.max_replicas],
+            "bounds": self.bounds,
             "start_s": settings.start_s,
             "replicas": ctx.current_num_replicas,
             "sleeps": self.sleeps,  # the target is the replicas kept awake
