@@ -81,10 +81,9 @@ def _replicas_cell(engine) -> str:
     cell = f"{engine.describe_replicas()}\nrouting: {engine.routing.policy}"
     if engine.kv_events:  # the engines publish their KV-cache events (docs/routing.md)
         cell += "\n(KV events)"
-    autoscaling = engine.autoscaling or {}
-    if engine.sleep_delay_s is not None and autoscaling.get("slo"):
+    if engine.planned_awake:
         cell += "\nidle: sleeps, kept started; the SLO planner sizes the replicas awake"
-    elif autoscaling.get("min_replicas") == 0:
+    elif (engine.autoscaling or {}).get("min_replicas") == 0:
         on_cpu = engine.device == "cpu"
         can = engine.kind.capabilities.sleep_on_cpu if on_cpu else engine.kind.capabilities.sleep_on_gpu
         where = " on CPU" if on_cpu else ""

@@ -59,6 +59,16 @@ class EnginePlan(ReplicaSettings):
     def kind(self) -> EngineKind:
         return engines.get(self.engine)
 
+    @property
+    def slo(self) -> dict | None:
+        """resources.slo, where the SLO planner sizes the node (or the pool)."""
+        return (self.autoscaling or {}).get("slo")
+
+    @property
+    def planned_awake(self) -> bool:
+        """The SLO planner sizes its replicas kept awake: an SLO, and replicas that sleep (docs/autoscaling.md)."""
+        return self.sleep_delay_s is not None and bool(self.slo)
+
 
 @dataclass
 class Plan:

@@ -3,9 +3,10 @@
 Each engine replica reports its engine's own cumulative figures (`replica_stats`, from EngineReplica.
 record_autoscaling_stats): the TTFT and ITL histograms bucket by bucket (`ttft_le:<bound>`), prompt and output
 token counters, finished requests, running and waiting requests, KV cache usage, how long its server took to
-start, and whether it sleeps (resources.sleep_delay_s). Serve keeps each replica's figures over the look-back window (`raw_metrics`); `observe` turns them into the
-planner's Observation: each counter's rise over the window, the window's histogram (the newest buckets less the
-oldest) merged over the replicas and read at the SLO's percentile, the gauges as they are now.
+start, and whether it sleeps (resources.sleep_delay_s). Serve keeps each replica's figures over the look-back
+window (`raw_metrics`); `observe` turns them into the planner's Observation: each counter's rise over the window,
+the window's histogram (the newest buckets less the oldest) merged over the replicas and read at the SLO's
+percentile, the gauges as they are now.
 """
 
 from __future__ import annotations

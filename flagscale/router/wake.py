@@ -79,23 +79,23 @@ class AwakeTargets:
 
     def __init__(self, app: Callable[[], str], serve_ids: Callable[[], Collection[str]]) -> None:
         self._app, self._serve_ids = app, serve_ids
-        self.targets: dict[str, int] = {}
+        self.wanted: dict[str, int] = {}  # serve_id -> replicas its planner wants awake
 
     async def refresh(self) -> None:
         planned = self._serve_ids()
         if not planned:
-            self.targets = {}
+            self.wanted = {}
             return
         try:
             records = await asyncio.get_running_loop().run_in_executor(None, planner_records, self._app())
         except Exception as exc:  # no answer from the GCS: the last targets stand until the next read
             log.debug("no SLO planner records: %r", exc)
             return
-        self.targets = {serve_id: int(r["target"]) for serve_id, r in records.items() if serve_id in planned}
+        self.wanted = {serve_id: int(r["target"]) for serve_id, r in records.items() if serve_id in planned}
 
     def of(self, upstreams: list[Upstream]) -> int | None:
         """The target of the node these replicas (one model's) belong to; None: not planned in awake replicas."""
-        return self.targets.get(upstreams[0].record.serve_id) if upstreams else None
+        return self.wanted.get(upstreams[0].record.serve_id) if upstreams else None
 
 
 class Waker:
@@ -130,7 +130,7 @@ class Waker:
         by_node: dict[str, list[Upstream]] = {}
         for upstream in upstreams:
             by_node.setdefault(upstream.record.serve_id, []).append(upstream)
-        for serve_id, target in self.targets.targets.items():
+        for serve_id, target in self.targets.wanted.items():
             for upstream in kept_awake(by_node.get(serve_id, []), target)[:target]:
                 mode = engines.get(upstream.record.engine).sleep_mode
                 if asleep(upstream) and mode and mode.wake_path and upstream.replica_id not in self._waking:

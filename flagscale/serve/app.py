@@ -42,9 +42,8 @@ def build_app(
     flagscale/actions/key_rotation.py); None: the plan's key alone."""
     engines = []
     for engine in plan.engines:
-        slo = slo_of(engine)
         scaling = engine.serve_scaling(default_max_ongoing=DEFAULT_MAX_ONGOING_REQUESTS)
-        scaling = with_engine_load_policy(scaling, slo, engine.role, sleeps=engine.sleep_delay_s is not None)
+        scaling = with_engine_load_policy(scaling, engine.slo, engine.role, sleeps=engine.planned_awake)
         deployment = serve.deployment(
             EngineReplica,
             name=engine.serve_id,
@@ -210,13 +209,8 @@ def router_spec(plan: Plan, client_keys: tuple[AcceptedKey, ...] | None = None) 
             for name in e.model_names
         },
         zero_pools=zero_pools(plan),
-        awake_planned=[e.serve_id for e in plan.engines if e.sleep_delay_s is not None and slo_of(e)],
+        awake_planned=[e.serve_id for e in plan.engines if e.planned_awake],
     )
-
-
-def slo_of(engine: EnginePlan) -> dict | None:
-    """The node's (or pool's) `resources.slo`, where the SLO planner sizes it."""
-    return (engine.autoscaling or {}).get("slo")
 
 
 def at_zero(engine: EnginePlan) -> bool:

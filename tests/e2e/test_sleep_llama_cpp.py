@@ -104,8 +104,7 @@ def test_idle_replicas_fall_asleep_and_the_engine_says_so(deployment, client):
     for replica in asleep:
         said = lambda r=replica: ENTERS in engine_log(deployment, r)  # noqa: E731
         wait_for(said, 60, f"llama-server of replica {replica['replica_id']} to say it sleeps")
-    table = status_cli(deployment["conf"])
-    assert table.stdout.count("ASLEEP") >= REPLICAS, table.stdout
+    wait_for(lambda: status_cli(deployment["conf"]).stdout.count("ASLEEP") >= REPLICAS, 60, "status's table: ASLEEP")
 
 
 def test_a_request_wakes_one_replica_and_is_answered(deployment, client):
@@ -114,8 +113,10 @@ def test_a_request_wakes_one_replica_and_is_answered(deployment, client):
     answer = client.completions.create(model=MODEL, prompt="wake up", max_tokens=4)
     assert answer.choices[0].text and answer.usage.completion_tokens == 4
     assert wakes() == before + 1
-    woken = [r for r in replicas(deployment) if EXITS in engine_log(deployment, r)]
-    assert len(woken) == 1, [r["replica_id"] for r in woken]
+    # the engine logs reach the replicas' log files through a relay: read until the wake shows
+    found = lambda: [r for r in replicas(deployment) if EXITS in engine_log(deployment, r)] or None  # noqa: E731
+    woken = wait_for(found, 60, "a llama-server's log to say it woke")
+    assert len(woken) == 1, [r["replica_id"] for r in woken]  # the other was sent nothing
     # idle again, it sleeps again: the engine's second sleep
     wait_for(lambda: engine_log(deployment, woken[0]).count(ENTERS) >= 2, 60, "the woken llama-server asleep again")
     wait_for(lambda: asleep_count(deployment, REPLICAS), STATUS_WAIT_S, "both replicas asleep again")
@@ -142,10 +143,12 @@ def test_a_planned_node_keeps_its_idle_replica_asleep_and_serves_from_it(deploym
     report = wait_for(lambda: planned_idle(deployment, first, since), STATUS_WAIT_S, f"{PLANNED} idle, asleep, kept")
     record = report["planner"][PLANNED]
     assert record["sleeps"] and record["replicas"] == 1 and record["asleep"] == 1, record
-    assert "1 (0 awake) -> 0 awake" in " ".join(status_cli(deployment["conf"]).stdout.split())
+    shown = lambda: "1 (0 awake) -> 0 awake" in " ".join(status_cli(deployment["conf"]).stdout.split())  # noqa: E731
+    wait_for(shown, 60, "status's planner table: 1 (0 awake) -> 0 awake")
     answer = client.completions.create(model=PLANNED, prompt="still there?", max_tokens=4)
     assert answer.usage.completion_tokens == 4
-    assert EXITS in engine_log(deployment, first)  # the kept replica woke for it: no replica was started
+    # the kept replica woke for it: no replica was started
+    wait_for(lambda: EXITS in engine_log(deployment, first), 60, f"{PLANNED}'s llama-server log to say it woke")
 
     def counted_awake():
         record = status_json(deployment)["planner"][PLANNED]

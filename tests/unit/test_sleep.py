@@ -149,7 +149,7 @@ async def _through_router(engines_, asleep_names, requests, awake_target: int | 
         up.record.sleeps = 3 if up.record.asleep else 0
     router = bare_router(ups, "least_load")
     if awake_target is not None:  # the node's SLO planner wants this many awake (its record, as refresh reads it)
-        router.waker.targets.targets = {ups[0].record.serve_id: awake_target}
+        router.waker.targets.wanted = {ups[0].record.serve_id: awake_target}
     body = {"model": "m", "prompt": "hi", "max_tokens": 4}
     try:
         async with router_listening(router) as url, aiohttp.ClientSession() as client:
@@ -216,7 +216,7 @@ def test_a_rising_target_wakes_the_sleeping_replicas_it_takes_in_at_once():
             up.record.asleep, up.record.sleeps = True, 1
         async with aiohttp.ClientSession() as session:
             waker = Waker(lambda: session, lambda: None, bare_router(ups, "least_load").metrics)
-            waker.targets.targets = {"s": 2}  # c, and one more: a (by id)
+            waker.targets.wanted = {"s": 2}  # c, and one more: a (by id)
             waker.wake_wanted(ups)
             for _ in range(100):
                 if ups[0].woken == 1:
