@@ -2,6 +2,8 @@
 benchmark (`vllm bench serve`), on one deployment per system, one after another in one run:
 
 - slo: `resources.slo` (the SLO planner, replica/slo_policy.py), min..max replicas;
+- slo_sleep (GPU): the same with `resources.sleep_delay_s`: max replicas started, the planner sizing the ones
+  awake, the others asleep (vLLM's sleep mode) and woken when the target rises (docs/autoscaling.md);
 - request_count: Serve's request-count autoscaling, `target_ongoing_requests` as a user would set it (--target:
   the in-flight requests of one replica at the rate it sustains within the SLO, as auto_tune measures it);
 - static_max / static_min: a fixed count at max and at min.
@@ -20,11 +22,13 @@ Calibration (--calibrate, the GPU default; skipped when --rate is given): before
 deployment of its own) takes closed-loop passes at rising streams per replica (--ladder); one replica's share of the
 most streams whose steady requests meet the SLO at >= 90 % gives --rate (streams / latency) and --target (its
 streams: auto_tune's in-flight count), and the SLO planner is seeded with that replica's tokens/s through an
-auto_tuner/history.csv in its exp_dir, as auto_tune would leave one.
+auto_tuner/history.csv in its exp_dir, as auto_tune would leave one (--rate given: seeded with --rate x
+--output-len output tokens/s).
 
-Replicas are counted every --poll-s from the router's /metrics (the engines' series carry a `replica` label):
-replica-seconds over the trace, and the reaction to the ramp and the spike (seconds from the segment's start until
-max replicas serve). Per system: SLO attainment (share of requests whose TTFT and mean inter-token latency both
+Replicas are counted every --poll-s from the router's /metrics (the engines' series carry a `replica` label;
+asleep: vLLM's `vllm:engine_sleep_state{sleep_state="awake"}` is 0): replica-seconds over the trace count the
+replicas awake (a sleeping one holds its weights in host memory, not the GPU's), started ones apart, and the
+reaction to the ramp and the spike (seconds from the segment's start until max replicas are awake). Per system: SLO attainment (share of requests whose TTFT and mean inter-token latency both
 meet --ttft-ms / --itl-ms), goodput (such requests per second of trace), replica-seconds, goodput per
 replica-second, failed requests, reactions; then the issue's targets as ratios. JSON to --out (a directory:
 slo-load-<ts>.json in it; a .json path: that file), a markdown table printed. Every deployment is stopped
@@ -89,7 +93,7 @@ from flagscale.demo_model import ensure_demo_model  # noqa: E402
 from flagscale.devices.nvidia import MULTICAST_OFF  # noqa: E402
 
 PORT = 8370  # clear of overhead.py (8150-8199), routing.py (8300-8349), auto_tune.py (8360), the GPU bench (86xx)
-SYSTEMS = ("slo", "request_count", "static_max", "static_min")
+SYSTEMS = ("slo", "slo_sleep", "request_count", "static_max", "static_min")
 CPU_ENGINE_ARGS = {"max_model_len": 512, "max_num_seqs": 16, "gpu_memory_utilization": 0.1, "dtype": "float32"}
 # benchmarks/gpu/bench_gpu.py's GPU engine args, without CUDA graphs (a start in ~40-60 s, not ~100 s)
 GPU_ENGINE_ARGS = {"max_model_len": 2048, "max_num_seqs": 1024, "gpu_memory_utilization": 0.4, "dtype": "bfloat16"}
@@ -104,7 +108,7 @@ def gpu_engine_args(gpus_per_replica: float) -> dict[str, Any]:
 GPU_ENVS = {**MULTICAST_OFF, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 # (CPU, GPU) defaults of the options that differ
 DEFAULTS = {
-    "systems": (list(SYSTEMS), ["slo", "request_count", "static_max"]),
+    "systems": ([s for s in SYSTEMS if s != "slo_sleep"], ["slo", "slo_sleep", "request_count", "static_max"]),
     "size": ("cpu-40m", "1b"),
     "ttft_ms": (2000.0, 500.0),
     "itl_ms": (250.0, 50.0),
@@ -122,7 +126,9 @@ DEFAULTS = {
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpu", action="store_true", help="one whole GPU per replica (the GPU defaults below)")
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: all (CPU); static_min left out (GPU)")
+    parser.add_argument(
+        "--systems", nargs="+", choices=SYSTEMS, help="default: all but slo_sleep (CPU); static_min left out (GPU)"
+    )
     parser.add_argument("--rate", type=float, help="one replica's sustainable request rate (req/s); CPU default 2")
     parser.add_argument("--target", type=float, help="request_count's target_ongoing_requests; default 2 or calibrated")
     parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, help="measure --rate and --target "
@@ -141,6 +147,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, help="CPU 32, GPU 128")
     parser.add_argument("--time-scale", type=float, help="the trace's and the delays' length factor (CPU 1, GPU 0.4)")
     parser.add_argument("--downscale-delay-s", type=float, default=30.0, help="at time scale 1")
+    parser.add_argument("--sleep-delay-s", type=float, default=5.0, help="slo_sleep's idle delay, at time scale 1")
     parser.add_argument("--workers", type=int, help="benchmark processes (CPU 4, GPU 32)")
     parser.add_argument("--worker-rps", type=float, help="most req/s one worker sends (GPU 25; CPU: no split)")
     parser.add_argument("--worker-streams", type=int, help="most calibration streams one worker drives (64)")
@@ -158,6 +165,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, gpu if args.gpu else cpu)
     if not 0 < args.gpus_per_replica <= 1:
         parser.error(f"--gpus-per-replica {args.gpus_per_replica:g}: a share of one GPU, over 0 and at most 1")
+    if "slo_sleep" in args.systems and not args.gpu:
+        parser.error("--systems slo_sleep needs --gpu: vLLM sleeps on GPUs only (plan/sleep.py)")
     if args.rate is not None:
         args.calibrate = False
     elif not args.calibrate:
@@ -178,8 +187,11 @@ def resources(system: str, args: argparse.Namespace) -> dict[str, Any]:
         "upscale_delay_s": 0,
         "downscale_delay_s": args.downscale_delay_s * args.time_scale,
     }
+    slo = {"ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms, "percentile": 90}
     if system == "slo":
-        return {**scaled, "slo": {"ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms, "percentile": 90}}
+        return {**scaled, "slo": slo}
+    if system == "slo_sleep":
+        return {**scaled, "slo": slo, "sleep_delay_s": round(args.sleep_delay_s * args.time_scale, 2)}
     return {**scaled, "target_ongoing_requests": args.target if args.target is not None else 2.0}
 
 
@@ -278,15 +290,30 @@ def _enter(manager: Any) -> Any:
         return exc
 
 
-def serving_replicas(url: str) -> int | None:
-    """Replicas in the router's table now: distinct `replica` labels of the engines' running-requests series."""
+def serving_replicas(url: str) -> tuple[int, int] | None:
+    """(awake, started) replicas in the router's table now: distinct `replica` labels of the engines'
+    running-requests series, less those whose engine says it sleeps."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
             text = answer.read().decode()
     except OSError:
         return None
-    return len({line.split('replica="')[1].split('"')[0] for line in text.splitlines()
-                if line.startswith("vllm:num_requests_running{") and 'replica="' in line})  # fmt: skip
+    return replica_counts(text)
+
+
+def replica_counts(metrics_text: str) -> tuple[int, int]:
+    """(awake, started) from the router's /metrics text (see serving_replicas)."""
+    started, asleep = set(), set()
+    for line in metrics_text.splitlines():
+        if 'replica="' not in line:
+            continue
+        replica = line.split('replica="')[1].split('"')[0]
+        if line.startswith("vllm:num_requests_running{"):
+            started.add(replica)
+        elif line.startswith("vllm:engine_sleep_state{") and 'sleep_state="awake"' in line:
+            if float(line.rsplit(" ", 1)[1]) == 0:
+                asleep.add(replica)
+    return len(started - asleep), len(started)
 
 
 @functools.lru_cache(maxsize=1)
@@ -358,14 +385,14 @@ def load(url: str, args: argparse.Namespace, workers: Workers) -> dict[str, Any]
     count over time."""
     plan = steps(args.rate, args.time_scale)
     tasks = [(index, part) for index, step in enumerate(plan) for part in parts(step, args.worker_rps)]
-    counts: list[tuple[float, int]] = []
+    counts: list[tuple[float, int, int]] = []  # (when, awake, started)
     finished = threading.Event()
 
     def poll() -> None:
         while not finished.is_set():
             n = serving_replicas(url)
             if n is not None:
-                counts.append((time.monotonic(), n))
+                counts.append((time.monotonic(), *n))
             finished.wait(args.poll_s)
 
     poller = threading.Thread(target=poll, daemon=True)
@@ -390,19 +417,21 @@ def load(url: str, args: argparse.Namespace, workers: Workers) -> dict[str, Any]
         finished.set()
         poller.join()
     end = began + sum(step["seconds"] for step in plan)
-    return {"requests": requests, "counts": [(t - began, n) for t, n in counts if began <= t <= end], "plan": plan,
-            "drive": drive}  # fmt: skip
+    return {"requests": requests, "counts": [(t - began, *n) for t, *n in counts if began <= t <= end],
+            "plan": plan, "drive": drive}  # fmt: skip
 
 
 def summary(system: str, measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     requests, counts, plan = measured["requests"], measured["counts"], measured["plan"]
     duration = sum(step["seconds"] for step in plan)
     good = sum(1 for r in requests if met(r, args.ttft_ms, args.itl_ms))
-    replica_s = sum(n * (t1 - t0) for (t0, n), (t1, _) in zip(counts, counts[1:], strict=False))
+    spans = list(zip(counts, counts[1:], strict=False))
+    replica_s = sum(awake * (t1 - t0) for (t0, awake, _), (t1, *_) in spans)
+    started_s = sum(started * (t1 - t0) for (t0, _, started), (t1, *_) in spans)
     reactions = {}
     for segment in ("ramp", "spike"):
         start = next(step["start_s"] for step in plan if step["segment"] == segment)
-        reached = next((t for t, n in counts if t >= start and n >= args.max_replicas), None)
+        reached = next((t for t, awake, _ in counts if t >= start and awake >= args.max_replicas), None)
         reactions[segment] = None if reached is None else round(reached - start, 1)
     drive = measured.get("drive") or [{"late_s": 0.0, "worker_cpu": 0.0}]
     return {
@@ -411,7 +440,8 @@ def summary(system: str, measured: dict[str, Any], args: argparse.Namespace) -> 
         "failed": sum(1 for r in requests if r["error"]),
         "attainment": good / len(requests) if requests else 0.0,
         "goodput_req_s": good / duration,
-        "replica_s": replica_s,
+        "replica_s": replica_s,  # awake
+        "started_replica_s": started_s,
         "goodput_per_replica_s": good / replica_s if replica_s else 0.0,
         "reaction_s": reactions,
         "max_part_late_s": round(max(d["late_s"] for d in drive), 2),
@@ -422,7 +452,7 @@ def summary(system: str, measured: dict[str, Any], args: argparse.Namespace) -> 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| system | requests | failed | SLO attainment | goodput req/s | replica-s | goodput per replica-s | "
+        "| system | requests | failed | SLO attainment | goodput req/s | replica-s awake / started | goodput per replica-s | "
         "to max replicas after ramp / spike start (s) | client: most late start s / worker CPU |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -430,18 +460,25 @@ def table(rows: list[dict[str, Any]]) -> str:
         react = " / ".join("-" if v is None else f"{v:g}" for v in r["reaction_s"].values())
         lines.append(
             f"| {r['system']} | {r['requests']} | {r['failed']} | {100 * r['attainment']:.1f} % | "
-            f"{r['goodput_req_s']:.2f} | {r['replica_s']:.0f} | {r['goodput_per_replica_s']:.3f} | {react} | "
+            f"{r['goodput_req_s']:.2f} | {r['replica_s']:.0f} / {r['started_replica_s']:.0f} | "
+            f"{r['goodput_per_replica_s']:.3f} | {react} | "
             f"{r['max_part_late_s']:g} / {r['max_worker_cpu']:g} |"
         )
     return "\n".join(lines)
+
+
+def given_point(args: argparse.Namespace) -> dict[str, Any]:
+    """What --rate says one replica sustains within the SLO, as a calibration point (its output tokens/s)."""
+    return {"rate": args.rate, "output_tps": args.rate * args.output_len}
 
 
 def run_system(system: str, args: argparse.Namespace, work: Path, workers: Workers, out: dict[str, Any]) -> None:
     """Deploy `system`, calibrate on it if it is the calibration's one replica, load the trace (not for the
     calibration-only deployment), stop it."""
     deployment = Deployment(system, args, work)
-    if system == "slo" and out.get("calibration"):
-        deployment.seed_planner(out["calibration"]["point"], args)
+    if system in ("slo", "slo_sleep"):  # calibrated now, else from --rate: what one replica sustains
+        point = out["calibration"]["point"] if "calibration" in out else given_point(args)
+        deployment.seed_planner(point, args)
     try:
         print(f"{system}: starting", flush=True)
         out["start_s"][system] = round(deployment.start(), 1)
@@ -478,6 +515,14 @@ def main() -> None:
         print(f"{args.workers} benchmark workers ready after {time.monotonic() - began:.0f} s", flush=True)
         for system in order:
             run_system(system, args, work, workers, out)
+            lines = write_record(out_path, args, out, began)  # after each system: a cut-short run keeps what ran
+    print(table(out["systems"]))
+    print("\n".join(lines))
+    print(f"deploy starts (s): {out['start_s']}; wall {round(time.monotonic() - began)} s; JSON: {out_path}")
+
+
+def write_record(out_path: Path, args: argparse.Namespace, out: dict[str, Any], began: float) -> list[str]:
+    """The JSON of the systems run so far, with the targets' lines (returned)."""
     plan = steps(args.rate, args.time_scale)
     floor = least_replica_s(plan, args.rate, args.min_replicas, args.max_replicas)
     static = args.max_replicas * sum(step["seconds"] for step in plan)
@@ -490,9 +535,7 @@ def main() -> None:
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "trace": TRACE, "plan": plan,
               "wall_s": round(time.monotonic() - began), **out, "targets": lines}  # fmt: skip
     out_path.write_text(json.dumps(record, indent=1))
-    print(table(out["systems"]))
-    print("\n".join(lines))
-    print(f"deploy starts (s): {out['start_s']}; wall {record['wall_s']} s; JSON: {out_path}")
+    return lines
 
 
 if __name__ == "__main__":

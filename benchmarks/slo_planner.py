@@ -97,7 +97,11 @@ def systems(args: argparse.Namespace, model: ReplicaModel, slo: Slo) -> dict[str
     }
     start = {role: args.min_replicas for role in roles}
     awake = {role: replace(s, min_replicas=0) for role, s in settings.items()}  # as SloPolicy plans a node that sleeps
-    sleeping = {role: (SimPool(role, model, start[role], sleeps=True), Planner(s)) for role, s in awake.items()}
+    # all of max started at `run` (EnginePlan.initial_replicas), the ones not wanted awake asleep
+    sleeping = {
+        role: (SimPool(role, model, start[role], sleeps=True, asleep=top - start[role]), Planner(s))
+        for role, s in awake.items()
+    }
     return {
         "slo": planner_pools(settings, model, start),
         **({} if args.pd else {"slo_sleep": sleeping}),  # a disaggregated pool cannot sleep (plan/sleep.py)

@@ -82,7 +82,7 @@ def _replicas_cell(engine) -> str:
     if engine.kv_events:  # the engines publish their KV-cache events (docs/routing.md)
         cell += "\n(KV events)"
     if engine.planned_awake:
-        cell += "\nidle: sleeps, kept started; the SLO planner sizes the replicas awake"
+        cell += "\nidle: sleeps; all max_replicas started at run, the SLO planner sizes the replicas awake"
     elif (engine.autoscaling or {}).get("min_replicas") == 0:
         on_cpu = engine.device == "cpu"
         can = engine.kind.capabilities.sleep_on_cpu if on_cpu else engine.kind.capabilities.sleep_on_gpu

@@ -69,6 +69,15 @@ class EnginePlan(ReplicaSettings):
         """The SLO planner sizes its replicas kept awake: an SLO, and replicas that sleep (docs/autoscaling.md)."""
         return self.sleep_delay_s is not None and bool(self.slo)
 
+    @property
+    def initial_replicas(self) -> int:
+        """A node planned awake starts max_replicas at `run`: the ones not wanted awake sleep, so a rising load
+        wakes a replica (a second) instead of starting one (a minute or more), and what max needs is checked
+        before anything starts."""
+        if self.planned_awake:
+            return max(1, (self.autoscaling or {}).get("max_replicas", 1))
+        return super().initial_replicas
+
 
 @dataclass
 class Plan:

@@ -10,7 +10,8 @@ log-normally around the window's median. A replica asked for serves `start_s` la
 
 A pool whose replicas sleep (`sleeps`: resources.sleep_delay_s with an SLO, docs/autoscaling.md) keeps the replicas
 it let go: after their drain they sleep, paying nothing (their GPU is free for other models' replicas, which is
-what sleep is for), and a rising target wakes them (`wake_s`) before it starts new ones.
+what sleep is for), and a rising target wakes them (`wake_s`) before it starts new ones. Such a pool may begin
+with replicas `asleep` (the deployment starts max_replicas and lets the unwanted ones sleep).
 """
 
 from __future__ import annotations

@@ -145,4 +145,6 @@ def with_slo_policy(autoscaling: dict[str, Any], role: str | None, sleeps: bool 
     config = {key: value for key, value in autoscaling.items() if key != "slo"}
     config |= {"upscale_delay_s": 0, "downscale_delay_s": 0}
     config |= {"look_back_period_s": LOOK_BACK_S, "metrics_interval_s": PUSH_EVERY_S}
+    if sleeps:  # all started at `run` (EnginePlan.initial_replicas); the planner wakes them
+        config["initial_replicas"] = kwargs["max_replicas"]
     return {**config, "policy": {"policy_function": POLICY_CLASS, "policy_kwargs": kwargs}}

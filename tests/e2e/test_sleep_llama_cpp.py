@@ -4,9 +4,9 @@ llama-server unloads its model after `--sleep-idle-seconds` without a task and l
 (its own log says both); the replica publishes the state, status shows it, and the router sends a request to an
 awake replica first and counts the wakes it causes. One deployment, two nodes, in order: dryrun says what sleep
 means for this engine -> both replicas of the first fall asleep -> one request wakes one replica only and is
-answered -> the woken one falls asleep again. The second node also has an SLO (min_replicas 0): its planner sizes
-the replicas awake, so idle, its replica sleeps and is kept, not stopped; a request is answered by that same
-replica, which the planner then counts awake -> stop.
+answered -> the woken one falls asleep again. The second node also has an SLO (min_replicas 0, max 2): it starts
+both replicas at `run` and its planner sizes the replicas awake, so idle, both sleep and are kept, not stopped; a
+request wakes one of those same replicas, which the planner then counts awake -> stop.
 """
 
 from __future__ import annotations
@@ -95,7 +95,9 @@ def test_dryrun_says_the_replicas_sleep_and_wake_by_themselves(deployment):
     assert dryrun.returncode == 0, dryrun.output
     assert f"serve '{MODEL}': a replica idle for {SLEEP_DELAY_S}s sleeps (llama.cpp sleep mode" in dryrun.stdout
     assert "wakes by itself for the next request" in dryrun.stdout
-    assert "idle: sleeps, kept started; the SLO planner sizes the replicas awake" in " ".join(dryrun.stdout.split())
+    assert "idle: sleeps; all max_replicas started at run, the SLO planner sizes the replicas awake" in " ".join(
+        dryrun.stdout.split()
+    )
     assert f"sleep_idle_seconds={SLEEP_DELAY_S}" in dryrun.stdout  # the engine arg the delay becomes
 
 
@@ -122,33 +124,40 @@ def test_a_request_wakes_one_replica_and_is_answered(deployment, client):
     wait_for(lambda: asleep_count(deployment, REPLICAS), STATUS_WAIT_S, "both replicas asleep again")
 
 
-def planned_idle(deployment, first: dict, since: dict) -> dict | None:
+def planned_idle(deployment, started: list[str], since: dict) -> dict | None:
     """The status once PLANNED's planner has wanted no replica awake for KEPT_S (as this test saw it; `since`
-    keeps when) and its replica sleeps (else None); the replica must be the first one all along (kept, not stopped
-    and started again)."""
+    keeps when) and all its replicas sleep (else None); the replicas must be the ones started at `run` all along
+    (kept, not stopped and started again)."""
     report = status_json(deployment)
     record = report["planner"].get(PLANNED, {})
     live = [r for r in report["replicas"] if r["serve_id"] == PLANNED and r["state"] == "READY"]
-    assert [r["replica_id"] for r in live] == [first["replica_id"]], (live, record)
-    if record.get("target") != 0 or not live[0]["asleep"]:
+    assert sorted(r["replica_id"] for r in live) == started, (live, record)
+    if record.get("target") != 0 or not all(r["asleep"] for r in live):
         since.clear()
         return None
     since.setdefault("t", time.monotonic())
     return report if time.monotonic() - since["t"] >= KEPT_S else None
 
 
-def test_a_planned_node_keeps_its_idle_replica_asleep_and_serves_from_it(deployment, client):
-    (first,) = wait_for(lambda: replicas(deployment, PLANNED) or None, STATUS_WAIT_S, f"{PLANNED}'s replica")
+def test_a_planned_node_starts_max_replicas_keeps_them_asleep_and_wakes_one(deployment, client):
+    most = PLANNED_RESOURCES["max_replicas"]
+
+    def all_ready():
+        ready = [r["replica_id"] for r in replicas(deployment, PLANNED) if r["state"] == "READY"]
+        return sorted(ready) if len(ready) == most else None
+
+    started = wait_for(all_ready, STATUS_WAIT_S, f"{PLANNED}'s {most} replicas, all started at run")
     since: dict[str, float] = {}
-    report = wait_for(lambda: planned_idle(deployment, first, since), STATUS_WAIT_S, f"{PLANNED} idle, asleep, kept")
+    report = wait_for(lambda: planned_idle(deployment, started, since), STATUS_WAIT_S, f"{PLANNED} idle, asleep, kept")
     record = report["planner"][PLANNED]
-    assert record["sleeps"] and record["replicas"] == 1 and record["asleep"] == 1, record
-    shown = lambda: "1 (0 awake) -> 0 awake" in " ".join(status_cli(deployment["conf"]).stdout.split())  # noqa: E731
-    wait_for(shown, 60, "status's planner table: 1 (0 awake) -> 0 awake")
+    assert record["sleeps"] and record["replicas"] == most and record["asleep"] == most, record
+    shown = lambda: f"{most} (0 awake) -> 0 awake" in " ".join(status_cli(deployment["conf"]).stdout.split())  # noqa: E731
+    wait_for(shown, 60, f"status's planner table: {most} (0 awake) -> 0 awake")
     answer = client.completions.create(model=PLANNED, prompt="still there?", max_tokens=4)
     assert answer.usage.completion_tokens == 4
-    # the kept replica woke for it: no replica was started
-    wait_for(lambda: EXITS in engine_log(deployment, first), 60, f"{PLANNED}'s llama-server log to say it woke")
+    # one kept replica woke for it, the other was sent nothing: no replica was started
+    woke = lambda: [r for r in replicas(deployment, PLANNED) if EXITS in engine_log(deployment, r)] or None  # noqa: E731
+    assert len(wait_for(woke, 60, f"a llama-server log of {PLANNED} to say it woke")) == 1
 
     def counted_awake():
         record = status_json(deployment)["planner"][PLANNED]
@@ -156,7 +165,7 @@ def test_a_planned_node_keeps_its_idle_replica_asleep_and_serves_from_it(deploym
 
     # an answer takes milliseconds: a window may see it as finished tokens only; either way one is wanted awake
     record = wait_for(counted_awake, 120, f"{PLANNED}'s planner to want a replica awake", interval=0.5)
-    assert [r["replica_id"] for r in replicas(deployment, PLANNED)] == [first["replica_id"]], record
+    assert sorted(r["replica_id"] for r in replicas(deployment, PLANNED)) == started, record
 
 
 def test_stop_ends_sleeping_replicas(deployment, client):

@@ -303,6 +303,14 @@ def test_sleep_on_a_gpu_turns_on_the_engines_sleep_mode_and_its_routes(gpus, dem
     assert any("idle for 30s sleeps" in note for note in built.notes)
 
 
+def test_a_node_planned_awake_starts_max_replicas(gpus, demo_model_path):  # noqa: F811
+    scaled = {"min_replicas": 0, "max_replicas": 3, "num_gpus": 0.25, "slo": {"ttft_ms": 500}}
+    (engine,) = plan(demo_model_path, {**scaled, "sleep_delay_s": 30}, gpu_memory_utilization=0.3).engines
+    assert engine.planned_awake and engine.initial_replicas == 3  # the unwanted ones sleep: a wake, not a start
+    (awake,) = plan(demo_model_path, scaled, gpu_memory_utilization=0.3).engines
+    assert not awake.planned_awake and awake.initial_replicas == 1
+
+
 def test_without_sleep_nothing_changes(gpus, demo_model_path):  # noqa: F811
     from flagscale.serve.app import engine_spec
 

@@ -27,3 +27,26 @@ def test_a_share_that_is_not_part_of_one_gpu_is_refused(share, capsys):
     with pytest.raises(SystemExit):
         slo_load.arguments(["--gpu", "--gpus-per-replica", share])
     assert "--gpus-per-replica" in capsys.readouterr().err
+
+
+def test_the_planner_with_sleep_runs_on_gpus_only_and_sleeps_after_the_scaled_delay(capsys):
+    args = slo_load.arguments(["--gpu", "--time-scale", "0.4"])
+    assert "slo_sleep" in args.systems
+    resources = slo_load.resources("slo_sleep", args)
+    assert resources["sleep_delay_s"] == 2.0 and resources["slo"] == slo_load.resources("slo", args)["slo"]
+    assert "slo_sleep" not in slo_load.arguments([]).systems  # CPU default
+    with pytest.raises(SystemExit):
+        slo_load.arguments(["--systems", "slo_sleep"])
+    assert "vLLM sleeps on GPUs only" in capsys.readouterr().err
+
+
+def test_replicas_are_counted_awake_unless_their_engine_says_it_sleeps():
+    text = "\n".join([
+        'vllm:num_requests_running{engine="0",model_name="demo",replica="a"} 0.0',
+        'vllm:num_requests_running{engine="0",model_name="demo",replica="b"} 3.0',
+        'vllm:num_requests_running{engine="0",model_name="demo",replica="c"} 0.0',
+        'vllm:engine_sleep_state{engine="0",model_name="demo",sleep_state="awake",replica="a"} 0.0',
+        'vllm:engine_sleep_state{engine="0",model_name="demo",sleep_state="weights_offloaded",replica="a"} 1.0',
+        'vllm:engine_sleep_state{engine="0",model_name="demo",sleep_state="awake",replica="b"} 1.0',
+    ])  # fmt: skip
+    assert slo_load.replica_counts(text) == (2, 3)  # c: an engine without the gauge counts awake

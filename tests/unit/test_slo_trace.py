@@ -86,12 +86,15 @@ def row(system: str, attainment: float, replica_s: float, good: float, failed: i
 def test_target_lines_state_each_ratio_and_whether_it_is_met():
     rows = [row("slo", 0.95, 150, 150), row("request_count", 0.90, 200, 140), row("static_max", 0.97, 260, 170)]
     lines = slo_trace.target_lines(rows)
-    assert lines[0].startswith("- planner vs request_count: goodput per replica-s 1.43x") and lines[0].endswith("met")
+    assert lines[0].startswith("- slo vs request_count: goodput per replica-s 1.43x") and lines[0].endswith("met")
     assert "attainment -2.0 points" in lines[1] and "replica-s 58 %" in lines[1] and lines[1].endswith(": met")
     assert lines[2] == "- failed requests: {'slo': 0, 'request_count': 0, 'static_max': 0} (target 0)"
     worse = slo_trace.target_lines([row("slo", 0.85, 150, 150), row("request_count", 0.90, 200, 100)])
     assert worse[0].endswith("not met")  # 2x the goodput per replica-s, but a lower attainment
     assert len(slo_trace.target_lines([row("static_min", 0.9, 100, 90)])) == 1
+    both = slo_trace.target_lines([*rows, row("slo_sleep", 0.96, 100, 160)])  # each planner system judged
+    assert both[2].startswith("- slo_sleep vs request_count: goodput per replica-s 2.29x") and len(both) == 5
+    assert "replica-s 38 % of static max's" in both[3]
 
 
 def test_a_pass_over_balanced_replicas_counts_as_one_replicas_share():
