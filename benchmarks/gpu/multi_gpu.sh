@@ -60,8 +60,9 @@
 #   lora2  issue 52: benchmarks/lora_bench.py --gpu: 50 generated rank-8 adapters of the 1B shape, Zipf and a hot
 #          adapter, 2 engines (one per visible GPU; LORA2_ARGS=--same-gpu: both on the first), max_loras 16,
 #          every adapter host-held: the adapter placement vs the same router adapter-oblivious vs one plain engine
-#   slo2   issue 51: benchmarks/slo_load.py --gpu: the SLO planner vs request-count autoscaling vs static max (1..2
-#          replicas, one GPU each) on the seeded bursty trace (x0.4), one replica's rate calibrated first;
+#   slo2   issue 51: benchmarks/slo_load.py --gpu: the SLO planner, with vLLM sleep (slo_sleep: max started, the
+#          unwanted asleep) and without, vs request-count autoscaling vs static max (1..2 replicas, one GPU each) on
+#          the seeded bursty trace (x0.4), one replica's rate calibrated first (or SLO2_ARGS="--rate R --target T");
 #          SLO2_ARGS="--time-scale 2 --gpus-per-replica 0.5 --max-replicas 4": 1..4 replicas, two a GPU
 #   kv4    issue 53: benchmarks/kv_routing.py --gpu: 4 engines of the 8B shape (dummy weights) on one GPU, capped
 #          KV caches; cache_aware on KV events vs the approximate table vs round_robin vs vllm-router, workloads
