@@ -87,8 +87,7 @@ class Deployment:
         return done.stdout
 
     def idle(self) -> dict[str, Any] | None:
-        """The status once the node is idle as this system leaves it (else None). Status exits 1 while a replica
-        is not serving (one stopping, at a scale-down): read again."""
+        """The status once the node is idle as this system leaves it (else None)."""
         out = self.cli("status", "output=json", timeout=120, check=False)
         if "{" not in out:
             return None

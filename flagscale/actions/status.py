@@ -102,13 +102,24 @@ def collect(state: RunState, api_key: str | None = None, note: bounded.Note = _q
     hosts = launcher.hosts(state, [asdict(r) for r in report.replicas])
     if hosts is not None:
         report.hosts = [HostRow(**h) for h in hosts]
-    report.healthy = (
+    report.healthy = serving(report)
+    return report
+
+
+# Serve's deployment states in which the deployment serves as it should: a scale up or down is autoscaling at
+# work (its replicas still serve; the table shows the state and Serve's message, e.g. replicas not yet scheduled)
+SERVING_STATES = ("HEALTHY", "UPSCALING", "DOWNSCALING")
+
+
+def serving(report: StatusReport) -> bool:
+    """What status's exit code says (0: yes): every host alive, the app RUNNING, every deployment serving, the
+    endpoint's /health ok."""
+    return (
         all(h.ray_node == "alive" for h in report.hosts or [])
         and report.status == "RUNNING"
-        and all(d.status == "HEALTHY" for d in report.deployments.values())
+        and all(d.status in SERVING_STATES for d in report.deployments.values())
         and report.http_health == "ok"
     )
-    return report
 
 
 def _deployments(state: RunState, app, note: bounded.Note) -> dict[str, DeploymentStatus]:

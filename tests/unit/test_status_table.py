@@ -150,3 +150,17 @@ def test_status_lists_each_dp_ranks_kv_event_endpoint():
     assert _kv_endpoints({"endpoint": "tcp://h:31001", "ranks": ranks}) == "tcp://h:31001 tcp://h:31002"
     assert _kv_endpoints({"endpoint": "tcp://h:31001", "ranks": ranks[:1]}) == "tcp://h:31001"
     assert _kv_endpoints({}) == ""
+
+
+def test_a_deployment_scaling_up_or_down_still_counts_as_serving_for_the_exit_code():
+    from flagscale.actions.status import serving
+
+    def report(*states: str, app: str = "RUNNING", health: str = "ok") -> StatusReport:
+        deployments = {f"d{i}": DeploymentStatus(status=s, replicas={"RUNNING": 1}) for i, s in enumerate(states)}
+        return StatusReport(app="a", endpoint="http://x", models=[], status=app, http_health=health,
+                            deployments=deployments)  # fmt: skip
+
+    assert serving(report("HEALTHY", "DOWNSCALING")) and serving(report("UPSCALING"))
+    assert not serving(report("HEALTHY", "UNHEALTHY")) and not serving(report("UPDATING"))
+    assert not serving(report("DEPLOY_FAILED")) and not serving(report("HEALTHY", app="DEPLOYING"))
+    assert not serving(report("HEALTHY", health="connection refused"))
