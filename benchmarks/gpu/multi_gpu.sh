@@ -63,7 +63,8 @@
 #   slo2   issue 51: benchmarks/slo_load.py --gpu: the SLO planner, with vLLM sleep (slo_sleep: max started, the
 #          unwanted asleep) and without, vs request-count autoscaling vs static max (1..2 replicas, one GPU each) on
 #          the seeded bursty trace (x0.4), one replica's rate calibrated first (or SLO2_ARGS="--rate R --target T");
-#          SLO2_ARGS="--time-scale 2 --gpus-per-replica 0.5 --max-replicas 4": 1..4 replicas, two a GPU
+#          SLO2_ARGS="--time-scale 2 --gpus-per-replica 0.5 --max-replicas 4": 1..4 replicas, two a GPU; with
+#          sleep the x0.4 trace suffices: "--gpus-per-replica 0.5 --max-replicas 4 --systems static_max slo_sleep"
 #   kv4    issue 53: benchmarks/kv_routing.py --gpu: 4 engines of the 8B shape (dummy weights) on one GPU, capped
 #          KV caches; cache_aware on KV events vs the approximate table vs round_robin vs vllm-router, workloads
 #          (a) shared prefixes, (c) no reuse, (d) router restarted, (e) 2 router processes; the oracle's hit rate

@@ -74,7 +74,7 @@ def wait_until_serving(plan: Plan, console: Console, t0: float) -> None:
             if app is not None:
                 for name, dep in app.deployments.items():
                     _check_deployment(plan, name, dep, pending_since, now)
-                if app.status == "RUNNING" and _runs(plan) and health_ok(plan.endpoint, timeout_s=2):
+                if app.status == "RUNNING" and _runs(plan, app.deployments) and health_ok(plan.endpoint, timeout_s=2):
                     return
                 if app.status == "DEPLOY_FAILED":
                     raise DeployError(cause(app.message), f"application {plan.app_name}")
@@ -105,18 +105,27 @@ def _check_deployment(plan: Plan, name: str, dep, pending_since: dict[str, float
         pending_since.pop(name, None)
 
 
-def _runs(plan: Plan) -> bool:
+def _runs(plan: Plan, deployments: dict) -> bool:
     """Whether the router's registry lists, for each engine node, only replicas of the planned version (an update
-    is not done while an old one is listed) and as many as planned (at least one when autoscaling)."""
+    is not done while an old one is listed) and as many as planned: at least one when autoscaling, unless Serve
+    has the node at zero (`deployments`: Serve's, by name), which starts on its next request."""
     from flagscale.serve.app import engine_spec  # reason: as build_app above: only a deploy needs it
 
     listed = registry.list_replicas(plan.app_name)
     for engine in plan.engines:
         versions = [r.version for r in listed if r.serve_id == engine.serve_id]
-        expected = engine.num_replicas if engine.num_replicas is not None else max(1, len(versions))
-        if len(versions) != expected or set(versions) != {engine_spec(plan, engine).version}:
+        if engine.num_replicas is not None:
+            expected = engine.num_replicas
+        else:
+            expected = max(1, len(versions)) if versions or _has_replicas(deployments.get(engine.serve_id)) else 0
+        if len(versions) != expected or (versions and set(versions) != {engine_spec(plan, engine).version}):
             return False
     return True
+
+
+def _has_replicas(deployment) -> bool:
+    """Whether Serve has any replica of `deployment` in any state (None: not known yet, so it may)."""
+    return deployment is None or any(count > 0 for count in deployment.replica_states.values())
 
 
 def _value(status) -> str:

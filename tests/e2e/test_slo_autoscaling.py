@@ -2,9 +2,10 @@
 `min_replicas: 0`, sized by the SLO planner as Serve's autoscaling policy (docs/autoscaling.md).
 
 Shared by the module's tests, in order: the node starts with one replica, idles down to zero after its
-downscale delay, and `status` shows the planner's reason; a request at zero is held by the router while Serve
-starts a replica, and answered (no 5xx); the router's /metrics counts the planner's changes. (That an idle node
-goes back to zero after serving: tests/unit/test_slo_planner.py, on the planner's own clock.)
+downscale delay, and `status` shows the planner's reason; a `run` that changes only the router's part of the
+config returns without waiting for a replica of the node at zero; a request at zero is held by the router while
+Serve starts a replica, and answered (no 5xx); the router's /metrics counts the planner's changes. (That an idle
+node goes back to zero after serving: tests/unit/test_slo_planner.py, on the planner's own clock.)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import urllib.request
 
 import openai
 import pytest
+import yaml
 
 from tests.conftest import demo_engine_args, run_cli, status_cli, wait_for, write_config
 
@@ -81,6 +83,20 @@ def test_idles_down_to_zero_and_status_says_why(deployment):
     assert "idle" in record["last_change"] and record["start_s"] > 0
     table = status_cli(deployment["conf"]).stdout
     assert "SLO planner" in table and "p90 TTFT 5000 ms, ITL 1000 ms" in table
+
+
+def test_an_update_of_the_router_alone_leaves_a_node_at_zero_there_and_returns(deployment):
+    conf = deployment["conf"]
+    wait_for(lambda: at_zero(conf), ZERO_WAIT_S, "the node at zero replicas", interval=5)
+    nodes_file = conf / "serve" / "nodes.yaml"
+    nodes = yaml.safe_load(nodes_file.read_text())
+    nodes[0]["routing"] = "round_robin"  # the router's spec only: Serve keeps the engine deployment as it is
+    nodes_file.write_text(yaml.safe_dump(nodes, sort_keys=False))
+    # before: `run` waited for a replica of the node at zero, which nothing would start (until startup_timeout_s)
+    result = run_cli(conf, timeout=300)
+    assert result.returncode == 0, result.output
+    assert "updating in place" in result.stdout and "serve.zero.routing" in result.stdout
+    assert at_zero(conf), "the update started a replica of the node at zero"
 
 
 def test_first_request_at_zero_is_held_and_served(deployment):
