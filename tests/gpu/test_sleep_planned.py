@@ -1,0 +1,95 @@
+"""On a GPU host: the SLO planner sizing a node's replicas awake (`slo` with `sleep_delay_s`, docs/autoscaling.md).
+One node, min 0 / max 2, two replicas on one GPU (half each): `run` starts both, idle they sleep (vLLM's sleep
+mode, its own sleep-state gauge says so) and the planner wants none awake; a request wakes one of those same
+replicas and is answered, the planner then wants one awake, and no third replica is ever started."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import urllib.request
+
+import checks  # benchmarks/gpu/checks.py (tests/gpu/conftest.py puts it on the path)
+import pytest
+
+from flagscale.net import free_port
+from tests.conftest import run_cli, wait_for, write_config
+from tests.gpu.test_placement import ENGINE, Deployment
+
+pytestmark = pytest.mark.skipif(checks.gpu_count() == 0, reason="needs a GPU (nvidia-smi lists none)")
+MODEL = "planned"
+MOST = 2
+RESOURCES = {
+    "min_replicas": 0,
+    "max_replicas": MOST,
+    "num_gpus": 0.5,
+    "upscale_delay_s": 0,
+    "downscale_delay_s": 5,
+    "sleep_delay_s": 5,
+    "slo": {"ttft_ms": 5000, "itl_ms": 1000},
+}
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    root = tmp_path_factory.mktemp("planned")
+    port = free_port()
+    node = {
+        "serve_id": MODEL,
+        "engine": "vllm",
+        "engine_args": {**ENGINE, "served_model_name": MODEL, "gpu_memory_utilization": 0.3},
+        "resources": RESOURCES,
+    }
+    conf = write_config(root / "conf", [node], root / "exp", port, experiment={"envs": checks.GPU_SAFE_ENV})
+    deployment = Deployment(conf, port)
+    try:
+        result = run_cli(conf, "action=run", timeout=900)
+        assert result.returncode == 0, result.output[-4000:]
+        yield deployment
+    finally:
+        with contextlib.suppress(Exception):
+            deployment.stop()
+
+
+def _engines_asleep(port: int) -> dict[str, bool]:
+    """Each replica's engine, asleep or not, by vLLM's own `vllm:engine_sleep_state{sleep_state="awake"}`
+    (through the router's /metrics, which labels each engine's series with its replica)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+        lines = resp.read().decode().splitlines()
+    found = {}
+    for line in lines:
+        if line.startswith("vllm:engine_sleep_state{") and 'sleep_state="awake"' in line and 'replica="' in line:
+            found[line.split('replica="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1]) == 0
+    return found
+
+
+def _idle_and_asleep(deployment: Deployment, started: list[str]) -> dict | None:
+    report = deployment.status()
+    ready = sorted(r["replica_id"] for r in report["replicas"] if r["serve_id"] == MODEL and r["state"] == "READY")
+    assert ready == started, ready  # the replicas started at `run`, all along
+    asleep = _engines_asleep(deployment.port)
+    target = report["planner"].get(MODEL, {}).get("target")
+    return report if target == 0 and sorted(asleep) == started and all(asleep.values()) else None
+
+
+def test_run_starts_max_replicas_they_sleep_and_a_request_wakes_one_of_them(planned):
+    started = sorted(r["replica_id"] for r in planned.ready())
+    assert len(started) == MOST, started
+    report = wait_for(lambda: _idle_and_asleep(planned, started), 240, "both engines asleep, the planner at 0 awake")
+    assert report["planner"][MODEL]["sleeps"] and report["planner"][MODEL]["asleep"] == MOST
+    assert _complete(planned.port)
+    woken = wait_for(
+        lambda: [r for r, asleep in _engines_asleep(planned.port).items() if not asleep] or None, 60, "one awake"
+    )
+    assert len(woken) == 1 and woken[0] in started, woken
+    wait_for(lambda: planned.status()["planner"][MODEL]["target"] >= 1 or None, 120, "the planner wanting one awake")
+    assert sorted(r["replica_id"] for r in planned.ready()) == started  # woken, not started
+
+
+def _complete(port: int) -> str:
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 8, "ignore_eos": True}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        return json.load(resp)["choices"][0]["text"]
