@@ -68,15 +68,17 @@ def _idle_and_asleep(deployment: Deployment, started: list[str]) -> dict | None:
     ready = sorted(r["replica_id"] for r in report["replicas"] if r["serve_id"] == MODEL and r["state"] == "READY")
     assert ready == started, ready  # the replicas started at `run`, all along
     asleep = _engines_asleep(deployment.port)
-    target = report["planner"].get(MODEL, {}).get("target")
-    return report if target == 0 and sorted(asleep) == started and all(asleep.values()) else None
+    record = report["planner"].get(MODEL, {})
+    # the planner's record counts sleeping replicas from their pushed stats: a window behind the engines' gauge
+    counted = record.get("target") == 0 and record.get("asleep") == len(started)
+    return report if counted and sorted(asleep) == started and all(asleep.values()) else None
 
 
 def test_run_starts_max_replicas_they_sleep_and_a_request_wakes_one_of_them(planned):
     started = sorted(r["replica_id"] for r in planned.ready())
     assert len(started) == MOST, started
     report = wait_for(lambda: _idle_and_asleep(planned, started), 240, "both engines asleep, the planner at 0 awake")
-    assert report["planner"][MODEL]["sleeps"] and report["planner"][MODEL]["asleep"] == MOST
+    assert report["planner"][MODEL]["sleeps"]
     assert _complete(planned.port)
     woken = wait_for(
         lambda: [r for r, asleep in _engines_asleep(planned.port).items() if not asleep] or None, 60, "one awake"
