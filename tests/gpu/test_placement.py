@@ -49,12 +49,12 @@ class Deployment:
     def ready(self) -> list[dict]:
         return [r for r in self.status()["replicas"] if r["state"] == "READY"]
 
-    def complete(self) -> str:
-        body = json.dumps({"model": "demo", "prompt": "hello", "max_tokens": 8, "ignore_eos": True}).encode()
+    def complete(self, model: str = "demo", timeout_s: float = 60) -> str:
+        body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 8, "ignore_eos": True}).encode()
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
         )
-        with urllib.request.urlopen(request, timeout=60) as resp:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             return json.load(resp)["choices"][0]["text"]
 
     def stop(self) -> None:
@@ -65,7 +65,6 @@ class Deployment:
 @contextlib.contextmanager
 def deployed(root: Path, engine_args: dict, resources: dict, node_extra: dict | None = None, envs: dict | None = None):
     """One node `demo` deployed (NVLink multicast off in experiment.envs, plus `envs`), stopped after."""
-    port = free_port()
     node = {
         "serve_id": "demo",
         "engine": "vllm",
@@ -73,8 +72,16 @@ def deployed(root: Path, engine_args: dict, resources: dict, node_extra: dict | 
         "resources": resources,
         **(node_extra or {}),
     }
+    with deployed_nodes(root, [node], envs) as deployment:
+        yield deployment
+
+
+@contextlib.contextmanager
+def deployed_nodes(root: Path, nodes: list[dict], envs: dict | None = None):
+    """`nodes` deployed on a free port (NVLink multicast off in experiment.envs, plus `envs`), stopped after."""
+    port = free_port()
     envs = {**checks.GPU_SAFE_ENV, **(envs or {})}
-    conf = write_config(root / "conf", [node], root / "exp", port, experiment={"envs": envs})
+    conf = write_config(root / "conf", nodes, root / "exp", port, experiment={"envs": envs})
     deployment = Deployment(conf, port)
     try:
         result = run_cli(conf, "action=run", timeout=900)

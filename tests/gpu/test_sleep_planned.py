@@ -5,16 +5,13 @@ replicas and is answered, the planner then wants one awake, and no third replica
 
 from __future__ import annotations
 
-import contextlib
-import json
 import urllib.request
 
 import checks  # benchmarks/gpu/checks.py (tests/gpu/conftest.py puts it on the path)
 import pytest
 
-from flagscale.net import free_port
-from tests.conftest import run_cli, wait_for, write_config
-from tests.gpu.test_placement import ENGINE, Deployment
+from tests.conftest import wait_for
+from tests.gpu.test_placement import ENGINE, Deployment, deployed_nodes
 
 pytestmark = pytest.mark.skipif(checks.gpu_count() == 0, reason="needs a GPU (nvidia-smi lists none)")
 MODEL = "planned"
@@ -32,23 +29,14 @@ RESOURCES = {
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    root = tmp_path_factory.mktemp("planned")
-    port = free_port()
     node = {
         "serve_id": MODEL,
         "engine": "vllm",
         "engine_args": {**ENGINE, "served_model_name": MODEL, "gpu_memory_utilization": 0.3},
         "resources": RESOURCES,
     }
-    conf = write_config(root / "conf", [node], root / "exp", port, experiment={"envs": checks.GPU_SAFE_ENV})
-    deployment = Deployment(conf, port)
-    try:
-        result = run_cli(conf, "action=run", timeout=900)
-        assert result.returncode == 0, result.output[-4000:]
+    with deployed_nodes(tmp_path_factory.mktemp("planned"), [node]) as deployment:
         yield deployment
-    finally:
-        with contextlib.suppress(Exception):
-            deployment.stop()
 
 
 def _engines_asleep(port: int) -> dict[str, bool]:
@@ -79,19 +67,10 @@ def test_run_starts_max_replicas_they_sleep_and_a_request_wakes_one_of_them(plan
     assert len(started) == MOST, started
     report = wait_for(lambda: _idle_and_asleep(planned, started), 240, "both engines asleep, the planner at 0 awake")
     assert report["planner"][MODEL]["sleeps"]
-    assert _complete(planned.port)
+    assert planned.complete(MODEL, timeout_s=120)
     woken = wait_for(
         lambda: [r for r, asleep in _engines_asleep(planned.port).items() if not asleep] or None, 60, "one awake"
     )
     assert len(woken) == 1 and woken[0] in started, woken
     wait_for(lambda: planned.status()["planner"][MODEL]["target"] >= 1 or None, 120, "the planner wanting one awake")
     assert sorted(r["replica_id"] for r in planned.ready()) == started  # woken, not started
-
-
-def _complete(port: int) -> str:
-    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 8, "ignore_eos": True}).encode()
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        return json.load(resp)["choices"][0]["text"]

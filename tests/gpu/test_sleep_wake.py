@@ -6,17 +6,14 @@ model (tiny random-weight Llama) with CUDA graphs off keeps the deployment to we
 
 from __future__ import annotations
 
-import contextlib
-import json
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import checks  # benchmarks/gpu/checks.py (tests/gpu/conftest.py puts it on the path)
 import pytest
 
-from flagscale.net import free_port
-from tests.conftest import run_cli, wait_for, write_config
-from tests.gpu.test_placement import ENGINE, Deployment
+from tests.conftest import wait_for
+from tests.gpu.test_placement import ENGINE, Deployment, deployed_nodes
 
 GPU_SAFE_ENV = checks.GPU_SAFE_ENV
 
@@ -35,26 +32,8 @@ def node(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sleep")
-    port = free_port()
-    conf = write_config(root / "conf", [node("a"), node("b")], root / "exp", port, experiment={"envs": GPU_SAFE_ENV})
-    deployment = Deployment(conf, port)
-    try:
-        result = run_cli(conf, "action=run", timeout=900)
-        assert result.returncode == 0, result.output[-4000:]
+    with deployed_nodes(tmp_path_factory.mktemp("sleep"), [node("a"), node("b")]) as deployment:
         yield deployment
-    finally:
-        with contextlib.suppress(Exception):
-            deployment.stop()
-
-
-def _complete(port: int, model: str) -> str:
-    body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 8, "ignore_eos": True}).encode()
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        return json.load(resp)["choices"][0]["text"]
 
 
 def _asleep(deployment: Deployment) -> dict[str, bool]:
@@ -83,7 +62,7 @@ def test_idle_replicas_fall_asleep_and_give_their_gpu_memory_back(two_models):
 def test_a_request_wakes_its_own_model_only_and_is_answered(two_models):
     wait_for(lambda: _asleep(two_models) == {"a": True, "b": True}, 120, "both replicas asleep")
     before = _wakes(two_models.port, "a")
-    assert _complete(two_models.port, "a")
+    assert two_models.complete("a", timeout_s=120)
     assert _wakes(two_models.port, "a") == before + 1
     wait_for(lambda: _asleep(two_models) == {"a": False, "b": True}, 30, "a awake, b still asleep")
 
@@ -92,7 +71,7 @@ def test_concurrent_requests_for_a_sleeping_model_share_one_wake(two_models):
     wait_for(lambda: _asleep(two_models)["b"], 120, "b asleep")
     before = _wakes(two_models.port, "b")
     with ThreadPoolExecutor(8) as pool:
-        texts = list(pool.map(lambda _: _complete(two_models.port, "b"), range(8)))
+        texts = list(pool.map(lambda _: two_models.complete("b", timeout_s=120), range(8)))
     assert all(texts)
     assert _wakes(two_models.port, "b") == before + 1
 
@@ -101,6 +80,6 @@ def test_the_two_models_time_share_the_gpu(two_models):
     """Traffic moves from one model to the other: the one left idle falls asleep, the other wakes."""
     for model, other in (("a", "b"), ("b", "a"), ("a", "b")):
         wait_for(lambda: _asleep(two_models) == {"a": True, "b": True}, 120, "both asleep")  # noqa: B023
-        assert _complete(two_models.port, model)
+        assert two_models.complete(model, timeout_s=120)
         states = wait_for(lambda: (now := _asleep(two_models))[model] is False and now, 30, f"{model} awake")  # noqa: B023
         assert states[other] is True
