@@ -28,8 +28,8 @@ auto_tuner/history.csv in its exp_dir, as auto_tune would leave one (--rate give
 Replicas are counted every --poll-s from the router's /metrics (the engines' series carry a `replica` label;
 asleep: vLLM's `vllm:engine_sleep_state{sleep_state="awake"}` is 0): replica-seconds over the trace count the
 replicas awake (a sleeping one holds its weights in host memory, not the GPU's), started ones apart, and the
-reaction to the ramp and the spike (seconds from the segment's start until max replicas are awake). Per system: SLO attainment (share of requests whose TTFT and mean inter-token latency both
-meet --ttft-ms / --itl-ms), goodput (such requests per second of trace), replica-seconds, goodput per
+reaction to the ramp and the spike (seconds from the segment's start until max replicas are awake). Per system:
+SLO attainment (share of requests whose TTFT and mean inter-token latency both meet --ttft-ms / --itl-ms), goodput (such requests per second of trace), replica-seconds, goodput per
 replica-second, failed requests, reactions; then the issue's targets as ratios. JSON to --out (a directory:
 slo-load-<ts>.json in it; a .json path: that file), a markdown table printed. Every deployment is stopped
 (`action=stop` on its exp_dir), also on error or Ctrl-C.
@@ -91,6 +91,7 @@ from slo_trace import (  # noqa: E402  (benchmarks/slo_trace.py)
 from flagscale.actions.bench import vllm_bench_worker  # noqa: E402
 from flagscale.demo_model import ensure_demo_model  # noqa: E402
 from flagscale.devices.nvidia import MULTICAST_OFF  # noqa: E402
+from flagscale.engines.metrics import by_replica  # noqa: E402
 
 PORT = 8370  # clear of overhead.py (8150-8199), routing.py (8300-8349), auto_tune.py (8360), the GPU bench (86xx)
 SYSTEMS = ("slo", "slo_sleep", "request_count", "static_max", "static_min")
@@ -303,17 +304,10 @@ def serving_replicas(url: str) -> tuple[int, int] | None:
 
 def replica_counts(metrics_text: str) -> tuple[int, int]:
     """(awake, started) from the router's /metrics text (see serving_replicas)."""
-    started, asleep = set(), set()
-    for line in metrics_text.splitlines():
-        if 'replica="' not in line:
-            continue
-        replica = line.split('replica="')[1].split('"')[0]
-        if line.startswith("vllm:num_requests_running{"):
-            started.add(replica)
-        elif line.startswith("vllm:engine_sleep_state{") and 'sleep_state="awake"' in line:
-            if float(line.rsplit(" ", 1)[1]) == 0:
-                asleep.add(replica)
-    return len(started - asleep), len(started)
+    started = by_replica(metrics_text, "vllm:num_requests_running")
+    awake = by_replica(metrics_text, "vllm:engine_sleep_state", sleep_state="awake")
+    asleep = {replica for replica, value in awake.items() if value == 0}
+    return len(started.keys() - asleep), len(started)
 
 
 @functools.lru_cache(maxsize=1)

@@ -33,3 +33,15 @@ def engine_metrics_and_buckets(
                 bound = float(sample.labels["le"])
                 counts[bound] = counts.get(bound, 0.0) + sample.value
     return sums, buckets
+
+
+def by_replica(text: str, name: str, **labels: str) -> dict[str, float]:
+    """The samples `name` of a router's /metrics `text` (where each engine's series carry a `replica` label) whose
+    labels include `labels`: replica id -> value, summed over its other label sets."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            replica = sample.labels.get("replica")
+            if sample.name == name and replica and labels.items() <= sample.labels.items():
+                found[replica] = found.get(replica, 0.0) + sample.value
+    return found

@@ -10,6 +10,7 @@ import urllib.request
 import checks  # benchmarks/gpu/checks.py (tests/gpu/conftest.py puts it on the path)
 import pytest
 
+from flagscale.engines.metrics import by_replica
 from tests.conftest import wait_for
 from tests.gpu.test_placement import ENGINE, Deployment, deployed_nodes
 
@@ -43,12 +44,8 @@ def _engines_asleep(port: int) -> dict[str, bool]:
     """Each replica's engine, asleep or not, by vLLM's own `vllm:engine_sleep_state{sleep_state="awake"}`
     (through the router's /metrics, which labels each engine's series with its replica)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
-        lines = resp.read().decode().splitlines()
-    found = {}
-    for line in lines:
-        if line.startswith("vllm:engine_sleep_state{") and 'sleep_state="awake"' in line and 'replica="' in line:
-            found[line.split('replica="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1]) == 0
-    return found
+        text = resp.read().decode()
+    return {r: v == 0 for r, v in by_replica(text, "vllm:engine_sleep_state", sleep_state="awake").items()}
 
 
 def _idle_and_asleep(deployment: Deployment, started: list[str]) -> dict | None:
@@ -63,8 +60,11 @@ def _idle_and_asleep(deployment: Deployment, started: list[str]) -> dict | None:
 
 
 def test_run_starts_max_replicas_they_sleep_and_a_request_wakes_one_of_them(planned):
-    started = sorted(r["replica_id"] for r in planned.ready())
-    assert len(started) == MOST, started
+    def all_ready():
+        ready = sorted(r["replica_id"] for r in planned.ready())
+        return ready if len(ready) == MOST else None
+
+    started = wait_for(all_ready, 120, f"the {MOST} replicas started at run, READY")
     report = wait_for(lambda: _idle_and_asleep(planned, started), 240, "both engines asleep, the planner at 0 awake")
     assert report["planner"][MODEL]["sleeps"]
     assert planned.complete(MODEL, timeout_s=120)
