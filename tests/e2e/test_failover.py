@@ -271,36 +271,43 @@ def test_killing_a_replica_under_streaming_load_loses_no_request(deployment):
     reference = {item: stream(client, *item) for item in work}  # unbroken runs, one at a time
     assert all(reference.values())
 
-    victim = before[0]
-    server = psutil.Process(victim["engine_pid"]).children()[0]  # engine_proc's child: vLLM's API server
-
+    # each replica's vLLM API server (engine_proc's child), looked up now: the kill comes right after the check
+    servers = {r["replica_id"]: psutil.Process(r["engine_pid"]).children()[0] for r in before}
     progress = Progress()
 
-    def generated() -> float:
-        return engine_metrics(victim["url"])["vllm:generation_tokens_total"]
+    def generated(replica: dict) -> float:
+        return engine_metrics(replica["url"])["vllm:generation_tokens_total"]
 
-    def streaming_on_victim() -> bool:
-        """The victim generates tokens for a stream that has reached its client part-way. Read as: the same
-        streams in flight, each past 2 chunks at its client, before and after the victim's token count rose; so
-        no stream began or ended meanwhile and the victim's tokens were some of theirs. (A time-based guess, and
-        then the engine's running-requests gauge, which stays as it was once an engine goes idle, both let the
-        kill come when the victim held no stream part-way: the streams moved instead of resuming. None of them is
-        past half its tokens: on a busy machine the victim's streams can end between this check and the kill.)"""
+    def first_generating(within_s: float) -> dict | None:
+        """The first replica whose generated-token count rises within `within_s` seconds; None if neither's does."""
+        counts = [(replica, generated(replica)) for replica in before]
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            for replica, count in counts:
+                if generated(replica) > count:
+                    return replica
+            time.sleep(0.02)
+        return None
+
+    def streaming_replica() -> dict | None:
+        """A replica generating tokens for a stream that has reached its client part-way: the victim. Read as: the
+        same streams in flight, each past 2 chunks at its client, before and after the replica's token count rose;
+        so no stream began or ended meanwhile and the replica's tokens were some of theirs. Whichever replica that
+        is: one named in advance can hold no stream whenever the others are all part-way, and a busy machine's
+        load can give that window only once. (A time-based guess, and then the engine's running-requests gauge,
+        which stays as it was once an engine goes idle, both let the kill come when the victim held no stream
+        part-way: the streams moved instead of resuming. None of them is past half its tokens: on a busy machine
+        the victim's streams can end between this check and the kill.)"""
         streams = progress.in_flight_past(2, below=TOKENS // 2)
         if streams is None:
-            return False
-        tokens = generated()
-        deadline = time.monotonic() + 2
-        while generated() <= tokens:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
-        return progress.in_flight_past(2, below=TOKENS // 2) == streams
+            return None
+        replica = first_generating(within_s=2)
+        return replica if progress.in_flight_past(2, below=TOKENS // 2) == streams else None
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = {pool.submit(stream, client, *item, progress): item for item in work}
-        wait_for(streaming_on_victim, 120, "streams part-way on the victim replica and at their clients", interval=0.02)
-        server.send_signal(signal.SIGKILL)
+        victim = wait_for(streaming_replica, 120, "streams part-way on a replica and at their clients", interval=0.02)
+        servers[victim["replica_id"]].send_signal(signal.SIGKILL)
         results = {futures[f]: f.result() for f in concurrent.futures.as_completed(futures)}
     lost = {item: (reference[item], got) for item, got in results.items() if got != reference[item]}
     assert not lost, f"{len(lost)} of {len(work)} requests differ from an unbroken run: {list(lost.items())[:2]}"
@@ -313,7 +320,7 @@ def test_killing_a_replica_under_streaming_load_loses_no_request(deployment):
         STATUS_WAIT_S,
         "the router's totals to count the streams the kill hit as resumed on the other replica",
     )
-    survivor = before[1]["replica_id"]
+    survivor = next(r["replica_id"] for r in before if r is not victim)
     # Serve replaces the dead replica; the router takes the new one in and it serves.
     replaced = wait_for(
         lambda: two_routed(conf, without=victim["replica_id"]),
