@@ -41,7 +41,7 @@ ACTIONS: dict[str, ActionSpec] = {
     "stop": ActionSpec(
         "flagscale.actions.stop", "drain, then stop exactly what run started", locks_exp_dir=True, needs_exp_dir=True
     ),
-    "status": ActionSpec("flagscale.actions.status", "deployments, replicas, GPUs and load; exit 0 only if healthy"),
+    "status": ActionSpec("flagscale.actions.status", "deployments, replicas, GPUs and load; exit 0 only if serving"),
     "logs": ActionSpec("flagscale.actions.logs", "the runner's and the engine replicas' logs (follow=true to tail)"),
     "dryrun": ActionSpec("flagscale.actions.dryrun", "the resolved config and the plan; nothing starts"),
     "bench": ActionSpec("flagscale.actions.bench", "the serving benchmark against the running deployment"),
