@@ -2,12 +2,12 @@
 prefix-cache hit rate, and no request is lost when a replica's vLLM server dies under streaming load.
 
 Real Ray, real vLLM (CPU) engines on the demo model, 2 replicas behind the router. First, on the fresh engines,
-the routing test (its docstring). Then greedy streamed completions
-and chats run 6 at a time; one replica's vLLM server is SIGKILLed while streams are running on it. Every
-request must complete, with exactly the text an unbroken run gives (the reference is taken first, through the
-same deployment), and the router must have resumed at least one stream mid-way (else the kill hit nothing
-and the test proves nothing). Then Serve replaces the dead replica, the router takes the new one in, and it
-serves; 4xx answers leave every circuit closed.
+the routing test (its docstring). Then 6 long greedy streams (completions and chats) run alone; the vLLM server
+of a replica mid-way through them is SIGKILLed (tests/e2e/mid_stream_failure.py), and 12 shorter ones follow
+while Serve replaces it. Every request must complete, with exactly the text an unbroken run gives (the
+reference is taken first, through the same deployment), and the router must have resumed at least one stream
+mid-way (else the kill hit nothing and the test proves nothing). Then Serve replaces the dead replica, the router
+takes the new one in, and it serves; 4xx answers leave every circuit closed.
 
 Before that kill: clients that hang up (non-streamed requests after they run, a stream after its
 first tokens) get their requests aborted in the engines (vLLM counts them as finished_reason="abort").
@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import httpx
 import openai
@@ -36,13 +37,14 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flagscale.engines.metrics import engine_metrics
 from tests.conftest import REPO, STATUS_WAIT_S, demo_engine_args, run_cli, status_cli, wait_for, write_config
 from tests.e2e import prefix_routing
 
 PORT = 19131
 TOKENS = 160
-GREEDY = {"temperature": 0, "max_tokens": TOKENS, "extra_body": {"ignore_eos": True}}
+# The streams a replica fails under: alone in flight until then, long enough to be mid-way for seconds
+LONG_TOKENS = 1000
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 def status_json(conf, while_replacing: bool = False) -> dict:
@@ -63,56 +65,44 @@ def two_routed(conf, without: str | None = None) -> list[dict] | None:
     return replicas if ok else None
 
 
-class Progress:
-    """What each stream in flight has received so far (its content chunks): the client's side of "part-way"."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._chunks: dict[object, int] = {}
-
-    def started(self, key: object) -> None:
-        with self._lock:
-            self._chunks[key] = 0
-
-    def received(self, key: object) -> None:
-        with self._lock:
-            self._chunks[key] += 1
-
-    def ended(self, key: object) -> None:
-        with self._lock:
-            self._chunks.pop(key, None)
-
-    def in_flight_past(self, chunks: int, below: int | None = None) -> frozenset[object] | None:
-        """The streams in flight when every one of them has received more than `chunks` chunks (and fewer than
-        `below`: none near its end); else None."""
-        with self._lock:
-            counts = self._chunks.values()
-            past = bool(self._chunks) and min(counts) > chunks and (below is None or max(counts) < below)
-            return frozenset(self._chunks) if past else None
+def stream(client: openai.OpenAI, kind: str, prompt: str, tokens: int = TOKENS) -> str:
+    """A greedy streamed chat or completion of `tokens` tokens, its text."""
+    if kind == "chat":
+        messages = [{"role": "user", "content": prompt}]
+        chunks = client.chat.completions.create(
+            model="demo", messages=messages, stream=True, max_tokens=tokens, **GREEDY
+        )
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    chunks = client.completions.create(model="demo", prompt=prompt, stream=True, max_tokens=tokens, **GREEDY)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
 
 
-def stream(client: openai.OpenAI, kind: str, prompt: str, progress: Progress | None = None) -> str:
-    key = object()
-    if progress:
-        progress.started(key)
+def long_streams(topic: str, count: int = 6) -> list[tuple[str, str, int]]:
+    return [("chat" if i % 2 else "completion", f"long {i}: a story about {topic} {i * 11}", LONG_TOKENS)
+            for i in range(count)]  # fmt: skip
+
+
+def fail_mid_stream(pool: concurrent.futures.Executor, client: openai.OpenAI, replicas: list[dict], items: list,
+                    pids: dict[str, list[int]], sig: str) -> tuple[dict, dict]:  # fmt: skip
+    """Starts `items` (long streams) on `pool`, alone in flight, with tests/e2e/mid_stream_failure.py beside them,
+    which sends `sig` to the `pids` of a replica in the middle of them (each one's first tokens sent, none near its
+    end), so they must be resumed, not moved. Returns that replica and {future: item}. A process of its own, read
+    on the engines: this process's stream threads can hold its interpreter for seconds on a busy machine, longer
+    than such a moment lasts, and its clients parse the chunks late (a replica named in advance, or one picked
+    by the clients' progress, let the failure hit no stream mid-way: the streams moved instead of resuming)."""
+    chosen = [{"replica_id": r["replica_id"], "url": r["url"], "pids": pids[r["replica_id"]]} for r in replicas]
+    spec = {"replicas": chosen, "signal": sig, "timeout_s": 120, "stream_tokens": LONG_TOKENS}
+    script = str(Path(__file__).with_name("mid_stream_failure.py"))
+    watcher = subprocess.Popen([sys.executable, script, json.dumps(spec)], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
-        if kind == "chat":
-            chunks = client.chat.completions.create(
-                model="demo", messages=[{"role": "user", "content": prompt}], stream=True, **GREEDY
-            )
-            pieces = (c.choices[0].delta.content or "" for c in chunks if c.choices)
-        else:
-            chunks = client.completions.create(model="demo", prompt=prompt, stream=True, **GREEDY)
-            pieces = (c.choices[0].text for c in chunks if c.choices)
-        text = []
-        for piece in pieces:
-            text.append(piece)
-            if progress:
-                progress.received(key)
-        return "".join(text)
+        assert watcher.stdout.readline().strip() == "ready", "mid_stream_failure.py did not read the engines"
+        futures = {pool.submit(stream, client, *item): item for item in items}
+        out, _ = watcher.communicate(timeout=180)
     finally:
-        if progress:
-            progress.ended(key)
+        if watcher.poll() is None:
+            watcher.kill()
+    assert watcher.returncode == 0, out
+    return next(r for r in replicas if r["replica_id"] == out.split()[-1]), futures
 
 
 def two_replicas(root, routing: str, router_processes: int):
@@ -120,7 +110,7 @@ def two_replicas(root, routing: str, router_processes: int):
     node = {
         "serve_id": "demo",
         "engine": "vllm",
-        "engine_args": demo_engine_args(served_model_name="demo"),
+        "engine_args": demo_engine_args(served_model_name="demo", max_model_len=2048),  # room for LONG_TOKENS
         "resources": {"num_replicas": 2, "num_cpus": 1},
         "routing": routing,
     }
@@ -168,7 +158,7 @@ def test_cache_aware_routing_raises_the_prefix_cache_hit_rate(deployment):
         with open(os.environ["ROUTING_E2E_REPORT"], "w") as f:
             json.dump(report, f, indent=1)
     low, high = cache_aware["prompt_tokens"]
-    assert 250 <= low and high < 500, cache_aware["prompt_tokens"]  # long prompts, under max_model_len 512
+    assert 250 <= low and high < 500, cache_aware["prompt_tokens"]  # long prompts, the workload's own
     assert cache_aware["queries"] >= prefix_routing.PREFIXES * prefix_routing.PER_PREFIX * low  # each one looked up
     assert cache_aware["hit_rate"] >= 0.45, report
     assert cache_aware["hit_rate"] > least_load["hit_rate"] + 0.1, report
@@ -267,47 +257,16 @@ def test_killing_a_replica_under_streaming_load_loses_no_request(deployment):
     conf = deployment
     before = wait_for(lambda: two_routed(conf), STATUS_WAIT_S, "two routed replicas")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
-    work = [("chat" if i % 3 == 0 else "completion", f"request {i}: tell me about serving {i * 7}") for i in range(36)]
+    more = [("chat" if i % 3 == 0 else "completion", f"request {i}: tell me about serving {i * 7}") for i in range(12)]
+    work = long_streams("serving") + more
     reference = {item: stream(client, *item) for item in work}  # unbroken runs, one at a time
     assert all(reference.values())
 
-    # each replica's vLLM API server (engine_proc's child), looked up now: the kill comes right after the check
-    servers = {r["replica_id"]: psutil.Process(r["engine_pid"]).children()[0] for r in before}
-    progress = Progress()
+    servers = {r["replica_id"]: [psutil.Process(r["engine_pid"]).children()[0].pid] for r in before}  # vLLM's server
 
-    def generated(replica: dict) -> float:
-        return engine_metrics(replica["url"])["vllm:generation_tokens_total"]
-
-    def first_generating(within_s: float) -> dict | None:
-        """The first replica whose generated-token count rises within `within_s` seconds; None if neither's does."""
-        counts = [(replica, generated(replica)) for replica in before]
-        deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline:
-            for replica, count in counts:
-                if generated(replica) > count:
-                    return replica
-            time.sleep(0.02)
-        return None
-
-    def streaming_replica() -> dict | None:
-        """A replica generating tokens for a stream that has reached its client part-way: the victim. Read as: the
-        same streams in flight, each past 2 chunks at its client, before and after the replica's token count rose;
-        so no stream began or ended meanwhile and the replica's tokens were some of theirs. Whichever replica that
-        is: one named in advance can hold no stream whenever the others are all part-way, and a busy machine's
-        load can give that window only once. (A time-based guess, and then the engine's running-requests gauge,
-        which stays as it was once an engine goes idle, both let the kill come when the victim held no stream
-        part-way: the streams moved instead of resuming. None of them is past half its tokens: on a busy machine
-        the victim's streams can end between this check and the kill.)"""
-        streams = progress.in_flight_past(2, below=TOKENS // 2)
-        if streams is None:
-            return None
-        replica = first_generating(within_s=2)
-        return replica if progress.in_flight_past(2, below=TOKENS // 2) == streams else None
-
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        futures = {pool.submit(stream, client, *item, progress): item for item in work}
-        victim = wait_for(streaming_replica, 120, "streams part-way on a replica and at their clients", interval=0.02)
-        servers[victim["replica_id"]].send_signal(signal.SIGKILL)
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        victim, futures = fail_mid_stream(pool, client, before, work[:6], servers, "SIGKILL")
+        futures |= {pool.submit(stream, client, *item): item for item in more}  # while the victim is replaced
         results = {futures[f]: f.result() for f in concurrent.futures.as_completed(futures)}
     lost = {item: (reference[item], got) for item, got in results.items() if got != reference[item]}
     assert not lost, f"{len(lost)} of {len(work)} requests differ from an unbroken run: {list(lost.items())[:2]}"
@@ -328,7 +287,7 @@ def test_killing_a_replica_under_streaming_load_loses_no_request(deployment):
         "Serve to replace the killed replica and the router to route to the new one",
     )
     newcomer = next(r for r in replaced if r["replica_id"] != survivor)
-    for item in work[:4]:
+    for item in more[:4]:
         assert stream(client, *item) == reference[item]
     wait_for(
         lambda: {r["replica_id"]: r for r in routed_replicas(conf)}[newcomer["replica_id"]]["requests_served"] > 0,
@@ -351,26 +310,25 @@ def test_a_sigstopped_replica_under_streaming_load_loses_no_request(deployment):
     conf = deployment
     before = wait_for(lambda: two_routed(conf), 300, "two routed replicas")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
-    work = [("completion", f"request {i}: tell me about freezing {i * 5}") for i in range(12)]
-    reference = {item: stream(client, *item) for item in work[:4]}
-    victim = before[0]
-    frozen = [psutil.Process(victim["engine_pid"]), *psutil.Process(victim["engine_pid"]).children(recursive=True)]
-    progress = Progress()
+    more = [("completion", f"request {i}: tell me about freezing {i * 5}") for i in range(6)]
+    work = long_streams("freezing") + more
+    reference = {item: stream(client, *item) for item in work[::3]}
+    trees = {r["replica_id"]: [psutil.Process(r["engine_pid"]), *psutil.Process(r["engine_pid"]).children(True)]
+             for r in before}  # fmt: skip
     idle = wait_for(lambda: idle_router(conf), STATUS_WAIT_S, "the router's totals to show no request in flight")
     resumed_before = idle["resumed"]
+    pids = {replica_id: [proc.pid for proc in tree] for replica_id, tree in trees.items()}
     try:
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            futures = {pool.submit(stream, client, *item, progress): item for item in work}
-            wait_for(lambda: progress.in_flight_past(2) is not None, 120, "streams part-way at their clients", 0.02)
-            for proc in frozen:
-                proc.send_signal(signal.SIGSTOP)
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            _, futures = fail_mid_stream(pool, client, before, work[:6], pids, "SIGSTOP")
             stopped = time.monotonic()
+            futures |= {pool.submit(stream, client, *item): item for item in more}
             with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/models", timeout=15) as answer:
                 assert answer.status == 200
             results = {futures[f]: f.result() for f in concurrent.futures.as_completed(futures)}
             took = time.monotonic() - stopped
     finally:
-        for proc in frozen:
+        for proc in (proc for tree in trees.values() for proc in tree):  # the stopped one's, whichever it was
             try:
                 proc.send_signal(signal.SIGCONT)
             except psutil.NoSuchProcess:
