@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from flagscale.planner.planner import Planner  # noqa: E402
 from flagscale.planner.replay import RequestCount, Static, planner_pools, reactions, replay  # noqa: E402
-from flagscale.planner.simulate import ITL_SLOPE, ReplicaModel, SimPool  # noqa: E402
+from flagscale.planner.simulate import ITL_SLOPE, ReplicaModel, SimPool, ttft_ms  # noqa: E402
 from flagscale.planner.trace import DAY, bursty_day, events  # noqa: E402
 from flagscale.planner.types import DECODE, PREFILL, PlannerSettings, Slo  # noqa: E402
 
@@ -57,6 +57,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--min-replicas", type=int, default=1, help="per pool")
     parser.add_argument("--start-s", type=float, default=60.0, help="a new replica's time to serve")
     parser.add_argument("--wake-s", type=float, default=1.0, help="a sleeping replica's (slo_sleep)")
+    join = "what a prompt waits for the running batch (simulate.py; 0: the plain queueing shape)"
+    parser.add_argument("--ttft-join-ms", type=float, default=ReplicaModel.ttft_join_ms, help=join)
     parser.add_argument("--upscale-delay-s", type=float, default=15.0)
     parser.add_argument("--downscale-delay-s", type=float, default=300.0)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
@@ -76,13 +78,14 @@ def mean_request(model: ReplicaModel) -> tuple[float, float, float]:
 
 def target_ongoing(model: ReplicaModel, slo: Slo, role: str | None) -> float:
     """What auto_tune would settle on: one replica's in-flight requests at the most load it carries within the SLO
-    (utilization u where TTFT = floor / (1 - u) and ITL = floor / (1 - ITL_SLOPE u) meet their bounds; Little's law)."""
+    (utilization u where TTFT = (floor + join) / (1 - u) and ITL = floor / (1 - ITL_SLOPE u) meet their bounds;
+    Little's law)."""
     prompt, output, _ = mean_request(model)
-    bounds = [1 - model.ttft_floor_ms / slo.ttft_ms if role != DECODE else 1.0]
+    bounds = [1 - (model.ttft_floor_ms + model.ttft_join_ms) / slo.ttft_ms if role != DECODE else 1.0]
     bounds.append((1 - model.itl_floor_ms / slo.itl_ms) / ITL_SLOPE if role != PREFILL else 1.0)
     u = min(0.95, *bounds)
     work = (prompt / model.prefill_tps if role != DECODE else 0) + (output / model.decode_tps if role != PREFILL else 0)
-    latency_s = model.ttft_floor_ms / (1 - u) / 1000 + output * model.itl_floor_ms / (1 - ITL_SLOPE * u) / 1000
+    latency_s = ttft_ms(model, u) / 1000 + output * model.itl_floor_ms / (1 - ITL_SLOPE * u) / 1000
     return round(u / work * latency_s, 1)
 
 
@@ -96,7 +99,8 @@ def systems(args: argparse.Namespace, model: ReplicaModel, slo: Slo) -> dict[str
         for role in roles
     }
     start = {role: args.min_replicas for role in roles}
-    awake = {role: replace(s, min_replicas=0) for role, s in settings.items()}  # as SloPolicy plans a node that sleeps
+    # as SloPolicy plans a node that sleeps: none need be awake, and a sleeping replica is a wake away
+    awake = {role: replace(s, min_replicas=0, wake_s=args.wake_s) for role, s in settings.items()}
     # all of max started at `run` (EnginePlan.initial_replicas), the ones not wanted awake asleep
     sleeping = {
         role: (SimPool(role, model, start[role], sleeps=True, asleep=top - start[role]), Planner(s))
@@ -160,7 +164,7 @@ def markdown(results: list) -> str:
 
 def main() -> int:
     args = arguments()
-    model = ReplicaModel(start_s=args.start_s, wake_s=args.wake_s)
+    model = ReplicaModel(start_s=args.start_s, wake_s=args.wake_s, ttft_join_ms=args.ttft_join_ms)
     slo = Slo(args.ttft_ms, args.itl_ms, args.percentile)
     _, _, replica_rps = mean_request(model)
     peak_rps = args.peak_load * args.gpus * replica_rps

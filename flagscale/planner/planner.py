@@ -4,13 +4,14 @@ How it decides (docs/autoscaling.md):
 1. demand: per dimension the pool is sized on (prefill: prompt tokens against TTFT; decode: output tokens against
    ITL; colocated: both bounds against its work, prompt tokens + output tokens weighted by what one costs), the
    tokens/s it carries now plus its engines' queue, and the forecast (forecast.py)
-   `start_s + upscale_delay_s` ahead, whichever is more: a replica asked for now serves only then;
+   `start_s + upscale_delay_s` ahead (`wake_s` for start_s while one of the pool's replicas sleeps), whichever
+   is more: a replica asked for now serves only then;
 2. size: demand / (what one replica sustains within the SLO, capacity.py, x headroom), the largest over the
    dimensions; no capacity known yet: one more replica while the SLO is broken with requests queued;
 3. guards: the SLO broken now with requests queued, or the KV cache nearly full (decode), add one when every
    replica asked for is serving; requests held at zero replicas ask for one at once; a pool with no request
-   in flight and none forecast wants zero, any other at least one; a pool whose replicas sleep is sized in
-   replicas awake (those asleep are started, a wake away);
+   in flight and none forecast (one whose replicas sleep: none in the window) wants zero, any other at least
+   one; a pool whose replicas sleep is sized in replicas awake (those asleep are started, a wake away);
 4. hysteresis: grow past `headroom`, shrink only when the rest would run below `release_below`, and only after
    the wish has lasted `upscale_delay_s` / `downscale_delay_s` (0 -> n at once); never outside min/max; never
    below the count asked for while a replica of it is still starting (it is judged once it serves).
@@ -42,7 +43,7 @@ class Dimension:
 def dimensions_of(settings: PlannerSettings) -> list[Dimension]:
     slo, role = settings.slo, settings.role
     if role is None:
-        seed = settings.seed_prompt_tps  # a colocated replica's seed: its work tokens/s
+        seed = work_seed(settings)
         bounds = [("ttft", slo.ttft_ms), ("itl", slo.itl_ms)]
         return [Dimension(name, "work_tps", CapacityCurve(ms, seed), Trend()) for name, ms in bounds if ms]
     found = []
@@ -53,6 +54,15 @@ def dimensions_of(settings: PlannerSettings) -> list[Dimension]:
     return found
 
 
+def work_seed(settings: PlannerSettings) -> float | None:
+    """A colocated replica's seed in the unit of its load (Planner.load): prompt tokens/s + output tokens/s x what
+    an output token costs."""
+    prompt, output = settings.seed_prompt_tps, settings.seed_output_tps
+    if prompt is None:
+        return None
+    return prompt + settings.output_token_cost * (output or 0.0)
+
+
 class Planner:
     def __init__(self, settings: PlannerSettings):
         self.settings = settings
@@ -61,10 +71,14 @@ class Planner:
         self.target: int | None = None
         self.pending: tuple[int, float] | None = None  # (direction, since): a wish the delays hold back
         self.last_reason = "starting"
+        self.horizon_s = self.settings.start_s + self.settings.upscale_delay_s
 
-    @property
-    def horizon_s(self) -> float:
-        return self.settings.start_s + self.settings.upscale_delay_s
+    def lead_s(self, obs: Observation) -> float:
+        """How long a replica asked for now takes to serve, after the upscale delay: a wake where one of the pool's
+        replicas sleeps (settings.wake_s), else a start."""
+        wake = self.settings.wake_s
+        ready = wake if wake is not None and obs.asleep > 0 else self.settings.start_s
+        return ready + self.settings.upscale_delay_s
 
     def decide(self, obs: Observation, target_now: int | None = None) -> Decision:
         """The decision at `obs.time_s`. `target_now`: the count last asked for, where something else (Serve)
@@ -72,6 +86,7 @@ class Planner:
         settings = self.settings
         current = target_now if target_now is not None else self.target
         current = obs.awake if current is None else current
+        self.horizon_s = self.lead_s(obs)
         self._learn(obs)
         desired, why = self._desired(obs, current)
         if desired < current and obs.replicas < current:  # a replica asked for has not served yet: judge it then
@@ -119,7 +134,11 @@ class Planner:
 
     def _idle(self, obs: Observation) -> bool:
         busy = obs.queue + obs.running + obs.held + obs.arrival_rps
-        return busy <= 0 and self.arrivals.forecast(self.horizon_s) < IDLE_RPS
+        if busy > 0:
+            return False
+        # a pool whose replicas sleep is back in a wake: a quiet window is enough (the forecast's level, an
+        # average over 20 s, would take minutes to fall to nothing after the last request)
+        return self.settings.wake_s is not None or self.arrivals.forecast(self.horizon_s) < IDLE_RPS
 
     def _sized(self, dim: Dimension, obs: Observation, current: int) -> tuple[int | None, str]:
         """The count this dimension asks for, with hysteresis: grow past headroom, shrink below release_below;

@@ -3,9 +3,11 @@ simulated replicas, so a day on 64 GPUs replays in seconds (benchmarks/slo_plann
 
 A replica is a fluid server: a request costs prompt / prefill_tps + output / decode_tps replica-seconds (a
 prefill pool pays the first part, a decode pool the second); work beyond what the serving replicas do in a tick
-waits as backlog. Its latency at utilization u is floor / (1 - u) for TTFT and floor / (1 - 0.8 u) for ITL (the
-batch slows each step less than it queues prompts), plus the backlog's wait on TTFT; one request's latency spreads
-log-normally around the window's median. A replica asked for serves `start_s` later; one let go costs its GPUs
+waits as backlog. Its latency at utilization u is (floor + join x min(1, u / 0.05)) / (1 - u) for TTFT (a
+batching engine's prompt waits for the running batch's step as soon as requests run together: its TTFT leaves the
+floor at the first few, then stays flat far beyond; join 0 is the plain queueing shape) and floor / (1 - 0.8 u) for
+ITL (the batch slows each step less than it queues prompts), plus the backlog's wait on TTFT; one request's latency
+spreads log-normally around the window's median. A replica asked for serves `start_s` later; one let go costs its GPUs
 `drain_s` longer. Requests that find no replica are held until one serves; past `hold_s` they fail (a 503).
 
 A pool whose replicas sleep (`sleeps`: resources.sleep_delay_s with an SLO, docs/autoscaling.md) keeps the replicas
@@ -23,6 +25,7 @@ from flagscale.planner.trace import Tick
 from flagscale.planner.types import DECODE, PREFILL, Observation
 
 ITL_SLOPE = 0.8  # ITL at utilization u: floor / (1 - ITL_SLOPE x u)
+JOIN_UTILIZATION = 0.05  # the utilization at which a prompt always finds a batch running (TTFT: + join)
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class ReplicaModel:
     decode_tps: float = 3000.0  # output tokens/s one replica streams, saturated
     ttft_floor_ms: float = 80.0  # unloaded, at the SLO's percentile
     itl_floor_ms: float = 15.0
+    ttft_join_ms: float = 80.0  # what a prompt waits for the running batch, at the TTFT percentile
     start_s: float = 60.0
     drain_s: float = 30.0
     gpus: int = 1
@@ -147,10 +151,16 @@ def run_pool_tick(pool: SimPool, tick: Tick, dt: float) -> PoolWindow:
     utilization = min(served / capacity, 0.95)
     wait_s = pool.backlog / pool.serving
     itl = model.itl_floor_ms / (1.0 - ITL_SLOPE * utilization)
-    first = itl if pool.role == DECODE else model.ttft_floor_ms / (1.0 - utilization)  # decode: its first step
+    first = itl if pool.role == DECODE else ttft_ms(model, utilization)  # decode: its first step
     ttft = first + 1000.0 * wait_s
     queue = pool.backlog / per_request if per_request else 0.0
     return PoolWindow(served / capacity, wait_s, ttft, itl, failed, held_wait, queue)
+
+
+def ttft_ms(model: ReplicaModel, utilization: float) -> float:
+    """A replica's time to first token at `utilization`, before any backlog (the window's percentile)."""
+    joined = model.ttft_join_ms * min(1.0, utilization / JOIN_UTILIZATION)
+    return (model.ttft_floor_ms + joined) / (1.0 - utilization)
 
 
 def observation(pool: SimPool, tick: Tick, window: PoolWindow, dt: float) -> Observation:

@@ -20,8 +20,9 @@ class Slo:
 class PlannerSettings:
     """One pool's planner. `role`: PREFILL sizes on TTFT and prompt tokens, DECODE on ITL, KV cache and output
     tokens, None (colocated) on both. `start_s`: how long a new replica takes to serve (the forecast looks this
-    far ahead, plus the upscale delay). `seed_*_tps`: one replica's sustainable tokens/s where known beforehand
-    (auto_tune's results), until the planner has fitted its own."""
+    far ahead, plus the upscale delay; `wake_s` instead while one of the pool's replicas sleeps). `seed_*_tps`:
+    one replica's sustainable tokens/s where known beforehand (auto_tune's results), until the planner has fitted
+    its own, and a floor under the fit until a window breaks the SLO below it (capacity.py)."""
 
     slo: Slo
     min_replicas: int
@@ -30,6 +31,7 @@ class PlannerSettings:
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
     start_s: float = 60.0
+    wake_s: float | None = None  # a sleeping replica's time to serve again; None: the pool's replicas never sleep
     seed_prompt_tps: float | None = None
     seed_output_tps: float | None = None
     headroom: float = 0.85  # size so each replica runs at this share of what it sustains within the SLO

@@ -43,6 +43,10 @@ PUBLISH_EVERY_S = 2.0
 # deprecated in favour of an env var it does not read yet), over a 10 s window.
 LOOK_BACK_S = 10.0
 PUSH_EVERY_S = 2.0
+# A sleeping replica's time to serve again, as the planner of a node that sleeps looks ahead while one sleeps:
+# vLLM woke a 1B model in 0.13 s on an H200 (docs/benchmarks.md), an 8B one moves 16 GB back from host memory
+# (about a second); the router learns a raised target at its next registry read.
+WAKE_S = 2.0
 
 
 def _key(app: str, serve_id: str) -> bytes:
@@ -56,8 +60,8 @@ class SloPolicy:
         self, slo: dict[str, Any], min_replicas: int, max_replicas: int, sleeps: bool = False, **settings: Any
     ):
         # asleep, a replica holds nothing the node's minimum is for: none need be kept awake
-        awake_min = 0 if sleeps else min_replicas
-        self.planner = Planner(PlannerSettings(Slo(**slo), awake_min, max_replicas, **settings))
+        awake_min, wake_s = (0, WAKE_S) if sleeps else (min_replicas, None)
+        self.planner = Planner(PlannerSettings(Slo(**slo), awake_min, max_replicas, wake_s=wake_s, **settings))
         self.sleeps, self.bounds = sleeps, [min_replicas, max_replicas]  # the node's: Serve keeps the count in them
         self.changes = 0
         self.last_change_s: float | None = None

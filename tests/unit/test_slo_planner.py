@@ -81,6 +81,76 @@ def test_capacity_fits_the_load_one_replica_sustains_within_the_bound():
     assert slow.unreachable()
 
 
+def batching_latency(load):
+    """A batching engine's time to first token (ms) at `load` tokens/s per replica: its floor alone, past it as soon
+    as requests run together (a prompt waits for the running batch's step), then flat far beyond."""
+    return 30.0 if load < 50 else 200.0 + load / 10
+
+
+def test_capacity_keeps_what_a_replica_carried_within_the_bound_where_the_fit_reads_light_load_as_saturation():
+    curve = CapacityCurve(bound_ms=500)
+    curve.update(10, batching_latency(10))  # its floor
+    curve.update(1600, batching_latency(1600))  # a spike, within the bound
+    for _ in range(50):
+        curve.update(300, batching_latency(300))  # the fall: a light load, 7x the floor
+    assert curve.fitted < 400  # the queueing shape takes it for near saturation
+    assert curve.sustainable() == 1600  # what it carried within the bound stands
+    curve.update(1000, 800.0)  # over the bound below that: the work got heavier
+    assert curve.sustainable() < 1000
+    seeded = CapacityCurve(bound_ms=500, seed=2000)  # auto_tune measured 2000 within the bound
+    for _ in range(20):
+        seeded.update(300, batching_latency(300))
+    assert seeded.sustainable() == 2000
+    fresh = CapacityCurve(bound_ms=500)
+    fresh.update(40, 30.0)  # a light load within the bound is no estimate
+    assert fresh.sustainable() is None
+
+
+def test_a_pool_of_a_batching_engine_comes_down_when_the_load_falls():
+    """As on two H200s on 2026-12-01 (docs/benchmarks.md): with the fit alone, a pool at 4 stays at 4 through a
+    fall to a quarter of one replica's load, each window's estimate tracking the load it was made from."""
+    planner = Planner(settings(max_replicas=4, upscale_delay_s=0, downscale_delay_s=30))
+    replicas, decisions = 4, []
+    for time_s in range(0, 300, 5):
+        # a few requests (its floor), 1,600 a replica of 4, then a quarter of one replica's
+        total = 100.0 if time_s < 20 else 6400.0 if time_s <= 60 else 400.0
+        obs = Observation(
+            time_s, replicas, ttft_ms=batching_latency(total / replicas), itl_ms=20.0, prompt_tps=total,
+            arrival_rps=total / 500,
+        )  # fmt: skip
+        decisions.append(planner.decide(obs))
+        replicas = decisions[-1].target
+    assert decisions[12].target == 4  # held through the load
+    assert decisions[-1].target == 1, [(d.time_s, d.target, d.reason) for d in decisions if d.changed]
+
+
+def test_a_colocated_seed_is_in_the_unit_of_the_pools_load():
+    planner = Planner(settings(seed_prompt_tps=1000.0, seed_output_tps=100.0, output_token_cost=4.0))
+    assert {dim.name: dim.curve.sustainable() for dim in planner.dimensions} == {"ttft": 1400.0, "itl": 1400.0}
+
+
+def test_a_pool_with_a_replica_asleep_looks_a_wake_ahead_and_a_cold_start_once_all_are_awake():
+    planner = Planner(settings(min_replicas=0, start_s=120, wake_s=2, upscale_delay_s=5))
+    busy = dict(ttft_ms=200.0, itl_ms=20.0, prompt_tps=500.0, arrival_rps=1.0)
+    assert planner.decide(Observation(0, 2, asleep=1, **busy)).forecast["horizon_s"] == 7
+    assert planner.decide(Observation(5, 2, asleep=0, **busy)).forecast["horizon_s"] == 125
+    never = Planner(settings(start_s=120, upscale_delay_s=5))  # wake_s None: its replicas never sleep
+    assert never.decide(Observation(0, 2, asleep=1, **busy)).forecast["horizon_s"] == 125
+
+
+def test_a_pool_whose_replicas_sleep_is_idle_on_its_first_quiet_window():
+    """Its replicas are a wake away; a pool that would start them again waits until the forecast says nothing
+    comes (the forecast's level takes minutes to fall to nothing after the last request)."""
+    wants = {}
+    for name, wake_s in (("sleeps", 2.0), ("starts", None)):
+        planner = Planner(settings(min_replicas=0, wake_s=wake_s, upscale_delay_s=0, downscale_delay_s=0))
+        for time_s in range(0, 60, 5):
+            busy = dict(ttft_ms=200.0, itl_ms=20.0, prompt_tps=500.0, arrival_rps=1.0, running=2)
+            planner.decide(Observation(time_s, 2, **busy))
+        wants[name] = planner.decide(Observation(60, 2)).desired
+    assert wants["sleeps"] == 0 and wants["starts"] > 0, wants
+
+
 RAMP = [(t, 200 + 15 * t, {}) for t in range(0, 300, 5)]
 FLAT = [(t, 600 + (40 if (t // 5) % 2 else -40), {}) for t in range(0, 900, 5)]
 
