@@ -27,7 +27,8 @@ auto_tuner/history.csv in its exp_dir, as auto_tune would leave one (--rate give
 
 Replicas are counted every --poll-s from the router's /metrics (the engines' series carry a `replica` label;
 asleep: vLLM's `vllm:engine_sleep_state{sleep_state="awake"}` is 0): replica-seconds over the trace count the
-replicas awake (a sleeping one holds its weights in host memory, not the GPU's), started ones apart, and the
+replicas awake (a sleeping one holds its weights in host memory, not the GPU's), started ones apart (the SLO
+planner's target is recorded beside them, from the router's `flagscale_router_planner_target_replicas`), and the
 reaction to the ramp and the spike (seconds from the segment's start until max replicas are awake). Per system:
 SLO attainment (share of requests whose TTFT and mean inter-token latency both meet --ttft-ms / --itl-ms),
 goodput (such requests per second of trace), replica-seconds, goodput per replica-second, failed requests,
@@ -292,9 +293,10 @@ def _enter(manager: Any) -> Any:
         return exc
 
 
-def serving_replicas(url: str) -> tuple[int, int] | None:
-    """(awake, started) replicas in the router's table now: distinct `replica` labels of the engines'
-    running-requests series, less those whose engine says it sleeps."""
+def serving_replicas(url: str) -> tuple[int, int, int | None] | None:
+    """(awake, started, the planner's target) replicas in the router's /metrics now: distinct `replica` labels of
+    the engines' running-requests series, less those whose engine says it sleeps; the SLO planner's target (None
+    without a planner)."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
             text = answer.read().decode()
@@ -303,12 +305,14 @@ def serving_replicas(url: str) -> tuple[int, int] | None:
     return replica_counts(text)
 
 
-def replica_counts(metrics_text: str) -> tuple[int, int]:
-    """(awake, started) from the router's /metrics text (see serving_replicas)."""
+def replica_counts(metrics_text: str) -> tuple[int, int, int | None]:
+    """(awake, started, planner target) from the router's /metrics text (see serving_replicas)."""
     started = by_replica(metrics_text, "vllm:num_requests_running")
     awake = by_replica(metrics_text, "vllm:engine_sleep_state", sleep_state="awake")
     asleep = {replica for replica, value in awake.items() if value == 0}
-    return len(started.keys() - asleep), len(started)
+    targets = [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+               if line.startswith("flagscale_router_planner_target_replicas{")]  # fmt: skip
+    return len(started.keys() - asleep), len(started), round(sum(targets)) if targets else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -380,7 +384,7 @@ def load(url: str, args: argparse.Namespace, workers: Workers) -> dict[str, Any]
     count over time."""
     plan = steps(args.rate, args.time_scale)
     tasks = [(index, part) for index, step in enumerate(plan) for part in parts(step, args.worker_rps)]
-    counts: list[tuple[float, int, int]] = []  # (when, awake, started)
+    counts: list[tuple[float, int, int, int | None]] = []  # (when, awake, started, planner target)
     finished = threading.Event()
 
     def poll() -> None:
@@ -421,12 +425,12 @@ def summary(system: str, measured: dict[str, Any], args: argparse.Namespace) -> 
     duration = sum(step["seconds"] for step in plan)
     good = sum(1 for r in requests if met(r, args.ttft_ms, args.itl_ms))
     spans = list(zip(counts, counts[1:], strict=False))
-    replica_s = sum(awake * (t1 - t0) for (t0, awake, _), (t1, *_) in spans)
-    started_s = sum(started * (t1 - t0) for (t0, _, started), (t1, *_) in spans)
+    replica_s = sum(awake * (t1 - t0) for (t0, awake, *_), (t1, *_) in spans)
+    started_s = sum(started * (t1 - t0) for (t0, _, started, *_), (t1, *_) in spans)
     reactions = {}
     for segment in ("ramp", "spike"):
         start = next(step["start_s"] for step in plan if step["segment"] == segment)
-        reached = next((t for t, awake, _ in counts if t >= start and awake >= args.max_replicas), None)
+        reached = next((t for t, awake, *_ in counts if t >= start and awake >= args.max_replicas), None)
         reactions[segment] = None if reached is None else round(reached - start, 1)
     drive = measured.get("drive") or [{"late_s": 0.0, "worker_cpu": 0.0}]
     return {

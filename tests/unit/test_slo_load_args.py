@@ -49,4 +49,6 @@ def test_replicas_are_counted_awake_unless_their_engine_says_it_sleeps():
         'vllm:engine_sleep_state{engine="0",model_name="demo",sleep_state="weights_offloaded",replica="a"} 1.0',
         'vllm:engine_sleep_state{engine="0",model_name="demo",sleep_state="awake",replica="b"} 1.0',
     ])  # fmt: skip
-    assert slo_load.replica_counts(text) == (2, 3)  # c: an engine without the gauge counts awake
+    assert slo_load.replica_counts(text) == (2, 3, None)  # c: an engine without the gauge counts awake
+    planned = text + '\nflagscale_router_planner_target_replicas{serve_id="demo"} 1\n'
+    assert slo_load.replica_counts(planned) == (2, 3, 1)  # the SLO planner's target beside them
