@@ -28,8 +28,8 @@ auto_tuner/history.csv in its exp_dir, as auto_tune would leave one (--rate give
 Replicas are counted every --poll-s from the router's /metrics (the engines' series carry a `replica` label;
 asleep: vLLM's `vllm:engine_sleep_state{sleep_state="awake"}` is 0): replica-seconds over the trace count the
 replicas awake (a sleeping one holds its weights in host memory, not the GPU's), started ones apart (the SLO
-planner's target is recorded beside them, from the router's `flagscale_router_planner_target_replicas`), and the
-reaction to the ramp and the spike (seconds from the segment's start until max replicas are awake). Per system:
+planner's target is recorded beside them, from the router's `flagscale_router_planner_target_replicas`, and
+each change it logged with its reason, from the Serve controller's log), and the reaction to the ramp and the spike (seconds from the segment's start until max replicas are awake). Per system:
 SLO attainment (share of requests whose TTFT and mean inter-token latency both meet --ttft-ms / --itl-ms),
 goodput (such requests per second of trace), replica-seconds, goodput per replica-second, failed requests,
 reactions; then the issue's targets as ratios. JSON to --out (a directory:
@@ -471,6 +471,14 @@ def given_point(args: argparse.Namespace) -> dict[str, Any]:
     return {"rate": args.rate, "output_tps": args.rate * args.output_len}
 
 
+def planner_changes(deployment: Deployment) -> list[str]:
+    """Each change the SLO planner logged, with its reason, from the Serve controller's log the deployment kept
+    (<exp_dir>/serve_logs/ray, the link to the Ray session's logs)."""
+    logs = sorted((deployment.exp_dir / "serve_logs" / "ray" / "serve").glob("controller_*.log"))
+    lines = (line.strip() for path in logs for line in path.read_text(errors="replace").splitlines())
+    return list(dict.fromkeys(line for line in lines if "SLO planner" in line))  # the log writes each twice
+
+
 def run_system(system: str, args: argparse.Namespace, work: Path, workers: Workers, out: dict[str, Any]) -> None:
     """Deploy `system`, calibrate on it if it is the calibration's one replica, load the trace (not for the
     calibration-only deployment), stop it."""
@@ -491,7 +499,7 @@ def run_system(system: str, args: argparse.Namespace, work: Path, workers: Worke
     finally:
         deployment.stop()
     if system != "calibrate":
-        out["systems"].append(summary(system, measured, args))
+        out["systems"].append(summary(system, measured, args) | {"planner_changes": planner_changes(deployment)})
         out["drive"][system] = measured["drive"]
         print(table(out["systems"][-1:]), flush=True)
 

@@ -1,9 +1,10 @@
 """benchmarks/slo_load.py's options: replicas that share a GPU (--gpus-per-replica) reserve their share and fit in
-it together."""
+it together; what it reads of a deployment (replica counts, the planner's target and changes)."""
 
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,12 @@ def test_replicas_are_counted_awake_unless_their_engine_says_it_sleeps():
     assert slo_load.replica_counts(text) == (2, 3, None)  # c: an engine without the gauge counts awake
     planned = text + '\nflagscale_router_planner_target_replicas{serve_id="demo"} 1\n'
     assert slo_load.replica_counts(planned) == (2, 3, 1)  # the SLO planner's target beside them
+
+
+def test_the_planners_changes_are_read_from_the_controller_log_the_deployment_kept(tmp_path):
+    serve = tmp_path / "exp" / "serve_logs" / "ray" / "serve"
+    serve.mkdir(parents=True)
+    change = "INFO 2026-12-01 00:18:50,153 controller 27212 -- SLO planner zero: 1 -> 0: idle: nothing in flight"
+    (serve / "controller_27212.log").write_text(f"INFO other\n{change}\n{change}\n")
+    deployment = types.SimpleNamespace(exp_dir=tmp_path / "exp")
+    assert slo_load.planner_changes(deployment) == [change]
