@@ -30,11 +30,11 @@ asleep: vLLM's `vllm:engine_sleep_state{sleep_state="awake"}` is 0): replica-sec
 replicas awake (a sleeping one holds its weights in host memory, not the GPU's), started ones apart (the SLO
 planner's target is recorded beside them, from the router's `flagscale_router_planner_target_replicas`, and
 each change it logged with its reason, from the Serve controller's log), and the reaction to the ramp and the
-spike (seconds from the segment's start until max replicas are awake). Per system: SLO attainment (share of requests whose TTFT and mean inter-token latency both meet --ttft-ms / --itl-ms),
-goodput (such requests per second of trace), replica-seconds, goodput per replica-second, failed requests,
-reactions; then the issue's targets as ratios. JSON to --out (a directory:
-slo-load-<ts>.json in it; a .json path: that file), a markdown table printed. Every deployment is stopped
-(`action=stop` on its exp_dir), also on error or Ctrl-C.
+spike (seconds from the segment's start until max replicas are awake). Per system: SLO attainment (share of
+requests whose TTFT and mean inter-token latency both meet --ttft-ms / --itl-ms), goodput (such requests per
+second of trace), replica-seconds, goodput per replica-second, failed requests, reactions; then the issue's
+targets as ratios. JSON to --out (a directory: slo-load-<ts>.json in it; a .json path: that file), a markdown
+table printed. Every deployment is stopped (`action=stop` on its exp_dir), also on error or Ctrl-C.
 
   .venv/bin/python benchmarks/slo_load.py                                  # CPU, every system, --rate 2
   .venv/bin/python benchmarks/slo_load.py --systems slo request_count --rate 3 --target 2
