@@ -31,10 +31,11 @@ replicas awake (a sleeping one holds its weights in host memory, not the GPU's),
 planner's target is recorded beside them, from the router's `flagscale_router_planner_target_replicas`, and
 each change it logged with its reason, from the Serve controller's log), and the reaction to the ramp and the
 spike (seconds from the segment's start until max replicas are awake). Per system: SLO attainment (share of
-requests whose TTFT and mean inter-token latency both meet --ttft-ms / --itl-ms), goodput (such requests per
-second of trace), replica-seconds, goodput per replica-second, failed requests, reactions; then the issue's
-targets as ratios. JSON to --out (a directory: slo-load-<ts>.json in it; a .json path: that file), a markdown
-table printed. Every deployment is stopped (`action=stop` on its exp_dir), also on error or Ctrl-C.
+requests whose TTFT and mean inter-token latency both meet --ttft-ms / --itl-ms; in the JSON per segment too),
+goodput (such requests per second of trace), replica-seconds, goodput per replica-second, failed requests,
+reactions; then the issue's targets as ratios. JSON to --out (a directory: slo-load-<ts>.json in it; a .json
+path: that file), a markdown table printed. Every deployment is stopped (`action=stop` on its exp_dir), also on
+error or Ctrl-C.
 
   .venv/bin/python benchmarks/slo_load.py                                  # CPU, every system, --rate 2
   .venv/bin/python benchmarks/slo_load.py --systems slo request_count --rate 3 --target 2
@@ -78,6 +79,7 @@ from model import SIZES, ensure_model  # noqa: E402  (benchmarks/gpu/model.py)
 from routing import CPU_SIZES  # noqa: E402,F401  (benchmarks/routing.py: registers its CPU shapes in model.SIZES)
 from slo_trace import (  # noqa: E402  (benchmarks/slo_trace.py)
     TRACE,
+    attainment_by_segment,
     calibration_order,
     ladder_pass,
     least_replica_s,
@@ -438,6 +440,7 @@ def summary(system: str, measured: dict[str, Any], args: argparse.Namespace) -> 
         "requests": len(requests),
         "failed": sum(1 for r in requests if r["error"]),
         "attainment": good / len(requests) if requests else 0.0,
+        "attainment_by_segment": attainment_by_segment(requests, args.ttft_ms, args.itl_ms),
         "goodput_req_s": good / duration,
         "replica_s": replica_s,  # awake
         "started_replica_s": started_s,

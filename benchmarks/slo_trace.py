@@ -57,6 +57,17 @@ def met(request: dict[str, Any], ttft_ms: float, itl_ms: float) -> bool:
     return not request["error"] and request["ttft_s"] * 1000 <= ttft_ms and itl * 1000 <= itl_ms
 
 
+def attainment_by_segment(requests: list[dict[str, Any]], ttft_ms: float, itl_ms: float) -> dict[str, float]:
+    """The share of each trace segment's requests (their `segment` label: ramp, spike, ...) that met the SLO, in
+    the order the segments first appear: where a system lost its attainment."""
+    counts: dict[str, list[int]] = {}
+    for request in requests:
+        good_total = counts.setdefault(request["segment"], [0, 0])
+        good_total[0] += met(request, ttft_ms, itl_ms)
+        good_total[1] += 1
+    return {segment: round(good / total, 4) for segment, (good, total) in counts.items()}
+
+
 def ladder_pass(concurrency: int, requests: list[dict[str, Any]], ttft_ms: float, itl_ms: float) -> dict[str, Any]:
     """One closed-loop calibration pass at `concurrency` streams from its steady requests (the first wave left out
     by the caller): SLO attainment, and the request rate and output tokens/s by Little's law (streams / latency)."""

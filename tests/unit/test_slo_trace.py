@@ -53,6 +53,12 @@ def test_a_request_meets_the_slo_on_ttft_and_mean_itl_without_error():
     assert slo_trace.met({"ttft_s": 0.1, "itl_s": [], "error": ""}, 500, 50)
 
 
+def test_attainment_is_told_per_segment_of_the_trace():
+    rows = [request(0.1, 0.01) | {"segment": "ramp"}, request(0.9, 0.01) | {"segment": "spike"}]
+    rows += [request(0.1, 0.01) | {"segment": "spike"}, request(0.1, 0.01, error="503") | {"segment": "fall"}]
+    assert slo_trace.attainment_by_segment(rows, 500, 50) == {"ramp": 1.0, "spike": 0.5, "fall": 0.0}
+
+
 def test_a_ladder_pass_gives_rate_by_littles_law():
     rows = [request(0.2, 0.02, n=9)] * 10  # 0.2 + 9 x 0.02 = 0.38 s a request, 10 tokens
     p = slo_trace.ladder_pass(38, rows, 500, 50)
