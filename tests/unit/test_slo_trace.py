@@ -115,3 +115,13 @@ def test_the_calibration_runs_first_on_static_min_else_static_max_else_its_own_d
     assert slo_trace.calibration_order(every[:3], True) == ["static_max", "slo", "request_count"]
     assert slo_trace.calibration_order(["slo"], True) == ["calibrate", "slo"]
     assert slo_trace.calibration_order(every[:3], False) == every[:3]
+
+
+def test_the_step_trace_simulated_plans_the_sleeping_pool_below_static_max_within_five_points():
+    import slo_steps_sim  # noqa: PLC0415  (benchmarks/slo_steps_sim.py: the planner on this trace, simulated)
+
+    results = {r.system: r for r in slo_steps_sim.simulate(slo_steps_sim.arguments([]))}
+    planned, static = results["slo_sleep"], results["static_max"]
+    assert planned.gpu_s <= 0.6 * static.gpu_s
+    assert planned.attainment >= static.attainment - 0.05
+    assert [change[3] for change in planned.changes][-1] == 0  # idle at the end: none awake
