@@ -68,6 +68,7 @@ from typing import Any
 
 import psutil
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -312,8 +313,8 @@ def replica_counts(metrics_text: str) -> tuple[int, int, int | None]:
     started = by_replica(metrics_text, "vllm:num_requests_running")
     awake = by_replica(metrics_text, "vllm:engine_sleep_state", sleep_state="awake")
     asleep = {replica for replica, value in awake.items() if value == 0}
-    targets = [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
-               if line.startswith("flagscale_router_planner_target_replicas{")]  # fmt: skip
+    families = text_string_to_metric_families(metrics_text)
+    targets = [s.value for f in families for s in f.samples if s.name == "flagscale_router_planner_target_replicas"]
     return len(started.keys() - asleep), len(started), round(sum(targets)) if targets else None
 
 

@@ -31,7 +31,6 @@ import importlib.util
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +40,7 @@ from flagscale.planner.planner import Planner  # noqa: E402
 from flagscale.planner.replay import RequestCount, Static, planner_pools, reactions, replay  # noqa: E402
 from flagscale.planner.simulate import ITL_SLOPE, ReplicaModel, SimPool, ttft_ms  # noqa: E402
 from flagscale.planner.trace import DAY, bursty_day, events  # noqa: E402
-from flagscale.planner.types import DECODE, PREFILL, PlannerSettings, Slo  # noqa: E402
+from flagscale.planner.types import DECODE, PREFILL, PlannerSettings, Slo, planned_awake  # noqa: E402
 
 
 def arguments() -> argparse.Namespace:
@@ -99,8 +98,7 @@ def systems(args: argparse.Namespace, model: ReplicaModel, slo: Slo) -> dict[str
         for role in roles
     }
     start = {role: args.min_replicas for role in roles}
-    # as SloPolicy plans a node that sleeps: none need be awake, and a sleeping replica is a wake away
-    awake = {role: replace(s, min_replicas=0, wake_s=args.wake_s) for role, s in settings.items()}
+    awake = {role: planned_awake(s) for role, s in settings.items()}  # as SloPolicy plans a node that sleeps
     # all of max started at `run` (EnginePlan.initial_replicas), the ones not wanted awake asleep
     sleeping = {
         role: (SimPool(role, model, start[role], sleeps=True, asleep=top - start[role]), Planner(s))

@@ -29,8 +29,7 @@ from flagscale.planner.planner import Planner  # noqa: E402
 from flagscale.planner.replay import Result, Static, replay  # noqa: E402
 from flagscale.planner.simulate import ReplicaModel, SimPool  # noqa: E402
 from flagscale.planner.trace import Tick, poisson  # noqa: E402
-from flagscale.planner.types import PlannerSettings, Slo  # noqa: E402
-from flagscale.replica.slo_policy import WAKE_S  # noqa: E402
+from flagscale.planner.types import PlannerSettings, Slo, planned_awake  # noqa: E402
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,7 +75,7 @@ def simulate(args: argparse.Namespace) -> list[Result]:
     seeds = {"seed_prompt_tps": args.rate * args.input_len, "seed_output_tps": args.rate * args.output_len}
     delays = {"upscale_delay_s": 0.0, "downscale_delay_s": args.downscale_delay_s * args.time_scale}
     planned = PlannerSettings(slo, 1, top, start_s=args.start_s, **delays, **seeds)
-    asleep = PlannerSettings(slo, 0, top, start_s=args.start_s, wake_s=WAKE_S, **delays, **seeds)  # as SloPolicy
+    asleep = planned_awake(planned)  # as SloPolicy plans a node that sleeps
     systems = {
         "slo_sleep": (SimPool(None, model, 0, sleeps=True, asleep=top), Planner(asleep)),
         "slo": (SimPool(None, model, 1), Planner(planned)),

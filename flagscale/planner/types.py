@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 PREFILL, DECODE = "prefill", "decode"  # a disaggregated node's pools; None: a colocated node (both)
+# A sleeping replica's time to serve again, as the planner of a node that sleeps looks ahead while one sleeps:
+# vLLM woke a 1B model in 0.13 s on an H200 (docs/benchmarks.md), an 8B one moves 16 GB back from host memory
+# (about a second); the router learns a raised target at its next registry read.
+WAKE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,12 @@ class PlannerSettings:
     # a colocated pool's load is prompt tokens + this x output tokens (what one output token costs a replica, in
     # prompt tokens), where the observation brings no measured figure
     output_token_cost: float = 4.0
+
+
+def planned_awake(settings: PlannerSettings) -> PlannerSettings:
+    """The planner of a node whose replicas sleep (resources.sleep_delay_s): sized in replicas awake, none of which
+    need be (a sleeping replica holds nothing its minimum is for), one asleep a wake away (WAKE_S)."""
+    return replace(settings, min_replicas=0, wake_s=WAKE_S)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from typing import Any
 
 from flagscale.cluster.ray_compat import kv_get, kv_list, kv_put
 from flagscale.planner.planner import Planner
-from flagscale.planner.types import PlannerSettings, Slo
+from flagscale.planner.types import PlannerSettings, Slo, planned_awake
 from flagscale.replica.registry import KV_NAMESPACE
 from flagscale.replica.slo_signals import measured_start_s, observe
 
@@ -43,10 +43,6 @@ PUBLISH_EVERY_S = 2.0
 # deprecated in favour of an env var it does not read yet), over a 10 s window.
 LOOK_BACK_S = 10.0
 PUSH_EVERY_S = 2.0
-# A sleeping replica's time to serve again, as the planner of a node that sleeps looks ahead while one sleeps:
-# vLLM woke a 1B model in 0.13 s on an H200 (docs/benchmarks.md), an 8B one moves 16 GB back from host memory
-# (about a second); the router learns a raised target at its next registry read.
-WAKE_S = 2.0
 
 
 def _key(app: str, serve_id: str) -> bytes:
@@ -59,9 +55,8 @@ class SloPolicy:
     def __init__(
         self, slo: dict[str, Any], min_replicas: int, max_replicas: int, sleeps: bool = False, **settings: Any
     ):
-        # asleep, a replica holds nothing the node's minimum is for: none need be kept awake
-        awake_min, wake_s = (0, WAKE_S) if sleeps else (min_replicas, None)
-        self.planner = Planner(PlannerSettings(Slo(**slo), awake_min, max_replicas, wake_s=wake_s, **settings))
+        planned = PlannerSettings(Slo(**slo), min_replicas, max_replicas, **settings)
+        self.planner = Planner(planned_awake(planned) if sleeps else planned)
         self.sleeps, self.bounds = sleeps, [min_replicas, max_replicas]  # the node's: Serve keeps the count in them
         self.changes = 0
         self.last_change_s: float | None = None
