@@ -135,9 +135,10 @@ def records(app: str, replicas: list[dict[str, Any]], models: list[str]) -> list
 
     return [
         registry.ReplicaRecord(
-            app=app, serve_id="bench", replica_id=f"r{i}", models=models, url=r["url"], node_id="",
+            app=app, serve_id="bench", replica_id=f"r{i}", models=models, url=r["url"], node_id="bench",
             node_ip="127.0.0.1", pid=0, engine_pid=0, log_path="", updated_at=time.time() + 10**9,
-            kv_events=r.get("kv_events") or {},
+            kv_events=r.get("kv_events") or {}, gpus=r.get("gpus", []), family="nvidia" if r.get("gpus") else "",
+            worker_cpus=r.get("cpus", []),
         )
         for i, r in enumerate(replicas)
     ]  # fmt: skip

@@ -73,13 +73,19 @@ from kv_events_bench import simulate  # noqa: E402  (benchmarks/kv_events_bench.
 
 MODEL = "demo"  # served model name (benchmarks/routing.py's chats ask for this one too)
 SYSTEMS = (
-    "kv_events", "table", "round_robin", "vllm_router", "kv_prefill", "table_prefill", "kv_inflight", "table_inflight"
+    "kv_events", "table", "round_robin", "vllm_router", "kv_prefill", "table_prefill", "kv_inflight", "table_inflight",
+    "kv_replica",
 )  # fmt: skip
-# the project's cache_aware systems: (on KV events, balance_by: None = the default; *_prefill / *_inflight the
-# load weighed as prefill characters / in-flight requests, whichever the default is)
-CACHE_AWARE = {
-    "kv_events": (True, None), "table": (False, None), "kv_prefill": (True, "prefill"),
-    "table_prefill": (False, "prefill"), "kv_inflight": (True, "inflight"), "table_inflight": (False, "inflight"),
+# the project's cache_aware systems, their routing_options beside the defaults: *_prefill / *_inflight the load
+# weighed as prefill characters / in-flight requests, whichever the default is; kv_replica each replica's own
+# prefill queue, where engines sharing a GPU are weighed on the GPU's by default
+CACHE_AWARE: dict[str, dict[str, Any]] = {
+    "kv_events": {"kv_events": True}, "table": {"kv_events": False},
+    "kv_prefill": {"kv_events": True, "balance_by": "prefill"},
+    "table_prefill": {"kv_events": False, "balance_by": "prefill"},
+    "kv_inflight": {"kv_events": True, "balance_by": "inflight"},
+    "table_inflight": {"kv_events": False, "balance_by": "inflight"},
+    "kv_replica": {"kv_events": True, "balance_scope": "replica"},
 }  # fmt: skip
 WORKLOADS = ("a", "c", "d", "e", "b")
 # the demo tokenizer's words (one or two tokens each), as benchmarks/routing.py writes its prompts
@@ -234,6 +240,7 @@ class Engines:
 
         self.urls: list[str] = []
         self.kv_events: list[dict[str, Any]] = []
+        self.devices: list[dict[str, Any]] = []  # where each engine computes, as its registry record would say
         self.argvs: list[list[str]] = []
         together = not args.engines_one_by_one
         starting = []
@@ -255,8 +262,11 @@ class Engines:
             env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONHASHSEED": "1234"}
             if not args.gpu:  # each engine's model worker on a core of its own, as the orchestrator binds them
                 env |= {"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}
-            elif args.gpus > 1:
-                env |= {"CUDA_VISIBLE_DEVICES": engine_device(i, args.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))}
+                self.devices.append({"cpus": [i % (os.cpu_count() or 1)]})
+            else:
+                device = engine_device(i, args.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+                env |= {"CUDA_VISIBLE_DEVICES": device} if args.gpus > 1 else {}
+                self.devices.append({"gpus": [device]})
             made = kv_events_launch(argv, "127.0.0.1", free_port(), free_port(), f"kv@r{i}", env)
             assert made is not None, "these engine args rule KV events out"
             argv += made[0]
@@ -334,12 +344,13 @@ class RouterGroup:
         policy = "cache_aware" if self.system in CACHE_AWARE else "round_robin"
         settings: dict[str, Any] = {}
         if policy == "cache_aware":
-            settings["kv_events"], balance_by = CACHE_AWARE[self.system]
-            if balance_by is not None:
-                settings["balance_by"] = balance_by
+            settings |= CACHE_AWARE[self.system]
             if self.balance is not None:
                 settings["balance_abs_threshold"] = self.balance
-        replicas = [{"url": u, "kv_events": k} for u, k in zip(self.engines.urls, self.engines.kv_events)]
+        replicas = [
+            {"url": u, "kv_events": k, **d}
+            for u, k, d in zip(self.engines.urls, self.engines.kv_events, self.engines.devices)
+        ]
         config = {
             "port": port, "app": f"kvbench-{os.getpid()}-{self.starts}", "replicas": replicas, "models": [MODEL],
             "routing": {MODEL: {"policy": policy, "settings": settings}}, "processes": self.count,
@@ -732,7 +743,12 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         procs.stop()
     meds = medians(rows)
-    found = [t for kv in ("kv_events", "kv_prefill", "kv_inflight") if kv in args.systems for t in targets(meds, kv)]
+    found = [
+        t
+        for kv in ("kv_events", "kv_prefill", "kv_inflight", "kv_replica")
+        if kv in args.systems
+        for t in targets(meds, kv)
+    ]
     report = {
         "command": command, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "model_dir": str(model_dir), "cache_blocks": ctx["cache_blocks"],

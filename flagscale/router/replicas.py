@@ -33,6 +33,17 @@ QUIET_PROBE_S = 5.0
 FROZEN_PROBE_TIMEOUT_S = 5.0
 
 
+def devices_of(record: registry.ReplicaRecord) -> frozenset[str]:
+    """The devices a replica computes on (policies.base.Replica.devices): its GPUs (or its family's devices), else
+    the CPU cores its engine's workers are pinned to; none known when it has neither or no host id."""
+    host = record.node_id or record.node_ip
+    if not host:
+        return frozenset()
+    if record.gpus:
+        return frozenset(f"{host}/{record.family or 'gpu'}:{gpu}" for gpu in record.gpus)
+    return frozenset(f"{host}/cpu:{core}" for core in record.worker_cpus)
+
+
 @dataclass
 class Upstream:
     """One engine replica as the router sees it."""
@@ -48,10 +59,17 @@ class Upstream:
     # prompt characters of this router's requests here that have no first byte yet, less what was cached for them
     # (cache_aware's balance_by prefill: the prefill queued before a new request's first token), over all its models
     prefill_chars: float = 0.0
+    _devices: tuple = field(default=(None, frozenset()), repr=False)  # (the record they are of, devices_of it)
 
     @property
     def replica_id(self) -> str:
         return self.record.replica_id
+
+    @property
+    def devices(self) -> frozenset[str]:
+        if self._devices[0] is not self.record:
+            self._devices = (self.record, devices_of(self.record))
+        return self._devices[1]
 
 
 @dataclass

@@ -146,14 +146,25 @@ def test_targets_judge_the_kv_events_system():
 
 
 def test_the_prefill_systems_route_cache_aware_weighing_prefill_and_are_judged_too():
-    engines = argparse.Namespace(urls=["http://a", "http://b"], kv_events=[{"endpoint": "tcp://a:1"}, None])
+    engines = argparse.Namespace(
+        urls=["http://a", "http://b"], kv_events=[{"endpoint": "tcp://a:1"}, None], devices=[{"gpus": ["0"]}] * 2
+    )
     args = argparse.Namespace(settle_s=0.0, balance_abs_threshold=16)
-    for system, kv_events, balance_by in (("kv_prefill", True, "prefill"), ("table", False, None)):
+    for system, kv_events, balance_by, scope in (
+        ("kv_prefill", True, "prefill", None),
+        ("table", False, None, None),
+        ("kv_replica", True, None, "replica"),
+    ):
         group = kv_routing.RouterGroup(system, 1, engines, None, Path("/nowhere"), args)
-        routing = json.loads(group.argv(1234, None)[-1])["routing"][kv_routing.MODEL]
+        config = json.loads(group.argv(1234, None)[-1])
+        routing = config["routing"][kv_routing.MODEL]
         assert routing["policy"] == "cache_aware" and routing["settings"]["kv_events"] is kv_events
         assert routing["settings"].get("balance_by") == balance_by
+        assert routing["settings"].get("balance_scope") == scope
         assert routing["settings"]["balance_abs_threshold"] == 16
+        # the engines share GPU 0, as their records say to the router
+        records = fixed_router.records("app", config["replicas"], [kv_routing.MODEL])
+        assert [r.gpus for r in records] == [["0"], ["0"]] and records[0].node_id == records[1].node_id
     rows = [_row("a", "kv_prefill", output_tok_s=250), _row("a", "round_robin", output_tok_s=100)]
     found = kv_routing.targets(kv_routing.medians(rows), "kv_prefill")
     assert {t["system"] for t in found} == {"kv_prefill"}

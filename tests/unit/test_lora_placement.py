@@ -36,6 +36,7 @@ class Rep:
     inflight: int = 0
     sent: int = 0
     prefill_chars: float = 0.0
+    devices: frozenset[str] = frozenset()
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
 

@@ -312,6 +312,35 @@ def test_cache_aware_by_prefill_keeps_the_warm_replica_past_the_in_flight_bound_
     assert holder.prefill_chars == 0 and other.prefill_chars == 0
 
 
+def on_gpu(name: str, gpu: str, inflight: int = 0) -> Upstream:
+    up = upstream(name, inflight=inflight)
+    up.record.gpus, up.record.family = [gpu], "nvidia"
+    return up
+
+
+@pytest.mark.parametrize("scope", ["device", "replica"])
+def test_cache_aware_by_prefill_weighs_the_queue_of_the_gpu_a_replica_shares_not_its_own(scope):
+    # r1 and r2 share GPU 0, r3 (busier, so least_load ranks it after r2) has GPU 1 to itself
+    policy = make_policy(RoutingSpec.of("cache_aware", balance_by="prefill", balance_scope=scope))
+    ups = [on_gpu("r1", "0"), on_gpu("r2", "0"), on_gpu("r3", "1", inflight=5)]
+    assert ups[0].devices == {"n/nvidia:0"} and not ups[0].devices & ups[2].devices
+    warm = RequestInfo("m", {"prompt": PREFIX_A * 4 + "?"})
+    policy.select(ups, warm, 1.0)
+    policy.before_request(ups[0], warm)
+    policy.first_byte(warm)
+    queued = 0
+    while True:  # prompts on r1's prefix queue on r1 until computing it elsewhere is less
+        info = RequestInfo("m", {"prompt": PREFIX_A * 4 + f"a longer question {queued} " * 3})
+        chosen = policy.select(ups, info, 1.0)[0]
+        if chosen is not ups[0]:
+            break
+        policy.before_request(chosen, info)
+        queued += 1
+        assert queued < 50
+    # moving it to r2 queues it behind the same GPU's prefill: only the other GPU saves time
+    assert chosen.replica_id == ("r3" if scope == "device" else "r2")
+
+
 def test_cache_aware_by_prefill_without_reuse_spreads_by_the_prefill_queue_then_least_load():
     policy = make_policy(RoutingSpec.of("cache_aware", balance_by="prefill"))
     ups = [upstream("r1", inflight=3), upstream("r2", inflight=0)]

@@ -36,6 +36,12 @@ class Replica(Protocol):
     @property
     def replica_id(self) -> str: ...
 
+    @property
+    def devices(self) -> frozenset[str]:
+        """The compute it runs on, one string per device and host ("<node>/<family>:<id>"; pinned CPU cores
+        "<node>/cpu:<core>"): replicas whose sets meet share it. Empty: not known (counted as its own)."""
+        ...
+
 
 def setting(default: Any, doc: str, *, ge: float | None = None, le: float | None = None) -> Any:
     """One setting of a policy: a field of its Settings dataclass, and with it a `routing_options` key of the config

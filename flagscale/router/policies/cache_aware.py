@@ -38,6 +38,12 @@ class CacheAwareSettings(Settings):
         "first byte yet), least first; inflight = its in-flight requests over the least busy replica's, within "
         "balance_abs_threshold (docs/routing.md).",
     )
+    balance_scope: Literal["device", "replica"] = setting(
+        "device",
+        "balance_by prefill: whose queue a replica's is. device = the prefill queued on every replica of the pool "
+        "that shares a GPU (or pinned CPU cores) with it, on the same host: engines sharing a device share its "
+        "compute, so moving a prompt between them saves no queueing and loses the cache; replica = its own only.",
+    )
     cache_threshold: float = setting(
         0.3,
         "a cached prefix shorter than this fraction of the prompt (e.g. only a shared system prompt) does not "
@@ -240,7 +246,20 @@ class CacheAware(Policy):
             share = min(1.0, reuse.get(upstream.replica_id, 0.0))
             uncached[upstream.replica_id] = chars * (1.0 - (share if share >= threshold else 0.0))
         request.memo["uncached_chars"] = uncached
-        return sorted(ranked, key=lambda u: uncached[u.replica_id] + u.prefill_chars)
+        queued = self._queued_prefill(ranked)
+        return sorted(ranked, key=lambda u: uncached[u.replica_id] + queued[u.replica_id])
+
+    def _queued_prefill(self, ranked: list) -> dict[str, float]:
+        """Replica id -> the prefill queued before a new request's first token there: its own backlog, or
+        (`balance_scope: device`) the backlog of every replica of `ranked` sharing a device with it."""
+        queued = {u.replica_id: u.prefill_chars for u in ranked}
+        if self.settings.balance_scope == "device":
+            for upstream in ranked:
+                if upstream.devices:
+                    queued[upstream.replica_id] = sum(
+                        other.prefill_chars for other in ranked if other is upstream or other.devices & upstream.devices
+                    )
+        return queued
 
     def _reuse_on_table(self, keys: list[bytes], request: RequestInfo) -> dict[str, float]:
         """Replica id -> the share of the prompt it was sent, by the table."""
