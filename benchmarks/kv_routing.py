@@ -575,7 +575,7 @@ def run_pass(system: str, workload: str, ctx: dict[str, Any], args) -> dict[str,
             "oracle_hit_rate"
         ]  # (vLLM keeps one block of the pool as its null block)
     row["router_cpu_ms_per_request"] = round(group.cpu_s * 1000 / max(1, row["requests"]), 3)
-    if CACHE_AWARE.get(system, (False,))[0]:
+    if CACHE_AWARE.get(system, {}).get("kv_events"):
         row["predicted_hit_tokens"] = group.router_metrics.get(ROUTER_COUNTERS[0])
         row["kv_fallbacks"] = group.router_metrics.get(ROUTER_COUNTERS[1])
     print(json.dumps({k: v for k, v in row.items() if k != "errors" or v}), flush=True)

@@ -339,6 +339,10 @@ def test_cache_aware_by_prefill_weighs_the_queue_of_the_gpu_a_replica_shares_not
         assert queued < 50
     # moving it to r2 queues it behind the same GPU's prefill: only the other GPU saves time
     assert chosen.replica_id == ("r3" if scope == "device" else "r2")
+    # a prompt nobody holds, GPU 1 busier still: the GPU's queue ties, and r2, whose own queue is empty, starts it first
+    ups[2].prefill_chars = ups[0].prefill_chars * 3
+    ups[1].sent = ups[0].sent + 5  # (and least_load would put r1 first)
+    assert policy.select(ups, RequestInfo("m", {"prompt": "unseen " * 40}), 1.0)[0].replica_id == "r2"
 
 
 def test_cache_aware_by_prefill_without_reuse_spreads_by_the_prefill_queue_then_least_load():

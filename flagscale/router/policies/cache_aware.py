@@ -247,7 +247,9 @@ class CacheAware(Policy):
             uncached[upstream.replica_id] = chars * (1.0 - (share if share >= threshold else 0.0))
         request.memo["uncached_chars"] = uncached
         queued = self._queued_prefill(ranked)
-        return sorted(ranked, key=lambda u: uncached[u.replica_id] + queued[u.replica_id])
+        # a tie (no reuse anywhere on a shared device): the replica with less of its own queue starts it sooner, as
+        # each engine schedules its own queue
+        return sorted(ranked, key=lambda u: (uncached[u.replica_id] + queued[u.replica_id], u.prefill_chars))
 
     def _queued_prefill(self, ranked: list) -> dict[str, float]:
         """Replica id -> the prefill queued before a new request's first token there: its own backlog, or
