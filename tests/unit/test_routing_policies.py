@@ -318,6 +318,16 @@ def on_gpu(name: str, gpu: str, inflight: int = 0) -> Upstream:
     return up
 
 
+def test_a_replicas_devices_are_its_gpus_else_its_pinned_cores_on_its_host():
+    gpu, cpu, unknown = upstream("g"), upstream("c"), upstream("u")
+    gpu.record.gpus, gpu.record.family = ["0", "1"], "ascend"
+    cpu.record.worker_cpus = [2, 3]
+    assert gpu.devices == {"n/ascend:0", "n/ascend:1"} and cpu.devices == {"n/cpu:2", "n/cpu:3"}
+    assert unknown.devices == frozenset()  # neither: shares nothing as far as the router knows
+    cpu.record = replica_record("c", "http://c")  # a new record (the registry re-read): its devices again
+    assert cpu.devices == frozenset()
+
+
 @pytest.mark.parametrize("scope", ["device", "replica"])
 def test_cache_aware_by_prefill_weighs_the_queue_of_the_gpu_a_replica_shares_not_its_own(scope):
     # r1 and r2 share GPU 0, r3 (busier, so least_load ranks it after r2) has GPU 1 to itself
