@@ -255,12 +255,16 @@ class CacheAware(Policy):
         """Replica id -> the prefill queued before a new request's first token there: its own backlog, or
         (`balance_scope: device`) the backlog of every replica of `ranked` sharing a device with it."""
         queued = {u.replica_id: u.prefill_chars for u in ranked}
-        if self.settings.balance_scope == "device":
-            for upstream in ranked:
-                if upstream.devices:
-                    queued[upstream.replica_id] = sum(
-                        other.prefill_chars for other in ranked if other is upstream or other.devices & upstream.devices
-                    )
+        if self.settings.balance_scope != "device":
+            return queued
+        on_device: dict[str, list] = {}
+        for upstream in ranked:
+            for device in upstream.devices:
+                on_device.setdefault(device, []).append(upstream)
+        for upstream in ranked:
+            sharing = {id(other): other for device in upstream.devices for other in on_device[device]}
+            if len(sharing) > 1:
+                queued[upstream.replica_id] = sum(other.prefill_chars for other in sharing.values())
         return queued
 
     def _reuse_on_table(self, keys: list[bytes], request: RequestInfo) -> dict[str, float]:
