@@ -71,6 +71,9 @@ def test_bad_routing_options_are_refused_naming_the_key(demo_model_path):
         "routing_options.cache_threshold: Input should be a valid number": {
             "routing_options": {"cache_threshold": "x"}
         },
+        "routing_options.balance_scope: Input should be 'device' or 'replica'": {
+            "routing_options": {"balance_scope": "gpu"}
+        },
     }
     for message, node in cases.items():
         with pytest.raises(ConfigError, match=message):
