@@ -91,6 +91,7 @@ from slo_trace import (  # noqa: E402  (benchmarks/slo_trace.py)
     steps,
     sustainable,
     target_lines,
+    workers_needed,
 )
 
 from flagscale.actions.bench import vllm_bench_worker  # noqa: E402
@@ -177,7 +178,18 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         args.calibrate = False
     elif not args.calibrate:
         args.rate = 2.0
+    if not args.calibrate and (short := too_few_workers(args)):
+        parser.error(short)
     return args
+
+
+def too_few_workers(args: argparse.Namespace) -> str | None:
+    """Why --workers cannot send the trace at --rate on time (None if they can)."""
+    needed = workers_needed(steps(args.rate, args.time_scale), args.worker_rps)
+    if needed <= args.workers:
+        return None
+    return (f"--rate {args.rate:g}: the trace's busiest steps need {needed} benchmark workers at --worker-rps "
+            f"{args.worker_rps}, --workers is {args.workers}; raise --workers or --worker-rps, or lower --rate")  # fmt: skip
 
 
 def resources(system: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -498,6 +510,8 @@ def run_system(system: str, args: argparse.Namespace, work: Path, workers: Worke
             replicas = args.max_replicas if system == "static_max" else max(1, args.min_replicas)
             out["calibration"] = calibrate(deployment.url, args, workers, replicas)
             print(f"calibrated: --rate {args.rate} --target {args.target}", flush=True)
+            if short := too_few_workers(args):
+                raise SystemExit(f"calibration: {short}")  # the deployment is stopped below
         if system != "calibrate":
             measured = load(deployment.url, args, workers)
     finally:

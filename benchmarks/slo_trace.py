@@ -44,6 +44,13 @@ def parts(step: dict[str, Any], worker_rps: float | None) -> list[dict[str, Any]
     return [{"part": i, "rps": rps, "prompts": max(1, round(rps * step["seconds"]))} for i in range(k)]
 
 
+def workers_needed(plan: list[dict[str, Any]], worker_rps: float | None) -> int:
+    """The benchmark workers the trace keeps busy at once: a step's parts while the previous step's still wait for
+    their last answers. A pass waits for a free worker, so with fewer the trace's peaks arrive late, all at once."""
+    counts = [len(parts(step, worker_rps)) for step in plan]
+    return max((a + b for a, b in zip([0, *counts], counts, strict=False)), default=0)
+
+
 def split_streams(concurrency: int, per_worker: int) -> list[int]:
     """`concurrency` closed-loop streams over as few workers as keep each at or under `per_worker` streams."""
     k = max(1, math.ceil(concurrency / per_worker))

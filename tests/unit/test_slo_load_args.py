@@ -30,6 +30,14 @@ def test_a_share_that_is_not_part_of_one_gpu_is_refused(share, capsys):
     assert "--gpus-per-replica" in capsys.readouterr().err
 
 
+def test_a_rate_the_benchmark_workers_cannot_send_on_time_is_refused_before_anything_starts(capsys):
+    with pytest.raises(SystemExit):
+        slo_load.arguments(["--gpu", "--rate", "361", "--time-scale", "1"])
+    assert "need 68 benchmark workers" in capsys.readouterr().err
+    assert slo_load.arguments(["--gpu", "--rate", "361", "--workers", "68"]).workers == 68
+    assert slo_load.arguments(["--gpu", "--rate", "75.175"]).rate == 75.175  # the two-GPU runs' rate
+
+
 def test_the_planner_with_sleep_runs_on_gpus_only_and_sleeps_after_the_scaled_delay(capsys):
     args = slo_load.arguments(["--gpu", "--time-scale", "0.4"])
     assert "slo_sleep" in args.systems

@@ -35,6 +35,14 @@ def test_a_step_is_split_into_streams_no_faster_than_a_worker_sends():
     assert slo_trace.parts({"rps": 0.01, "seconds": 1.0}, None)[0]["prompts"] == 1
 
 
+def test_the_workers_a_trace_needs_count_a_step_and_the_one_finishing_before_it():
+    # 2026-12-01, one H200: --rate 361 made the spike 44 parts after a plateau's 24, on 32 workers
+    assert slo_trace.workers_needed(slo_trace.steps(361.0), 25.0) == 44 + 24
+    assert slo_trace.workers_needed(slo_trace.steps(75.175), 25.0) == 10 + 5  # the two-GPU runs: room to spare
+    assert slo_trace.workers_needed(slo_trace.steps(2.0), None) == 2
+    assert slo_trace.workers_needed([], 25.0) == 0
+
+
 def test_streams_split_evenly_within_a_workers_bound():
     assert slo_trace.split_streams(200, 64) == [50, 50, 50, 50]
     assert slo_trace.split_streams(130, 64) == [44, 43, 43]
