@@ -145,7 +145,12 @@ def records(app: str, replicas: list[dict[str, Any]], models: list[str]) -> list
 
 
 def serve(config: dict[str, Any]) -> None:
-    """One router process (blocks): the Router over the config's fixed replicas."""
+    """One router process (blocks): the Router over the config's fixed replicas. Its log (INFO: the KV events'
+    replays, say) goes to stderr, the file Processes keeps."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("flagscale.router").setLevel(logging.INFO)
     from flagscale.config.routing import RoutingSpec
     from flagscale.replica import registry
     from flagscale.router import peers

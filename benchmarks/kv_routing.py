@@ -299,15 +299,22 @@ class Engines:
         step = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
         urllib.request.urlopen(step, timeout=60).read()
 
-    def hit_counters(self) -> tuple[float, float]:
+    def hit_counters(self) -> tuple[float, float, list[tuple[float, float]]]:
+        """The engines' prefix-cache hit and query tokens, summed, and each engine's (prompt tokens computed,
+        requests finished): how the router spread the work."""
         from flagscale.engines.metrics import engine_metrics
 
         hits = queries = 0.0
+        per_engine = []
         for url in self.urls:
             metrics = engine_metrics(url)
-            hits += metrics.get("vllm:prefix_cache_hits_total", 0.0)
-            queries += metrics.get("vllm:prefix_cache_queries_total", 0.0)
-        return hits, queries
+            hit, query = (
+                metrics.get("vllm:prefix_cache_hits_total", 0.0),
+                metrics.get("vllm:prefix_cache_queries_total", 0.0),
+            )
+            hits, queries = hits + hit, queries + query
+            per_engine.append((query - hit, metrics.get("vllm:request_success_total", 0.0)))
+        return hits, queries, per_engine
 
 
 # ------------------------------------------------------------------------------------------------ routers
@@ -329,6 +336,7 @@ class RouterGroup:
         self.work, self.settle_s, self.balance = work, args.settle_s, args.balance_abs_threshold
         self.live: list[tuple[Any, str, Any]] = []  # (Popen, url, psutil.Process)
         self.cpu_s = 0.0  # CPU seconds of processes already stopped, counted from their start's settle
+        self.start_cpu_s = 0.0  # CPU seconds the processes took to start and settle (not in cpu_s)
         self.baseline: dict[int, float] = {}
         self.router_metrics: dict[str, float] = {}
         self.starts = 0
@@ -376,6 +384,7 @@ class RouterGroup:
         for proc, url in started:
             handle = psutil.Process(proc.pid)
             self.baseline[proc.pid] = _cpu_s(handle)
+            self.start_cpu_s += self.baseline[proc.pid]
             self.live.append((proc, url, handle))
         return [url for _, url, _ in self.live]
 
@@ -551,7 +560,7 @@ def run_pass(system: str, workload: str, ctx: dict[str, Any], args) -> dict[str,
     group = RouterGroup(system, args.routers if workload == "e" else 1, engines, ctx["procs"], ctx["work"], args)
     try:
         urls = group.start()
-        hits0, queries0 = engines.hit_counters()
+        hits0, queries0, spread0 = engines.hit_counters()
         if workload == "b":
             result = chats(urls[0], args, seed=args.seed + ctx["round"])
         else:
@@ -559,7 +568,7 @@ def run_pass(system: str, workload: str, ctx: dict[str, Any], args) -> dict[str,
             # (d): the router restarted half-way, an engine replaced (its cache emptied) at three quarters
             breaks = [(0.5, lambda: (group.stop(), group.start())[1]), (0.75, lambda: engines.replace(0))]
             result = asyncio.run(drive(urls, prompts, args, breaks if workload == "d" else ()))
-        hits1, queries1 = engines.hit_counters()
+        hits1, queries1, spread1 = engines.hit_counters()
     finally:
         group.stop()
     row = summarize(result["records"], result["wall_s"])
@@ -567,6 +576,10 @@ def run_pass(system: str, workload: str, ctx: dict[str, Any], args) -> dict[str,
     row |= {"system": system, "workload": workload, "round": ctx["round"], "issued": result["issued"]}
     row["hit_rate"] = round(hits / queries, 4) if queries else None
     row["engine_hit_tokens"] = hits
+    computed = [b[0] - a[0] for a, b in zip(spread0, spread1, strict=True)]
+    finished = [b[1] - a[1] for a, b in zip(spread0, spread1, strict=True)]
+    row["engine_computed_share"] = [round(c / sum(computed), 3) if sum(computed) else None for c in computed]
+    row["engine_request_share"] = [round(f / sum(finished), 3) if sum(finished) else None for f in finished]
     if workload != "b":
         trace = ctx["oracle"]["c" if workload == "c" else "a"][: result["issued"]]
         # (d): the oracle's first replica emptied where the run's first engine was (a replica's cache, either way)
@@ -575,6 +588,7 @@ def run_pass(system: str, workload: str, ctx: dict[str, Any], args) -> dict[str,
             "oracle_hit_rate"
         ]  # (vLLM keeps one block of the pool as its null block)
     row["router_cpu_ms_per_request"] = round(group.cpu_s * 1000 / max(1, row["requests"]), 3)
+    row["router_start_cpu_s"] = round(group.start_cpu_s, 2)
     if CACHE_AWARE.get(system, {}).get("kv_events"):
         row["predicted_hit_tokens"] = group.router_metrics.get(ROUTER_COUNTERS[0])
         row["kv_fallbacks"] = group.router_metrics.get(ROUTER_COUNTERS[1])

@@ -62,8 +62,10 @@ class ModelKeys:
             self._load(*args)
 
     def _load(self, source: str, revision: str | None, template: str | None) -> None:
+        began = time.monotonic()
         try:
             self.tokens = PromptTokens(source, revision, template)
+            log.info("KV-event routing: tokenizer %s loaded in %.2f s", source, time.monotonic() - began)
         except Exception as exc:  # no tokenizer.json (a slow-only tokenizer), the hub unreachable, ...
             self.failed = f"{source}: {exc}"
             log.warning("KV-event routing: cannot load the tokenizer %s; routing on the approximate table", self.failed)
@@ -317,6 +319,7 @@ class KVEvents:
         dealer = zmq_asyncio.Context.instance().socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(info["replay_endpoint"])
+        began, batches = time.monotonic(), 0
         try:
             await dealer.send_multipart([b"", (index.last_seq + 1).to_bytes(8, "big")])
             while True:
@@ -329,8 +332,11 @@ class KVEvents:
                 if seq == END_OF_REPLAY:
                     break
                 index.apply(seq, _decoded(frames[3]), time.monotonic(), replaying=True)
+                batches += 1
             index.synced = True
             index.replays += 1
+            log.info("KV events of %s: replayed %d batches in %.2f s", info["replay_endpoint"], batches,
+                     time.monotonic() - began)  # fmt: skip
             return True
         finally:
             dealer.close(linger=0)
