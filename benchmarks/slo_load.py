@@ -41,6 +41,8 @@ error or Ctrl-C.
   .venv/bin/python benchmarks/slo_load.py --systems slo request_count --rate 3 --target 2
   python3 benchmarks/slo_load.py --gpu --size 1b --out /tmp/slo/slo-load-gpu.json  # 2 GPUs, one per replica
   python3 benchmarks/slo_load.py --gpu --gpus-per-replica 0.5 --max-replicas 4 --time-scale 2   # 2 GPUs, 1..4
+  python3 benchmarks/slo_load.py --gpu --size 8b --dummy-weights --gpus-per-replica 0.25 --max-replicas 4 \
+      --time-scale 1          # one GPU, 1..4: a 1B's quarter of an H200 outran what 32 workers can send
 
 With 1..2 replicas the trace leaves no system under 74 % of static max's replica-seconds (the floor printed with
 the results), so the issue's "<= 60 %" needs a wider range: 1..4 replicas, two a GPU, leave 39 %.
@@ -136,6 +138,10 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--systems", nargs="+", choices=SYSTEMS, help="default: all but slo_sleep (CPU); static_min left out (GPU)"
     )
+    parser.add_argument(
+        "--dummy-weights", action="store_true", help="config and tokenizer only, the engines draw random weights "
+        "(vLLM's load_format dummy): the 8b shape starts without writing 16 GB",
+    )  # fmt: skip
     parser.add_argument("--rate", type=float, help="one replica's sustainable request rate (req/s); CPU default 2")
     parser.add_argument("--target", type=float, help="request_count's target_ongoing_requests; default 2 or calibrated")
     parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, help="measure --rate and --target "
@@ -236,6 +242,8 @@ class Deployment:
         }
         engine = gpu_engine_args(args.gpus_per_replica) if args.gpu else CPU_ENGINE_ARGS
         engine_args = {"model": str(args.model_dir), "served_model_name": "demo", **engine, "enforce_eager": True}
+        if args.dummy_weights:
+            engine_args["load_format"] = "dummy"
         node = {"serve_id": "demo", "engine": "vllm", "engine_args": engine_args, "resources": resources(system, args)}
         (self.conf / "serve.yaml").write_text(yaml.safe_dump(main, sort_keys=False))
         (self.conf / "serve" / "nodes.yaml").write_text(yaml.safe_dump([node], sort_keys=False))
@@ -527,7 +535,10 @@ def main() -> None:
     if args.gpu:
         os.environ.update(GPU_ENVS)  # the workers and run.py inherit it
     device = "cuda" if args.gpu else "cpu"
-    args.model_dir = ensure_demo_model() if args.size == "demo" else ensure_model(args.size, device=device)
+    weights = not args.dummy_weights
+    args.model_dir = (
+        ensure_demo_model() if args.size == "demo" else ensure_model(args.size, device=device, weights=weights)
+    )
     out_path = args.out if args.out.suffix == ".json" else args.out / f"slo-load-{time.strftime('%Y%m%d-%H%M')}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="flagscale-slo-load-"))

@@ -23,6 +23,20 @@ def test_replicas_sharing_a_gpu_reserve_their_share_and_fit_in_it():
     assert "num_gpus" not in slo_load.resources("slo", slo_load.arguments([]))  # CPU: no GPU asked
 
 
+def test_random_weights_are_drawn_by_the_engine_when_asked(tmp_path):
+    import yaml
+
+    def engine_args(argv: list[str]) -> dict:
+        args = slo_load.arguments(argv)
+        args.model_dir = tmp_path / "model"
+        deployment = slo_load.Deployment("static_max", args, tmp_path / " ".join(argv))
+        return yaml.safe_load((deployment.conf / "serve" / "nodes.yaml").read_text())[0]["engine_args"]
+
+    quarter = engine_args(["--gpu", "--size", "8b", "--dummy-weights", "--gpus-per-replica", "0.25"])
+    assert quarter["load_format"] == "dummy" and quarter["gpu_memory_utilization"] == 0.2
+    assert "load_format" not in engine_args(["--gpu"])
+
+
 @pytest.mark.parametrize("share", ["0", "1.5", "-0.5"])
 def test_a_share_that_is_not_part_of_one_gpu_is_refused(share, capsys):
     with pytest.raises(SystemExit):
