@@ -62,10 +62,8 @@ class ModelKeys:
             self._load(*args)
 
     def _load(self, source: str, revision: str | None, template: str | None) -> None:
-        began = time.monotonic()
         try:
             self.tokens = PromptTokens(source, revision, template)
-            log.info("KV-event routing: tokenizer %s loaded in %.2f s", source, time.monotonic() - began)
         except Exception as exc:  # no tokenizer.json (a slow-only tokenizer), the hub unreachable, ...
             self.failed = f"{source}: {exc}"
             log.warning("KV-event routing: cannot load the tokenizer %s; routing on the approximate table", self.failed)
