@@ -308,10 +308,8 @@ class Engines:
         per_engine = []
         for url in self.urls:
             metrics = engine_metrics(url)
-            hit, query = (
-                metrics.get("vllm:prefix_cache_hits_total", 0.0),
-                metrics.get("vllm:prefix_cache_queries_total", 0.0),
-            )
+            hit = metrics.get("vllm:prefix_cache_hits_total", 0.0)
+            query = metrics.get("vllm:prefix_cache_queries_total", 0.0)
             hits, queries = hits + hit, queries + query
             per_engine.append((query - hit, metrics.get("vllm:request_success_total", 0.0)))
         return hits, queries, per_engine
@@ -576,10 +574,9 @@ def run_pass(system: str, workload: str, ctx: dict[str, Any], args) -> dict[str,
     row |= {"system": system, "workload": workload, "round": ctx["round"], "issued": result["issued"]}
     row["hit_rate"] = round(hits / queries, 4) if queries else None
     row["engine_hit_tokens"] = hits
-    computed = [b[0] - a[0] for a, b in zip(spread0, spread1, strict=True)]
-    finished = [b[1] - a[1] for a, b in zip(spread0, spread1, strict=True)]
-    row["engine_computed_share"] = [round(c / sum(computed), 3) if sum(computed) else None for c in computed]
-    row["engine_request_share"] = [round(f / sum(finished), 3) if sum(finished) else None for f in finished]
+    for column, key in (("engine_computed_share", 0), ("engine_request_share", 1)):
+        grown = [after[key] - before[key] for before, after in zip(spread0, spread1, strict=True)]
+        row[column] = [round(g / sum(grown), 3) for g in grown] if sum(grown) else None
     if workload != "b":
         trace = ctx["oracle"]["c" if workload == "c" else "a"][: result["issued"]]
         # (d): the oracle's first replica emptied where the run's first engine was (a replica's cache, either way)

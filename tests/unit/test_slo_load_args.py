@@ -26,15 +26,15 @@ def test_replicas_sharing_a_gpu_reserve_their_share_and_fit_in_it():
 def test_random_weights_are_drawn_by_the_engine_when_asked(tmp_path):
     import yaml
 
-    def engine_args(argv: list[str]) -> dict:
+    def engine_args(argv: list[str], work: str) -> dict:
         args = slo_load.arguments(argv)
         args.model_dir = tmp_path / "model"
-        deployment = slo_load.Deployment("static_max", args, tmp_path / " ".join(argv))
+        deployment = slo_load.Deployment("static_max", args, tmp_path / work)
         return yaml.safe_load((deployment.conf / "serve" / "nodes.yaml").read_text())[0]["engine_args"]
 
-    quarter = engine_args(["--gpu", "--size", "8b", "--dummy-weights", "--gpus-per-replica", "0.25"])
+    quarter = engine_args(["--gpu", "--size", "8b", "--dummy-weights", "--gpus-per-replica", "0.25"], "dummy")
     assert quarter["load_format"] == "dummy" and quarter["gpu_memory_utilization"] == 0.2
-    assert "load_format" not in engine_args(["--gpu"])
+    assert "load_format" not in engine_args(["--gpu"], "written")
 
 
 @pytest.mark.parametrize("share", ["0", "1.5", "-0.5"])
