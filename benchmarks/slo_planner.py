@@ -60,6 +60,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--ttft-join-ms", type=float, default=ReplicaModel.ttft_join_ms, help=join)
     parser.add_argument("--upscale-delay-s", type=float, default=15.0)
     parser.add_argument("--downscale-delay-s", type=float, default=300.0)
+    parser.add_argument("--sleep-delay-s", type=float, default=300.0, help="slo_sleep: idle this long, one sleeps")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--name", default=None, help="file name stem (default slo-planner-<mode>-<gpus>gpu-s<seed>)")
     return parser.parse_args()
@@ -98,7 +99,8 @@ def systems(args: argparse.Namespace, model: ReplicaModel, slo: Slo) -> dict[str
         for role in roles
     }
     start = {role: args.min_replicas for role in roles}
-    awake = {role: planned_awake(s) for role, s in settings.items()}  # as SloPolicy plans a node that sleeps
+    # as SloPolicy plans a node that sleeps
+    awake = {role: planned_awake(s, args.sleep_delay_s) for role, s in settings.items()}
     # all of max started at `run` (EnginePlan.initial_replicas), the ones not wanted awake asleep
     sleeping = {
         role: (SimPool(role, model, start[role], sleeps=True, asleep=top - start[role]), Planner(s))

@@ -5,12 +5,15 @@ and a change to the planner checked on the trace that run will use (docs/benchma
 The same trace as slo_load (slo_trace.steps: --rate is one replica's sustainable rate, the segments multiples of
 it, --time-scale), Poisson arrivals per tick, prompt and output lengths uniform within +-50 % of --input-len /
 --output-len. The planner's settings are slo_load's: upscale delay 0, --downscale-delay-s x --time-scale, seeded
-with --rate's tokens (prompt --rate x --input-len, output --rate x --output-len, as slo_load's history.csv). The
-replica: --prefill-tps / --decode-tps saturated, TTFT and ITL floors, a batching engine's join (simulate.py),
---start-s, --wake-s. Prints per system SLO attainment, replica-seconds (awake) and every change with its reason.
+with --rate's tokens (prompt --rate x --input-len, output --rate x --output-len, as slo_load's history.csv);
+slo_sleep's lets go after --sleep-delay-s x --time-scale, and a replica let go sleeps after its last request and
+that delay. The replica: --prefill-tps / --decode-tps saturated, TTFT and ITL floors, a batching engine's join
+(simulate.py), --start-s, --wake-s. Prints per system SLO attainment, replica-seconds (awake) and every change with its reason.
 
-  .venv/bin/python benchmarks/slo_steps_sim.py                       # the 2026-12-01 GPU run's shape, x1
+  .venv/bin/python benchmarks/slo_steps_sim.py                       # the 2026-12-01 two-GPU run's shape, x1
   .venv/bin/python benchmarks/slo_steps_sim.py --time-scale 0.4 --ttft-join-ms 80
+  .venv/bin/python benchmarks/slo_steps_sim.py --rate 25.112 --decode-tps 8500 --prefill-tps 27000 \
+      --itl-floor-ms 20 --ttft-floor-ms 40 --ttft-join-ms 60 --start-s 70 --wake-s 1.5   # one H200, 8B x 4
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,6 +47,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     add("--ttft-ms", type=float, default=500.0)
     add("--itl-ms", type=float, default=50.0)
     add("--downscale-delay-s", type=float, default=30.0, help="at time scale 1")
+    add("--sleep-delay-s", type=float, default=5.0, help="slo_sleep's idle delay, at time scale 1 (as slo_load)")
     add("--prefill-tps", type=float, default=100_000.0, help="prompt tokens/s one replica computes, saturated")
     add("--decode-tps", type=float, default=25_000.0, help="output tokens/s one replica streams, saturated")
     add("--ttft-floor-ms", type=float, default=20.0)
@@ -75,9 +80,12 @@ def simulate(args: argparse.Namespace) -> list[Result]:
     seeds = {"seed_prompt_tps": args.rate * args.input_len, "seed_output_tps": args.rate * args.output_len}
     delays = {"upscale_delay_s": 0.0, "downscale_delay_s": args.downscale_delay_s * args.time_scale}
     planned = PlannerSettings(slo, 1, top, start_s=args.start_s, **delays, **seeds)
-    asleep = planned_awake(planned)  # as SloPolicy plans a node that sleeps
+    sleep_delay_s = args.sleep_delay_s * args.time_scale
+    asleep = planned_awake(planned, sleep_delay_s)  # as SloPolicy plans a node that sleeps
+    # a replica let go finishes its longest request (at the ITL SLO), idles sleep_delay_s, then sleeps
+    idle_into_sleep = replace(model, drain_s=sleep_delay_s + 1.5 * args.output_len * args.itl_ms / 1000)
     systems = {
-        "slo_sleep": (SimPool(None, model, 0, sleeps=True, asleep=top), Planner(asleep)),
+        "slo_sleep": (SimPool(None, idle_into_sleep, 0, sleeps=True, asleep=top), Planner(asleep)),
         "slo": (SimPool(None, model, 1), Planner(planned)),
         "static_max": (SimPool(None, model, top), Static(top)),
     }

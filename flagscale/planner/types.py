@@ -46,10 +46,12 @@ class PlannerSettings:
     output_token_cost: float = 4.0
 
 
-def planned_awake(settings: PlannerSettings) -> PlannerSettings:
+def planned_awake(settings: PlannerSettings, sleep_delay_s: float) -> PlannerSettings:
     """The planner of a node whose replicas sleep (resources.sleep_delay_s): sized in replicas awake, none of which
-    need be (a sleeping replica holds nothing its minimum is for), one asleep a wake away (WAKE_S)."""
-    return replace(settings, min_replicas=0, wake_s=WAKE_S)
+    need be (a sleeping replica holds nothing its minimum is for), one asleep a wake away (WAKE_S). Fewer awake
+    once the wish has lasted `sleep_delay_s`, not downscale_delay_s: such a node never removes a replica (what
+    that delay guards: a start to undo it), it lets one idle into sleep, a wake to undo."""
+    return replace(settings, min_replicas=0, wake_s=WAKE_S, downscale_delay_s=sleep_delay_s)
 
 
 @dataclass(frozen=True)

@@ -31,18 +31,21 @@ def engine_load_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
 
 
 def with_engine_load_policy(
-    scaling: dict[str, Any], slo: dict[str, Any] | None = None, role: str | None = None, sleeps: bool = False
+    scaling: dict[str, Any],
+    slo: dict[str, Any] | None = None,
+    role: str | None = None,
+    sleep_delay_s: float | None = None,
 ) -> dict[str, Any]:
     """An engine deployment's replica keywords, its autoscaling (if any) driven by the engines' load, or by the
-    SLO planner where the node states an `slo` (role: the pool's, for what the planner sizes it on; `sleeps`: its
-    replicas sleep when idle, and the planner sizes the replicas awake)."""
+    SLO planner where the node states an `slo` (role: the pool's, for what the planner sizes it on;
+    `sleep_delay_s`: its replicas sleep after this long idle, and the planner sizes the replicas awake)."""
     if "autoscaling_config" not in scaling:
         return scaling
     autoscaling = dict(scaling["autoscaling_config"])
     if autoscaling.get("min_replicas") == 0:
         autoscaling["initial_replicas"] = 1
     if slo:
-        autoscaling = with_slo_policy({**autoscaling, "slo": slo}, role, sleeps)
+        autoscaling = with_slo_policy({**autoscaling, "slo": slo}, role, sleep_delay_s)
     else:
         autoscaling["policy"] = {"policy_function": POLICY_FUNCTION}
     return {**scaling, "autoscaling_config": autoscaling}

@@ -53,11 +53,17 @@ class SloPolicy:
     """Serve's policy callable: (AutoscalingContext) -> (replicas, policy state)."""
 
     def __init__(
-        self, slo: dict[str, Any], min_replicas: int, max_replicas: int, sleeps: bool = False, **settings: Any
+        self,
+        slo: dict[str, Any],
+        min_replicas: int,
+        max_replicas: int,
+        sleep_delay_s: float | None = None,
+        **settings: Any,
     ):
         planned = PlannerSettings(Slo(**slo), min_replicas, max_replicas, **settings)
-        self.planner = Planner(planned_awake(planned) if sleeps else planned)
-        self.sleeps, self.bounds = sleeps, [min_replicas, max_replicas]  # the node's: Serve keeps the count in them
+        self.sleeps = sleep_delay_s is not None
+        self.planner = Planner(planned_awake(planned, sleep_delay_s) if self.sleeps else planned)
+        self.bounds = [min_replicas, max_replicas]  # the node's: Serve keeps the count in them
         self.changes = 0
         self.last_change_s: float | None = None
         self.published_s = float("-inf")
@@ -127,9 +133,12 @@ def recorded_start_s(app: str, serve_id: str) -> float | None:
     return json.loads(value).get("start_s") if value else None
 
 
-def with_slo_policy(autoscaling: dict[str, Any], role: str | None, sleeps: bool = False) -> dict[str, Any]:
+def with_slo_policy(
+    autoscaling: dict[str, Any], role: str | None, sleep_delay_s: float | None = None
+) -> dict[str, Any]:
     """An SLO node's Serve autoscaling config: the planner as its policy, its bounds and delays as the planner's
-    settings, Serve's own delays zero. `sleeps`: its replicas sleep when idle (planned in replicas awake)."""
+    settings, Serve's own delays zero. `sleep_delay_s`: its replicas sleep after this long idle (planned in
+    replicas awake); None: they do not sleep."""
     settings = {key: autoscaling[key] for key in ("upscale_delay_s", "downscale_delay_s") if key in autoscaling}
     slo = dict(autoscaling["slo"])
     settings |= slo.pop("seeds", {})  # auto_tune's measured figures (plan/engine_plan.py), where there are some
@@ -138,12 +147,12 @@ def with_slo_policy(autoscaling: dict[str, Any], role: str | None, sleeps: bool 
         "min_replicas": autoscaling.get("min_replicas", 1),
         "max_replicas": autoscaling.get("max_replicas", 1),
         "role": role,
-        "sleeps": sleeps,
+        **({"sleep_delay_s": sleep_delay_s} if sleep_delay_s is not None else {}),
         **settings,
     }
     config = {key: value for key, value in autoscaling.items() if key != "slo"}
     config |= {"upscale_delay_s": 0, "downscale_delay_s": 0}
     config |= {"look_back_period_s": LOOK_BACK_S, "metrics_interval_s": PUSH_EVERY_S}
-    if sleeps:  # all started at `run` (EnginePlan.initial_replicas); the planner wakes them
+    if sleep_delay_s is not None:  # all started at `run` (EnginePlan.initial_replicas); the planner wakes them
         config["initial_replicas"] = kwargs["max_replicas"]
     return {**config, "policy": {"policy_function": POLICY_CLASS, "policy_kwargs": kwargs}}

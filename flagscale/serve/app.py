@@ -43,7 +43,8 @@ def build_app(
     engines = []
     for engine in plan.engines:
         scaling = engine.serve_scaling(default_max_ongoing=DEFAULT_MAX_ONGOING_REQUESTS)
-        scaling = with_engine_load_policy(scaling, engine.slo, engine.role, sleeps=engine.planned_awake)
+        sleep_delay_s = engine.sleep_delay_s if engine.planned_awake else None
+        scaling = with_engine_load_policy(scaling, engine.slo, engine.role, sleep_delay_s=sleep_delay_s)
         deployment = serve.deployment(
             EngineReplica,
             name=engine.serve_id,

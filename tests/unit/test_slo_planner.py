@@ -9,7 +9,7 @@ from flagscale.planner.capacity import CapacityCurve
 from flagscale.planner.forecast import Trend
 from flagscale.planner.histogram import bucket_delta, merge, percentile
 from flagscale.planner.planner import Planner
-from flagscale.planner.types import DECODE, PREFILL, Observation, PlannerSettings, Slo
+from flagscale.planner.types import DECODE, PREFILL, Observation, PlannerSettings, Slo, planned_awake
 from tests.unit.test_config import base, error_of
 
 SLO = Slo(ttft_ms=500, itl_ms=50)
@@ -149,6 +149,26 @@ def test_a_pool_whose_replicas_sleep_is_idle_on_its_first_quiet_window():
             planner.decide(Observation(time_s, 2, **busy))
         wants[name] = planner.decide(Observation(60, 2)).desired
     assert wants["sleeps"] == 0 and wants["starts"] > 0, wants
+
+
+def test_a_pool_whose_replicas_sleep_lets_them_go_after_the_sleep_delay_not_the_downscale_delay():
+    """Letting a replica idle into sleep is undone by a wake, removing one by a start: after a burst, the pool
+    that sleeps asks for fewer awake once the wish has lasted sleep_delay_s; the same pool without sleep holds
+    its replicas for downscale_delay_s."""
+    released, delays = {}, dict(upscale_delay_s=0, downscale_delay_s=300, seed_prompt_tps=1000, seed_output_tps=250)
+    for name, planned in (
+        ("sleeps", planned_awake(settings(**delays), sleep_delay_s=10)),
+        ("starts", settings(**delays)),
+    ):
+        planner = Planner(planned)  # one replica sustains 1,000 prompt + 4 x 250 output tokens/s (the seed)
+        busy = dict(ttft_ms=300.0, itl_ms=20.0, prompt_tps=3000.0, output_tps=750.0, arrival_rps=8.0, running=8)
+        for time_s in range(0, 60, 2):
+            planner.decide(Observation(time_s, 4, **busy))
+        assert planner.target == 4, planner.last_reason
+        quiet = dict(busy, prompt_tps=300.0, output_tps=75.0, arrival_rps=0.8, running=1)
+        released[name] = next(t for t in range(60, 600, 2) if planner.decide(Observation(t, 4, **quiet)).target < 4)
+    # the level falls for ~6 s before it wants 3 (the forecast's smoothing), then the delay runs
+    assert 60 + 10 < released["sleeps"] < 60 + 30 and released["starts"] > 60 + 300, released
 
 
 RAMP = [(t, 200 + 15 * t, {}) for t in range(0, 300, 5)]

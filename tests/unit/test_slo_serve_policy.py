@@ -262,12 +262,13 @@ def test_auto_tunes_best_trial_seeds_the_planner_of_the_node_it_tuned(tmp_path, 
 
 
 def test_a_node_that_sleeps_keeps_its_replicas_in_serve_and_plans_the_ones_awake():
-    resources = {"min_replicas": 1, "max_replicas": 3, "downscale_delay_s": 0, "upscale_delay_s": 0}
-    scaling = with_engine_load_policy({"autoscaling_config": resources}, {"ttft_ms": 200}, None, sleeps=True)
+    resources = {"min_replicas": 1, "max_replicas": 3, "downscale_delay_s": 300, "upscale_delay_s": 0}
+    scaling = with_engine_load_policy({"autoscaling_config": resources}, {"ttft_ms": 200}, None, sleep_delay_s=0)
     config = AutoscalingConfig(**scaling["autoscaling_config"])  # Serve's own schema
     kwargs = config.policy.policy_kwargs
-    assert kwargs["sleeps"] is True and config.initial_replicas == 3  # all started; the unwanted ones sleep
+    assert kwargs["sleep_delay_s"] == 0 and config.initial_replicas == 3  # all started; the unwanted ones sleep
     policy = SloPolicy(**kwargs)
+    assert policy.sleeps and policy.planner.settings.downscale_delay_s == 0  # fewer awake: a wake to undo
     raw = {}
     for replica, asleep in (("r1", True), ("r2", False)):
         stats = scrape(100, 100, 10_000, 2_000, running=0.0, asleep=asleep)
