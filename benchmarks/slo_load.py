@@ -42,7 +42,8 @@ error or Ctrl-C.
   python3 benchmarks/slo_load.py --gpu --size 1b --out /tmp/slo/slo-load-gpu.json  # 2 GPUs, one per replica
   python3 benchmarks/slo_load.py --gpu --gpus-per-replica 0.5 --max-replicas 4 --time-scale 2   # 2 GPUs, 1..4
   python3 benchmarks/slo_load.py --gpu --size 8b --dummy-weights --gpus-per-replica 0.25 --max-replicas 4 \
-      --time-scale 1          # one GPU, 1..4: a 1B's quarter of an H200 outran what 32 workers can send
+      --time-scale 1 --kv-cache-gib 10   # one GPU, 1..4 (a 1B's quarter of an H200 outran what 32 workers
+                                          # can send); the KV cache sized, so the four start together
 
 With 1..2 replicas the trace leaves no system under 74 % of static max's replica-seconds (the floor printed with
 the results), so the issue's "<= 60 %" needs a wider range: 1..4 replicas, two a GPU, leave 39 %.
@@ -154,6 +155,11 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         help="GPU: the share of a GPU each replica reserves (0.5: two replicas a GPU, so 2 GPUs hold max 4; its "
         "gpu_memory_utilization follows: 0.4 at most, 0.8 of its share)",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-gib", type=float,
+        help="GPU: each replica's KV cache in GiB (vLLM's kv_cache_memory_bytes), sized instead of measured at "
+        "start, so that replicas sharing a GPU start together, not in turn (replica/startup_lock.py)",
+    )  # fmt: skip
     parser.add_argument("--ttft-ms", type=float, help="SLO: TTFT at p90 (CPU 2000, GPU 500)")
     parser.add_argument("--itl-ms", type=float, help="SLO: inter-token latency at p90 (CPU 250, GPU 50)")
     parser.add_argument("--input-len", type=int, help="CPU 128, GPU 512")
@@ -178,6 +184,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, gpu if args.gpu else cpu)
     if not 0 < args.gpus_per_replica <= 1:
         parser.error(f"--gpus-per-replica {args.gpus_per_replica:g}: a share of one GPU, over 0 and at most 1")
+    if args.kv_cache_gib is not None and not (args.gpu and args.kv_cache_gib > 0):
+        parser.error(f"--kv-cache-gib {args.kv_cache_gib:g}: a GPU replica's KV cache, over 0 GiB, with --gpu")
     if "slo_sleep" in args.systems and not args.gpu:
         parser.error("--systems slo_sleep needs --gpu: vLLM sleeps on GPUs only (plan/sleep.py)")
     if args.rate is not None:
@@ -244,6 +252,8 @@ class Deployment:
         engine_args = {"model": str(args.model_dir), "served_model_name": "demo", **engine, "enforce_eager": True}
         if args.dummy_weights:
             engine_args["load_format"] = "dummy"
+        if args.kv_cache_gib:
+            engine_args["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
         node = {"serve_id": "demo", "engine": "vllm", "engine_args": engine_args, "resources": resources(system, args)}
         (self.conf / "serve.yaml").write_text(yaml.safe_dump(main, sort_keys=False))
         (self.conf / "serve" / "nodes.yaml").write_text(yaml.safe_dump([node], sort_keys=False))

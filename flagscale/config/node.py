@@ -79,7 +79,13 @@ class Resources(Strict):
     num_cpus: float | None = Field(
         None, ge=0, description="Logical CPUs per replica (default: CPU engines TP x PP x DP, others 1)."
     )
-    num_gpus: float | None = Field(None, ge=0, description="GPUs per replica (default: TP x PP x DP on GPU).")
+    num_gpus: float | None = Field(
+        None,
+        ge=0,
+        description="GPUs per replica (default: TP x PP x DP on GPU). Replicas sharing a GPU (a fraction) start "
+        "one after another, each sizing its KV cache from the memory it finds free, unless their engine args give "
+        "the KV cache a size of its own (kv_cache_memory_bytes): then they start together.",
+    )
     accelerator: str | None = Field(None, description="Hostfile chip type the replica must land on.")
     memory: int | None = Field(None, ge=0, description="Bytes of RAM reserved per replica.")
 

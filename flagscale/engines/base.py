@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flagscale.engines.cli_flags import flags_of
 from flagscale.errors import ConfigError
 
 
@@ -135,6 +136,9 @@ class EngineKind(ABC):
     # died): a replica's start-up that meets one fails then, not at startup_timeout_s
     start_failure_lines: tuple[str, ...] = ()
     rank_runner: str = "the engine's own executor"  # what runs a replica's ranks (TP x PP x DP > 1), for dryrun
+    # engine args that give its KV cache a size of their own, where it otherwise takes what it finds free on the
+    # device at start: with one set, its start measures nothing a neighbour starting beside it could disturb
+    kv_size_args: tuple[str, ...] = ()
     # FlagScale's engine-neutral keys this engine spells otherwise (max_num_seqs, max_model_len, ...): key -> its own
     # spelling, renamed by map_common_args; its own key, if also given, wins
     common_args: dict[str, str] = {}
@@ -173,6 +177,12 @@ class EngineKind(ABC):
     sleep_mode: SleepMode | None = None
 
     # ---- before start (the planner) ----
+
+    def measures_device_at_start(self, argv: list[str]) -> bool:
+        """Whether a server started with `argv` sizes its memory from what it finds free on its GPUs: replicas
+        sharing one then start in turn (replica/startup_lock.py). True unless an arg of kv_size_args is set."""
+        flags = flags_of(argv)
+        return not any(f"--{arg.replace('_', '-')}" in flags for arg in self.kv_size_args)
 
     def check_unsafe_args(self, args: dict[str, Any], allowed: list[str], where: str) -> None:
         """Refuse (ConfigError naming the key) an engine arg of `unsafe_args` that is on and not in `allowed`, and

@@ -181,6 +181,7 @@ class VLLM(EngineKind):
     # 0.32's parser defaults --gpu-memory-utilization to 0.92, which dryrun shows
     default_gpu_memory_utilization = 0.9
     rank_runner = "vLLM's mp executor"
+    kv_size_args = ("kv_cache_memory_bytes",)  # the KV cache in bytes: no memory profiling at start
     unsafe_args = {
         "tool_server": "turns on the Responses API's built-in tools (a Python interpreter, a browser, MCP servers)",
         "allowed_local_media_path": "lets requests read the host's files under that directory (file:// media URLs)",

@@ -134,10 +134,12 @@ class EngineReplica:
         self._after_start(spec)
 
     def _start(self, spec: EngineSpec, host: str, gpu_ids: list[str]) -> None:
-        with gpu_start_lock(gpu_ids, spec.startup_timeout_s, self._note):  # engines sharing a GPU start in turn
+        engine_argv = spec.host_argv.get(ray.util.get_node_ip_address(), spec.argv)
+        # engines sharing a GPU start in turn, unless this one's KV cache has a size of its own
+        measures = spec.kind.measures_device_at_start(engine_argv)
+        with gpu_start_lock(gpu_ids if measures else [], spec.startup_timeout_s, self._note):
             port = free_port(host)
             self.url = f"http://{host}:{port}"
-            engine_argv = spec.host_argv.get(ray.util.get_node_ip_address(), spec.argv)
             launch = spec.kind.launch(engine_argv, host, port, spec.api_key, spec.role)
             if math.prod(spec.parallel) > 1:
                 cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)

@@ -4,8 +4,10 @@ While vLLM starts, it profiles the GPU's memory and sizes its KV cache from what
 the same moment is counted as this engine's own overhead, and its KV cache comes out short or empty. So a replica
 holds an exclusive lock per GPU it uses (files in this user's private directory under the temp dir, shared by
 every replica on the host, which all run as this user) from before its server starts until the server is
-healthy. The directory is checked (cluster/tempdirs.py): in one that another user made first, they could hold or
-swap a lock file and keep engines from starting. Locks are taken in GPU order, so two replicas never wait on
+healthy; one whose engine args give its KV cache a size of their own (vLLM's kv_cache_memory_bytes:
+EngineKind.kv_size_args) measures nothing a neighbour could disturb and starts at once. The directory is checked
+(cluster/tempdirs.py): in one that another user made first, they could hold or swap a lock file and keep engines
+from starting. Locks are taken in GPU order, so two replicas never wait on
 each other; the kernel drops a lock when its holder dies, so a killed replica never blocks the next."""
 
 from __future__ import annotations

@@ -35,6 +35,15 @@ def test_random_weights_are_drawn_by_the_engine_when_asked(tmp_path):
     quarter = engine_args(["--gpu", "--size", "8b", "--dummy-weights", "--gpus-per-replica", "0.25"], "dummy")
     assert quarter["load_format"] == "dummy" and quarter["gpu_memory_utilization"] == 0.2
     assert "load_format" not in engine_args(["--gpu"], "written")
+    sized = engine_args(["--gpu", "--gpus-per-replica", "0.25", "--kv-cache-gib", "10"], "sized")
+    assert sized["kv_cache_memory_bytes"] == 10 * 2**30 and "kv_cache_memory_bytes" not in quarter
+
+
+@pytest.mark.parametrize("argv", [["--gpu", "--kv-cache-gib", "0"], ["--kv-cache-gib", "4"]])
+def test_a_kv_cache_size_is_a_gpu_replicas_and_over_zero(argv, capsys):
+    with pytest.raises(SystemExit):
+        slo_load.arguments(argv)
+    assert "--kv-cache-gib" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("share", ["0", "1.5", "-0.5"])

@@ -57,3 +57,18 @@ def test_the_wait_is_bounded_and_names_the_gpu():
 def test_no_gpu_no_lock():
     with gpu_start_lock([], 0):
         pass
+
+
+@pytest.mark.parametrize(
+    "engine, argv, measures",
+    [
+        ("vllm", ["--model", "m", "--gpu-memory-utilization", "0.2"], True),  # KV cache: what it finds free
+        ("vllm", ["--model", "m", "--kv-cache-memory-bytes", "10737418240"], False),  # sized: starts at once
+        ("vllm", ["--model", "m", "--kv-cache-memory-bytes=10737418240"], False),
+        ("llama_cpp", ["--model", "m", "--ctx-size", "4096"], True),  # no such arg: in turn, as before
+    ],
+)
+def test_an_engine_whose_kv_cache_has_a_size_of_its_own_need_not_start_in_turn(engine, argv, measures):
+    from flagscale import engines
+
+    assert engines.get(engine).measures_device_at_start(argv) is measures
