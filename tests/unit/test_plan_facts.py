@@ -77,3 +77,17 @@ def test_checkpoint_sizes_the_key_and_exp_dir_come_from_the_facts(demo_model_pat
     huge = Facts(h100, api_key=None, exp_dir="/given", weight_bytes={model: 1024**4})
     with pytest.raises(ConfigError, match="the weights do not fit: 1024.0 GiB"):
         plan_of(config(demo_model_path), SOURCES, huge)
+
+
+def test_a_kv_cache_sized_in_the_engine_args_must_fit_the_replicas_share_with_the_weights(demo_model_path, no_probes):
+    h100 = TargetFacts(gpus=[Gpu(0, "NVIDIA H100 80GB HBM3", 81559)], cpus=8)
+
+    def planned(kv_cache: str) -> None:
+        cfg = config(demo_model_path)
+        cfg.serve[0].engine_args.update(gpu_memory_utilization=0.1, kv_cache_memory_bytes=kv_cache)
+        plan_of(cfg, SOURCES, Facts(h100, api_key=None, exp_dir="/given", weight_bytes={}))
+
+    planned("4G")  # 4 GiB of 0.1 x 79.6 GiB: fits
+    with pytest.raises(ConfigError, match=r"the KV cache does not fit: 10\.0 GiB of KV cache > gpu_memory_util") as err:
+        planned("10G")  # the engine would take more than its share of the GPU
+    assert "serve[0](m).engine_args.kv_cache_memory_bytes" in str(err.value), err.value
