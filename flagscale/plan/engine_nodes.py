@@ -101,6 +101,7 @@ def _notes(engine: EnginePlan, node: NodeConfig) -> list[str]:
             f"serve '{node.serve_id}': LoRA adapters {', '.join(engine.adapters) or '(none yet)'}, each a model; "
             f"max_loras {engine.lora.max_loras} per replica"
         )
+    notes += _shared_gpu_start(engine)
     if engine.role:
         where = f"on host {engine.pinned_host}" if engine.pinned_host else "placed by Ray"
         where += engine.kind.pool_note(engine.device, engine.argv)
@@ -109,3 +110,17 @@ def _notes(engine: EnginePlan, node: NodeConfig) -> list[str]:
             f"{engine.describe_replicas()} replica(s), {where}, routing {engine.routing.policy}"
         )
     return notes
+
+
+def _shared_gpu_start(engine: EnginePlan) -> list[str]:
+    """How replicas that share a GPU start (replica/startup_lock.py): in turn, or together where their KV cache has
+    a size of its own."""
+    share = engine.ray_actor_options.get("num_gpus", 0)
+    if engine.device != "gpu" or not 0 < share < 1 or engine.most_replicas < 2:
+        return []
+    head = f"serve '{engine.serve_id}': replicas sharing a GPU (num_gpus {share:g})"
+    if not engine.kind.measures_device_at_start(engine.argv):
+        return [f"{head} start together: their KV cache has a size of its own"]
+    sized = engine.kind.kv_size_args
+    instead = f"; {sized[0]} in engine_args starts them together" if sized else ""
+    return [f"{head} start one after another, each sizing its KV cache from the memory it finds free{instead}"]

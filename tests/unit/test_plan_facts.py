@@ -91,3 +91,22 @@ def test_a_kv_cache_sized_in_the_engine_args_must_fit_the_replicas_share_with_th
     with pytest.raises(ConfigError, match=r"the KV cache does not fit: 10\.0 GiB of KV cache > gpu_memory_util") as err:
         planned("10G")  # the engine would take more than its share of the GPU
     assert "serve[0](m).engine_args.kv_cache_memory_bytes" in str(err.value), err.value
+
+
+def test_dryrun_says_how_replicas_sharing_a_gpu_start(demo_model_path, no_probes):
+    h100 = TargetFacts(gpus=[Gpu(0, "NVIDIA H100 80GB HBM3", 81559)], cpus=8)
+
+    def notes(**engine_args) -> list[str]:
+        cfg = config(demo_model_path)
+        cfg.serve[0].engine_args.update(gpu_memory_utilization=0.2, **engine_args)
+        cfg.serve[0].resources.num_replicas, cfg.serve[0].resources.num_gpus = 4, 0.25
+        plan = plan_of(cfg, SOURCES, Facts(h100, api_key=None, exp_dir="/given", weight_bytes={}))
+        return [note for note in plan.notes if "sharing a GPU" in note]
+
+    assert notes() == [
+        "serve 'm': replicas sharing a GPU (num_gpus 0.25) start one after another, each sizing its KV cache from "
+        "the memory it finds free; kv_cache_memory_bytes in engine_args starts them together"
+    ]
+    assert notes(kv_cache_memory_bytes="4G") == [
+        "serve 'm': replicas sharing a GPU (num_gpus 0.25) start together: their KV cache has a size of its own"
+    ]
