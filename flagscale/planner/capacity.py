@@ -3,14 +3,17 @@ carries.
 
 Two figures, the larger stands once the fit (or the seed) says anything:
 - proven: the most tokens/s per replica seen carried with the window's latency within the bound (auto_tune's
-  measured figure, the seed, until then). A window over the bound at a load below it lowers it: the work changed.
+  measured figure, the seed, until then). Windows over the bound at a load below it lower it: the work changed.
   Alone it says nothing (a light load within the bound is no estimate), so it only keeps the fit from sinking
   below what was seen.
 - fitted: the queueing shape, for loads not seen yet. A replica's latency L at load x (tokens/s per replica) is
   floor / (1 - x / cap): flat at light load (floor: its unloaded latency), steep as x nears cap. One sample (x, L)
   with L clearly above the floor gives cap = x / (1 - floor / L); the load it sustains within the bound B is then
   cap x (1 - floor / B). Only samples clearly loaded (L past 1.5 x floor) fit; each moves the estimate part of the
-  way (an exponential average), so one noisy window does not swing it.
+  way (an exponential average, from the seed where there is one), so one noisy window does not swing it.
+Each window over the bound moves `proven` only part of the way down, as a sample moves the fit. On one H200
+(2026-12-02, docs/benchmarks.md) one window of a spike the replicas could not carry replaced a seed of 25,715
+tokens/s with 2,590 in both figures at once, and the pool kept three replicas awake through a fall that needed one.
 The fit alone undercounts a batching engine: its time to first token leaves the floor at the first concurrent
 requests (a prompt waits for the running batch's step), then stays flat far beyond, so the shape reads a light
 load as near saturation: each window's estimate tracks the load it was made from. On two H200s (2026-12-01,
@@ -53,8 +56,10 @@ class CapacityCurve:
         saturation = load / (1.0 - self.floor_ms / latency_ms)
         estimate = max(0.0, saturation * (1.0 - self.floor_ms / self.bound_ms))
         if latency_ms > self.bound_ms and self.proven is not None and load <= self.proven:
-            self.proven = estimate  # over the bound below what it carried before: the work got heavier
-        self.fitted = estimate if self.fitted is None else self.fitted + self.weight * (estimate - self.fitted)
+            # over the bound below what it carried before: the work got heavier, or the window was an outlier
+            self.proven += self.weight * (estimate - self.proven)
+        start = self.fitted if self.fitted is not None else self.seed
+        self.fitted = estimate if start is None else start + self.weight * (estimate - start)
         self.samples += 1
 
     def sustainable(self) -> float | None:
