@@ -90,6 +90,7 @@ from slo_trace import (  # noqa: E402  (benchmarks/slo_trace.py)
     met,
     parts,
     per_replica,
+    replica_s_by_segment,
     split_streams,
     steps,
     sustainable,
@@ -326,20 +327,34 @@ def _enter(manager: Any) -> Any:
         return exc
 
 
-def serving_replicas(url: str) -> tuple[int, int, int | None] | None:
-    """(awake, started, the planner's target) replicas in the router's /metrics now: distinct `replica` labels of
-    the engines' running-requests series, less those whose engine says it sleeps; the SLO planner's target (None
-    without a planner)."""
+def router_reading(url: str) -> tuple[tuple[int, int, int | None], dict[str, Any]] | None:
+    """The router's /metrics now: (awake, started, the planner's target) replicas (replica_counts), and what the
+    SLO planner sees (planner_figures); None when the router did not answer."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
             text = answer.read().decode()
     except OSError:
         return None
-    return replica_counts(text)
+    return replica_counts(text), planner_figures(text)
+
+
+def planner_figures(metrics_text: str) -> dict[str, Any]:
+    """The SLO planner's wish before its delays (`desired`), what it measured and what it forecasts, from the
+    router's /metrics text (the benchmark's one pool); {} without a planner."""
+    found: dict[str, Any] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == "flagscale_router_planner_desired_replicas":
+                found["desired"] = round(sample.value)
+            elif sample.name in ("flagscale_router_planner_measured", "flagscale_router_planner_forecast"):
+                found.setdefault(sample.name.rsplit("_", 1)[1], {})[sample.labels["signal"]] = sample.value
+    return found
 
 
 def replica_counts(metrics_text: str) -> tuple[int, int, int | None]:
-    """(awake, started, planner target) from the router's /metrics text (see serving_replicas)."""
+    """(awake, started, planner target) from the router's /metrics text: distinct `replica` labels of the engines'
+    running-requests series, less those whose engine says it sleeps; the SLO planner's target (None without a
+    planner)."""
     started = by_replica(metrics_text, "vllm:num_requests_running")
     awake = by_replica(metrics_text, "vllm:engine_sleep_state", sleep_state="awake")
     asleep = {replica for replica, value in awake.items() if value == 0}
@@ -412,19 +427,48 @@ def calibrate(url: str, args: argparse.Namespace, workers: Workers, replicas: in
     return {"replicas": replicas, "passes": passes, "point": point, "rate": args.rate, "target": args.target}
 
 
+SETTLE_MARGIN_S = 120.0
+
+
+def settle(url: str, args: argparse.Namespace, system: str) -> float:
+    """Wait, bounded, until the SLO planner's deployment is as its idle planner wants it (replicas awake = its
+    target) before the trace, and return how long that took: replicas that started together are all awake at
+    first and sleep only after --sleep-delay-s idle (and the copy of their weights to host memory), which the
+    trace's first idle seconds would otherwise count (on 2026-12-02, 78 of slo_sleep's 671 replica-seconds).
+    A system without a planner target is settled at once."""
+    deadline = time.monotonic() + args.sleep_delay_s * args.time_scale + SETTLE_MARGIN_S
+    began = time.monotonic()
+    while True:
+        reading = router_reading(url)
+        awake, _, target = reading[0] if reading else (None, None, None)
+        if reading and (target is None or awake == target):
+            waited = round(time.monotonic() - began, 1)
+            if waited:
+                print(f"{system}: settled ({awake} awake, the planner's target) after {waited} s", flush=True)
+            return waited
+        if time.monotonic() > deadline:
+            print(f"{system}: not settled after {time.monotonic() - began:.0f} s ({awake} awake, target "
+                  f"{target}); the trace starts anyway", flush=True)  # fmt: skip
+            return round(time.monotonic() - began, 1)
+        time.sleep(args.poll_s)
+
+
 def load(url: str, args: argparse.Namespace, workers: Workers) -> dict[str, Any]:
     """The trace against `url`: every request's outcome, each part's start lag and worker CPU, and the replica
     count over time."""
     plan = steps(args.rate, args.time_scale)
     tasks = [(index, part) for index, step in enumerate(plan) for part in parts(step, args.worker_rps)]
     counts: list[tuple[float, int, int, int | None]] = []  # (when, awake, started, planner target)
+    planner: list[tuple[float, dict[str, Any]]] = []  # (when, what the planner sees)
     finished = threading.Event()
 
     def poll() -> None:
         while not finished.is_set():
-            n = serving_replicas(url)
-            if n is not None:
-                counts.append((time.monotonic(), *n))
+            reading = router_reading(url)
+            if reading is not None:
+                counts.append((time.monotonic(), *reading[0]))
+                if reading[1]:
+                    planner.append((time.monotonic(), reading[1]))
             finished.wait(args.poll_s)
 
     poller = threading.Thread(target=poll, daemon=True)
@@ -450,6 +494,7 @@ def load(url: str, args: argparse.Namespace, workers: Workers) -> dict[str, Any]
         poller.join()
     end = began + sum(step["seconds"] for step in plan)
     return {"requests": requests, "counts": [(t - began, *n) for t, *n in counts if began <= t <= end],
+            "planner": [(round(t - began, 1), seen) for t, seen in planner if began <= t <= end],
             "plan": plan, "drive": drive}  # fmt: skip
 
 
@@ -474,12 +519,14 @@ def summary(system: str, measured: dict[str, Any], args: argparse.Namespace) -> 
         "attainment_by_segment": attainment_by_segment(requests, args.ttft_ms, args.itl_ms),
         "goodput_req_s": good / duration,
         "replica_s": replica_s,  # awake
+        "replica_s_by_segment": replica_s_by_segment(counts, plan),
         "started_replica_s": started_s,
         "goodput_per_replica_s": good / replica_s if replica_s else 0.0,
         "reaction_s": reactions,
         "max_part_late_s": round(max(d["late_s"] for d in drive), 2),
         "max_worker_cpu": round(max(d["worker_cpu"] for d in drive), 2),
         "replicas": counts,
+        "planner": measured.get("planner", []),  # every poll: the planner's wish, measured and forecast figures
     }
 
 
@@ -531,6 +578,7 @@ def run_system(system: str, args: argparse.Namespace, work: Path, workers: Worke
             if short := too_few_workers(args):
                 raise SystemExit(f"calibration: {short}")  # the deployment is stopped below
         if system != "calibrate":
+            out.setdefault("settle_s", {})[system] = settle(deployment.url, args, system)
             measured = load(deployment.url, args, workers)
     finally:
         deployment.stop()

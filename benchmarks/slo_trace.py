@@ -75,6 +75,19 @@ def attainment_by_segment(requests: list[dict[str, Any]], ttft_ms: float, itl_ms
     return {segment: round(good / total, 4) for segment, (good, total) in counts.items()}
 
 
+def replica_s_by_segment(counts: list[tuple[Any, ...]], plan: list[dict[str, Any]]) -> dict[str, float]:
+    """Replica-seconds awake in each trace segment, from the replica counts over time ((seconds into the trace,
+    awake, ...), each count holding until the next) and the plan's steps (segment, start_s, seconds): where a
+    system spent its replicas."""
+    found: dict[str, float] = {}
+    for (t0, awake, *_), (t1, *_) in zip(counts, counts[1:], strict=False):
+        for step in plan:
+            overlap = min(t1, step["start_s"] + step["seconds"]) - max(t0, step["start_s"])
+            if overlap > 0:
+                found[step["segment"]] = found.get(step["segment"], 0.0) + awake * overlap
+    return {segment: round(value, 1) for segment, value in found.items()}
+
+
 def ladder_pass(concurrency: int, requests: list[dict[str, Any]], ttft_ms: float, itl_ms: float) -> dict[str, Any]:
     """One closed-loop calibration pass at `concurrency` streams from its steady requests (the first wave left out
     by the caller): SLO attainment, and the request rate and output tokens/s by Little's law (streams / latency)."""

@@ -1,6 +1,7 @@
 """The SLO planners' and the scale-from-zero series on the endpoint's /metrics (docs/autoscaling.md): per pool
 with `resources.slo`, the replica count changes its planner made and its target (from the records the planners
-publish, flagscale/replica/slo_policy.py), and this router process's requests held for a model at zero replicas.
+publish, flagscale/replica/slo_policy.py), what its sizing asks for before the delays, what it measured and what
+it forecasts; and this router process's requests held for a model at zero replicas.
 
 The planners' series are the same on every router process (one record per pool in the KV store): they are
 written once, after the router processes' own series, without a router_process label."""
@@ -41,6 +42,24 @@ def planner_text(records: dict[str, dict[str, Any]], held: dict[str, int], timeo
         "The replica count the SLO planner asks for, per pool.",
         [({"serve_id": serve_id}, record.get("target", 0)) for serve_id, record in pools],
     )
+    lines += _family(
+        "flagscale_router_planner_desired_replicas",
+        "gauge",
+        "The replica count the SLO planner's sizing asks for before its delays, per pool.",
+        [({"serve_id": serve_id}, record["desired"]) for serve_id, record in pools if "desired" in record],
+    )
+    for part in ("measured", "forecast"):
+        lines += _family(
+            f"flagscale_router_planner_{part}",
+            "gauge",
+            f"What the SLO planner {'measured over its last window' if part == 'measured' else 'forecasts'}, per "
+            "pool and signal (as status shows it: latencies in ms, rates per second).",
+            [
+                ({"serve_id": serve_id, "signal": signal}, value)
+                for serve_id, record in pools
+                for signal, value in sorted((record.get(part) or {}).items())
+            ],
+        )
     lines += _family(
         "flagscale_router_held_requests",
         "gauge",

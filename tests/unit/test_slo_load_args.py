@@ -86,6 +86,21 @@ def test_replicas_are_counted_awake_unless_their_engine_says_it_sleeps():
     assert slo_load.replica_counts(planned) == (2, 3, 1)  # the SLO planner's target beside them
 
 
+def test_what_the_planner_sees_is_read_from_the_routers_metrics():
+    from flagscale.router.planner_metrics import planner_text
+
+    record = {"target": 1, "desired": 2, "measured": {"itl_ms": 41.5}, "forecast": {"work_tps": 9000.0}}
+    text = planner_text({"demo": record}, {}, 0)
+    assert slo_load.planner_figures(text) == {"desired": 2, "measured": {"itl_ms": 41.5}, "forecast": {"work_tps": 9e3}}
+    assert slo_load.planner_figures('vllm:num_requests_running{replica="a"} 0\n') == {}
+
+
+def test_replica_seconds_are_split_by_the_trace_segment_they_were_spent_in():
+    plan = [{"segment": "idle", "start_s": 0.0, "seconds": 20.0}, {"segment": "ramp", "start_s": 20.0, "seconds": 10}]
+    counts = [(0.0, 4, 4, 0), (15.0, 0, 4, 0), (25.0, 2, 4, 2), (30.0, 2, 4, 2)]
+    assert slo_load.replica_s_by_segment(counts, plan) == {"idle": 60.0, "ramp": 10.0}
+
+
 def test_the_planners_changes_are_read_from_the_controller_log_the_deployment_kept(tmp_path):
     serve = tmp_path / "exp" / "serve_logs" / "ray" / "serve"
     serve.mkdir(parents=True)

@@ -152,6 +152,12 @@ def test_planner_series_on_metrics():
     text = planner_text({"demo": {"changes": 3, "target": 2}}, {"m": 1}, 0)
     assert 'flagscale_router_planner_changes_total{serve_id="demo"} 3' in text
     assert 'flagscale_router_held_requests{model="m"} 1' in text
+    assert "planner_measured" not in text
+    record = {"target": 2, "desired": 3, "measured": {"itl_ms": 41.5, "queue": 2.0}, "forecast": {"work_tps": 9e3}}
+    text = planner_text({"demo": record}, {}, 0)
+    assert 'flagscale_router_planner_desired_replicas{serve_id="demo"} 3' in text
+    assert 'flagscale_router_planner_measured{serve_id="demo",signal="itl_ms"} 41.5' in text
+    assert 'flagscale_router_planner_forecast{serve_id="demo",signal="work_tps"} 9000' in text
     assert planner_text({}, {}, 0) == ""
 
 
