@@ -7,10 +7,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+LEVEL_TAU_S = 20.0
+# A pool whose replicas sleep adds one in a wake (seconds), not a start: a level that lags costs it a replica held
+# awake through a fall, a noisy one only a wake. On the fitted simulator of the one-H200 run (2026-12-02,
+# docs/benchmarks.md) 10 s let the spike's replicas go 6 s sooner: 50 % of static max's replica-seconds against
+# 55 %, the same attainment.
+WAKE_LEVEL_TAU_S = 10.0
+
+
+def level_tau_s(wake_s: float | None) -> float:
+    """How long the level of a pool's load averages over: shorter where a replica asked for is a wake away."""
+    return LEVEL_TAU_S if wake_s is None else WAKE_LEVEL_TAU_S
+
 
 @dataclass
 class Trend:
-    level_tau_s: float = 20.0  # the level follows the signal over about this long
+    level_tau_s: float = LEVEL_TAU_S  # the level follows the signal over about this long
     trend_tau_s: float = 60.0  # the slope over about this long
     level: float | None = None
     slope: float = 0.0  # per second

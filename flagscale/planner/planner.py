@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from flagscale.planner.capacity import CapacityCurve
-from flagscale.planner.forecast import Trend
+from flagscale.planner.forecast import Trend, level_tau_s
 from flagscale.planner.types import DECODE, PREFILL, Decision, Observation, PlannerSettings
 
 IDLE_RPS = 1e-3  # below this forecast arrival rate, with nothing in flight, a pool is idle
@@ -42,15 +42,17 @@ class Dimension:
 
 def dimensions_of(settings: PlannerSettings) -> list[Dimension]:
     slo, role = settings.slo, settings.role
+    tau = level_tau_s(settings.wake_s)
     if role is None:
         seed = work_seed(settings)
         bounds = [("ttft", slo.ttft_ms), ("itl", slo.itl_ms)]
-        return [Dimension(name, "work_tps", CapacityCurve(ms, seed), Trend()) for name, ms in bounds if ms]
+        return [Dimension(name, "work_tps", CapacityCurve(ms, seed), Trend(tau)) for name, ms in bounds if ms]
     found = []
     if slo.ttft_ms is not None and role == PREFILL:
-        found.append(Dimension("ttft", "prompt_tps", CapacityCurve(slo.ttft_ms, settings.seed_prompt_tps), Trend()))
+        curve = CapacityCurve(slo.ttft_ms, settings.seed_prompt_tps)
+        found.append(Dimension("ttft", "prompt_tps", curve, Trend(tau)))
     if slo.itl_ms is not None and role == DECODE:
-        found.append(Dimension("itl", "output_tps", CapacityCurve(slo.itl_ms, settings.seed_output_tps), Trend()))
+        found.append(Dimension("itl", "output_tps", CapacityCurve(slo.itl_ms, settings.seed_output_tps), Trend(tau)))
     return found
 
 
@@ -67,7 +69,7 @@ class Planner:
     def __init__(self, settings: PlannerSettings):
         self.settings = settings
         self.dimensions = dimensions_of(settings)
-        self.arrivals = Trend()
+        self.arrivals = Trend(level_tau_s(settings.wake_s))
         self.target: int | None = None
         self.pending: tuple[int, float] | None = None  # (direction, since): a wish the delays hold back
         self.last_reason = "starting"

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from flagscale.planner import forecast
 from flagscale.planner.capacity import CapacityCurve
 from flagscale.planner.forecast import Trend
 from flagscale.planner.histogram import bucket_delta, merge, percentile
@@ -184,6 +185,23 @@ def test_a_pool_whose_replicas_sleep_lets_them_go_after_the_sleep_delay_not_the_
         released[name] = next(t for t in range(60, 600, 2) if planner.decide(Observation(t, 4, **quiet)).target < 4)
     # the level falls for ~6 s before it wants 3 (the forecast's smoothing), then the delay runs
     assert 60 + 10 < released["sleeps"] < 60 + 30 and released["starts"] > 60 + 300, released
+
+
+def test_a_pool_whose_replicas_sleep_follows_a_fall_sooner(monkeypatch):
+    """Its replicas are a wake away: its load's level averages over WAKE_LEVEL_TAU_S, not LEVEL_TAU_S, so after a
+    burst it wants fewer awake sooner than it would with the cold-start pool's average (and a replica is ready
+    again in a wake if the fall was noise)."""
+    delays = dict(upscale_delay_s=0, downscale_delay_s=300, seed_prompt_tps=1000, seed_output_tps=250)
+    released = {}
+    for name, tau in (("wake", forecast.WAKE_LEVEL_TAU_S), ("start", forecast.LEVEL_TAU_S)):
+        monkeypatch.setattr(forecast, "WAKE_LEVEL_TAU_S", tau)
+        planner = Planner(planned_awake(settings(**delays), sleep_delay_s=2))
+        busy = dict(ttft_ms=300.0, itl_ms=20.0, prompt_tps=3000.0, output_tps=750.0, arrival_rps=8.0, running=8)
+        for time_s in range(0, 60, 2):
+            planner.decide(Observation(time_s, 4, **busy))
+        quiet = dict(busy, prompt_tps=300.0, output_tps=75.0, arrival_rps=0.8, running=1)
+        released[name] = next(t for t in range(60, 600, 2) if planner.decide(Observation(t, 4, **quiet)).target < 2)
+    assert released["wake"] < released["start"] - 2, released
 
 
 RAMP = [(t, 200 + 15 * t, {}) for t in range(0, 300, 5)]
