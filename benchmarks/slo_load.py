@@ -443,7 +443,7 @@ def settle(url: str, args: argparse.Namespace, system: str) -> float:
         awake, _, target = reading[0] if reading else (None, None, None)
         if reading and (target is None or awake == target):
             waited = round(time.monotonic() - began, 1)
-            if waited:
+            if waited >= args.poll_s:
                 print(f"{system}: settled ({awake} awake, the planner's target) after {waited} s", flush=True)
             return waited
         if time.monotonic() > deadline:

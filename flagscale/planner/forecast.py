@@ -10,8 +10,8 @@ from dataclasses import dataclass
 LEVEL_TAU_S = 20.0
 # A pool whose replicas sleep adds one in a wake (seconds), not a start: a level that lags costs it a replica held
 # awake through a fall, a noisy one only a wake. On the fitted simulator of the one-H200 run (2026-12-02,
-# docs/benchmarks.md) 10 s let the spike's replicas go 6 s sooner: 50 % of static max's replica-seconds against
-# 55 %, the same attainment.
+# docs/benchmarks.md) 10 s let the spike's replicas go 6 s sooner, three at once: 50 % of static max's
+# replica-seconds against 55 %, the same attainment.
 WAKE_LEVEL_TAU_S = 10.0
 
 
