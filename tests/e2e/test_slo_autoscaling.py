@@ -108,3 +108,6 @@ def test_first_request_at_zero_is_held_and_served(deployment):
     with urllib.request.urlopen(deployment["url"] + "/metrics", timeout=30) as resp:
         metrics = resp.read().decode()
     assert f'flagscale_router_planner_changes_total{{serve_id="{MODEL}"}}' in metrics
+    # what the planner sees, from the same record: its wish before the delays, its window's figures
+    assert f'flagscale_router_planner_desired_replicas{{serve_id="{MODEL}"}}' in metrics
+    assert f'flagscale_router_planner_measured{{serve_id="{MODEL}",signal="arrival_rps"}}' in metrics
