@@ -42,7 +42,7 @@ error or Ctrl-C.
   python3 benchmarks/slo_load.py --gpu --size 1b --out /tmp/slo/slo-load-gpu.json  # 2 GPUs, one per replica
   python3 benchmarks/slo_load.py --gpu --gpus-per-replica 0.5 --max-replicas 4 --time-scale 2   # 2 GPUs, 1..4
   python3 benchmarks/slo_load.py --gpu --size 8b --dummy-weights --gpus-per-replica 0.25 --max-replicas 4 \
-      --time-scale 1 --kv-cache-gib 10   # one GPU, 1..4 (a 1B's quarter of an H200 outran what 32 workers
+      --time-scale 1 --kv-cache-gib 14   # one GPU, 1..4 (a 1B's quarter of an H200 outran what 32 workers
                                           # can send); the KV cache sized, so the four start together
 
 With 1..2 replicas the trace leaves no system under 74 % of static max's replica-seconds (the floor printed with
@@ -79,7 +79,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
-from model import SIZES, ensure_model  # noqa: E402  (benchmarks/gpu/model.py)
+from model import SIZES, ensure_model, shape_of  # noqa: E402  (benchmarks/gpu/model.py)
 from routing import CPU_SIZES  # noqa: E402,F401  (benchmarks/routing.py: registers its CPU shapes in model.SIZES)
 from slo_trace import (  # noqa: E402  (benchmarks/slo_trace.py)
     TRACE,
@@ -193,7 +193,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         args.calibrate = False
     elif not args.calibrate:
         args.rate = 2.0
-    if not args.calibrate and (short := too_few_workers(args)):
+    if not args.calibrate and (short := too_few_workers(args) or kv_cache_too_small(args)):
         parser.error(short)
     return args
 
@@ -205,6 +205,28 @@ def too_few_workers(args: argparse.Namespace) -> str | None:
         return None
     return (f"--rate {args.rate:g}: the trace's busiest steps need {needed} benchmark workers at --worker-rps "
             f"{args.worker_rps}, --workers is {args.workers}; raise --workers or --worker-rps, or lower --rate")  # fmt: skip
+
+
+KV_MARGIN = 1.25  # blocks are whole, and a cache this full of running requests already preempts some
+
+
+def kv_cache_too_small(args: argparse.Namespace) -> str | None:
+    """Why --kv-cache-gib cannot hold what one replica runs at the calibrated point (--target streams, each its
+    mean prompt and output), with KV_MARGIN to spare (None if it can, or the cache is not sized). On 2026-12-02 10
+    GiB held exactly that on the 8b shape: the replicas preempted at the spike and the planner learnt a tenth of
+    their capacity (docs/benchmarks.md)."""
+    if args.kv_cache_gib is None or args.target is None or args.size not in SIZES:
+        return None
+    shape = shape_of(args.size)
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2  # K and V, 16-bit
+    held = args.kv_cache_gib * 2**30 / per_token
+    running = args.target * (args.input_len + args.output_len)
+    if held >= KV_MARGIN * running:
+        return None
+    least = KV_MARGIN * running * per_token / 2**30
+    return (f"--kv-cache-gib {args.kv_cache_gib:g} holds {held:,.0f} tokens of the {args.size} shape; one replica at "
+            f"--target {args.target:g} streams runs ~{running:,.0f}: give it at least {least:.1f} GiB")  # fmt: skip
 
 
 def resources(system: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -575,7 +597,7 @@ def run_system(system: str, args: argparse.Namespace, work: Path, workers: Worke
             replicas = args.max_replicas if system == "static_max" else max(1, args.min_replicas)
             out["calibration"] = calibrate(deployment.url, args, workers, replicas)
             print(f"calibrated: --rate {args.rate} --target {args.target}", flush=True)
-            if short := too_few_workers(args):
+            if short := too_few_workers(args) or kv_cache_too_small(args):
                 raise SystemExit(f"calibration: {short}")  # the deployment is stopped below
         if system != "calibrate":
             out.setdefault("settle_s", {})[system] = settle(deployment.url, args, system)

@@ -66,7 +66,7 @@
 #          SLO2_ARGS="--time-scale 2 --gpus-per-replica 0.5 --max-replicas 4": 1..4 replicas, two a GPU; with
 #          sleep the x0.4 trace suffices: "--gpus-per-replica 0.5 --max-replicas 4 --systems static_max slo_sleep";
 #          one GPU: "--size 8b --dummy-weights --gpus-per-replica 0.25 --max-replicas 4 --time-scale 1
-#          --kv-cache-gib 10" (the KV cache sized: the 4 replicas start together, not in turn; a 1B
+#          --kv-cache-gib 14" (the KV cache sized: the 4 replicas start together, not in turn; a 1B
 #          replica at a quarter of an H200 sustains more than 32 benchmark workers send: slo_load refuses it)
 #   kv4    issue 53: benchmarks/kv_routing.py --gpu: 4 engines of the 8B shape (dummy weights) on one GPU, capped
 #          KV caches; cache_aware on KV events vs the approximate table vs round_robin vs vllm-router, workloads

@@ -86,6 +86,16 @@ def test_replicas_are_counted_awake_unless_their_engine_says_it_sleeps():
     assert slo_load.replica_counts(planned) == (2, 3, 1)  # the SLO planner's target beside them
 
 
+def test_a_sized_kv_cache_must_hold_what_one_replica_runs_at_the_calibrated_point(capsys):
+    shape = ["--gpu", "--size", "8b", "--gpus-per-replica", "0.25", "--max-replicas", "4", "--time-scale", "1"]
+    given = ["--rate", "25.112", "--target", "128"]  # 128 streams of 512 + 128 tokens: 81,920 tokens, 10 GiB
+    with pytest.raises(SystemExit):
+        slo_load.arguments([*shape, *given, "--kv-cache-gib", "10"])
+    assert "--kv-cache-gib 10 holds 81,920 tokens of the 8b shape" in capsys.readouterr().err
+    assert slo_load.arguments([*shape, *given, "--kv-cache-gib", "14"]).kv_cache_gib == 14
+    assert slo_load.kv_cache_too_small(slo_load.arguments([*shape, "--kv-cache-gib", "10"])) is None  # calibrates
+
+
 def test_what_the_planner_sees_is_read_from_the_routers_metrics():
     from flagscale.router.planner_metrics import planner_text
 
