@@ -6,7 +6,7 @@ streaming clients, whose threads can hold the test's interpreter for seconds at 
                                    "signal": "SIGKILL", "timeout_s": 120, "stream_tokens": 1000}'
 
 It reads each replica's engine counters, prints "ready", and then waits (bounded by timeout_s) for a replica whose
-engine runs a request and has generated, since "ready", at least 32 and at most stream_tokens / 2 tokens per
+engine runs a request and has generated, since "ready", at least 32 and at most 3/4 of stream_tokens per
 request it runs: each one's first tokens sent, none near its end (the test's streams all start at "ready", alone,
 and an engine runs its requests in step). The bounds also keep out an engine gone idle, whose running-requests
 gauge keeps the value of its last step: it has generated a whole stream's tokens per request by then. It sends
@@ -27,10 +27,14 @@ GENERATED, RUNNING = "vllm:generation_tokens_total", "vllm:num_requests_running"
 
 
 def mid_way(replica: dict, since: float, stream_tokens: int, seen: dict) -> bool:
+    began = time.monotonic()
     metrics = engine_metrics(replica["url"])
     running, generated = metrics[RUNNING], metrics[GENERATED] - since
-    seen[replica["replica_id"]] = {"running": running, "generated": generated}
-    return running >= 1 and 32 * running <= generated <= stream_tokens / 2 * running
+    last = seen.get(replica["replica_id"], {"reads": 0, "slowest_read_s": 0.0})
+    slowest = max(last["slowest_read_s"], round(time.monotonic() - began, 2))
+    seen[replica["replica_id"]] = {"running": running, "generated": generated, "reads": last["reads"] + 1,
+                                   "slowest_read_s": slowest}  # fmt: skip
+    return running >= 1 and 32 * running <= generated <= stream_tokens * 3 / 4 * running
 
 
 def main(spec: dict) -> int:
