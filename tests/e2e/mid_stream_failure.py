@@ -3,7 +3,7 @@ streaming clients, whose threads can hold the test's interpreter for seconds at 
 (tests/e2e/test_failover.py).
 
     python mid_stream_failure.py '{"replicas": [{"replica_id": ..., "url": ..., "pids": [...]}, ...],
-                                   "signal": "SIGKILL", "timeout_s": 120, "stream_tokens": 1000}'
+                                   "signal": "SIGKILL", "timeout_s": 120, "stream_tokens": 1800}'
 
 It reads each replica's engine counters, prints "ready", and then waits (bounded by timeout_s) for a replica whose
 engine runs a request and has generated, since "ready", at least 32 and at most 3/4 of stream_tokens per

@@ -43,7 +43,7 @@ from tests.e2e import prefix_routing
 PORT = 19131
 TOKENS = 160
 # The streams a replica fails under: alone in flight until then, long enough to be mid-way for seconds. At 1,000
-# tokens (the watcher's window then ~2 s at the demo engine's pace, half a stream) a CI run on an idle 2-core
+# tokens (the watcher's window then ~2 s at the demo engine's pace, half a stream) a `.ci/run` on an idle 2-core
 # machine saw all six on one replica and the watcher never read it inside the window (2026-12-02)
 LONG_TOKENS = 1800
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
