@@ -150,3 +150,19 @@ def test_pass_sets_interleave_the_workloads_so_a_budget_cut_keeps_each():
     assert (
         gpu.budget_s == 400 and gpu.pass_max_s == 30 and gpu.requests == 256 and lora_bench.parse_args([]).budget_s == 0
     )
+
+
+def test_an_open_loop_runs_each_workload_at_each_rate_and_judges_plain_on_its_tail():
+    args = lora_bench.parse_args(["--gpu", "--rates", "3", "5.5"])
+    assert args.workloads == ["zipf@3", "zipf@5.5", "hot@3", "hot@5.5"]
+    assert lora_bench.split_kind("zipf@5.5") == ("zipf", 5.5) and lora_bench.split_kind("hot") == ("hot", None)
+    assert lora_bench.schedule(["zipf@3", "hot@3"], 2, 1) == [("zipf@3", 0), ("hot@3", 0), ("zipf@3", 1)]
+
+    def row(tok, p90):
+        return [{"output_tok_s": tok, "ttft_p90_s": p90, "output_tok_s_per_replica": tok / 2}]
+
+    results = {"zipf@3/placed": row(380, 0.4), "zipf@3/oblivious": row(380, 1.0), "zipf@3/plain": row(190, 0.5)}
+    verdict = lora_bench.targets(lora_bench.summarize(results), "zipf@3")
+    assert verdict["ttft_p90_vs_oblivious"] == 0.4 and verdict["per_replica_vs_plain"] == 1.25 and verdict["met"]
+    slower = lora_bench.targets(lora_bench.summarize({**results, "zipf@3/plain": row(190, 0.3)}), "zipf@3")
+    assert slower["per_replica_vs_plain"] == 0.75 and slower["met"] is False
