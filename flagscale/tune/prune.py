@@ -3,7 +3,7 @@
 Two checks: the plan's own (build_plan: TP x PP x replicas against the target's devices, GPU shares, weights per
 GPU; a ConfigError there means "does not fit"), and memory arithmetic: the weights plus the KV cache of
 `max_num_seqs` sequences of `max_model_len` tokens, per device, against what `gpu_memory_utilization` gives
-(on a GPU a fraction of its memory; on vLLM's CPU backend a fraction of the machine's RAM).
+(on a GPU a fraction of its memory; on vLLM's CPU backend a fraction of a NUMA node's RAM).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from flagscale.devices import local_gpus
 from flagscale.facts import model_weight_bytes
 
 GIB = 1024**3
+NUMA_NODES = Path("/sys/devices/system/node")
+CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")  # cgroup v2
 # vLLM's own defaults when the engine args leave these unset.
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "float8": 1, "int8": 1}
@@ -78,7 +80,7 @@ def memory_problem(
     budget = utilization * device_bytes
     if need <= budget:
         return None
-    where = "of the GPU's" if device == "gpu" else "of RAM (vLLM's CPU backend)"
+    where = "of the GPU's" if device == "gpu" else "of the NUMA node's RAM (vLLM's CPU backend)"
     return (
         f"memory: weights {weight_bytes / GIB:.2f} GiB + KV cache {kv / GIB:.2f} GiB (max_num_seqs {max_num_seqs} x "
         f"max_model_len {max_model_len} = {tokens} tokens) over {devices_per_replica} device(s) = {need / GIB:.2f} GiB "
@@ -120,13 +122,30 @@ def _max_positions(model: str) -> int | None:
 
 
 def device_bytes_of(device: str) -> int | None:
-    """Memory of one device of this machine: a GPU's (the smallest), or for CPU engines the RAM; None if unknown."""
+    """Memory of one device of this machine: a GPU's (the smallest), or for CPU engines cpu_engine_bytes(); None
+    if unknown."""
     if device == "cpu":
-        return psutil.virtual_memory().total
+        return cpu_engine_bytes()
     if device == "gpu":
         gpus = local_gpus()
         return min(g.memory_mib for g in gpus) * 1024 * 1024 if gpus else None
     return None  # a hostfile chip type: its memory is not known here
+
+
+def cpu_engine_bytes(nodes: Path = NUMA_NODES, cgroup_limit: Path = CGROUP_LIMIT) -> int:
+    """The RAM vLLM's CPU backend takes gpu_memory_utilization of: not the machine's but the NUMA node's its worker
+    runs on (`/sys/devices/system/node/node<N>/meminfo` MemTotal; on a lent 2-core VM, 9.8 of 23.5 GiB), so the
+    smallest node's, or the machine's where the kernel lists no nodes; capped, as vLLM caps it, by a cgroup's
+    memory limit."""
+    sizes = []
+    for meminfo in sorted(nodes.glob("node[0-9]*/meminfo")):
+        for line in meminfo.read_text().splitlines():  # "Node 0 MemTotal:       10315512 kB"
+            fields = line.split()
+            if len(fields) >= 4 and fields[2] == "MemTotal:":
+                sizes.append(int(fields[3]) * 1024)
+    total = min(sizes) if sizes else psutil.virtual_memory().total
+    limit = cgroup_limit.read_text().strip() if cgroup_limit.is_file() else "max"
+    return min(total, int(limit)) if limit.isdigit() else total
 
 
 def shared_ram_problem(replicas: int, utilization: float) -> str | None:
@@ -134,7 +153,7 @@ def shared_ram_problem(replicas: int, utilization: float) -> str | None:
     if replicas * utilization > 1:
         return (
             f"memory: {replicas} CPU replicas x gpu_memory_utilization {utilization:g} = {replicas * utilization:.2f} "
-            "of this machine's RAM (vLLM's CPU backend reserves that fraction per engine)"
+            "of a NUMA node's RAM (vLLM's CPU backend reserves that fraction of its node's per engine)"
         )
     return None
 

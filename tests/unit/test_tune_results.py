@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import json
 
+import psutil
+
 from flagscale.config.schema import BenchConfig
 from flagscale.tune import history
-from flagscale.tune.prune import GIB, ModelShape, kv_bytes_per_token, memory_problem, model_shape, shared_ram_problem
+from flagscale.tune.prune import (
+    GIB,
+    ModelShape,
+    cpu_engine_bytes,
+    kv_bytes_per_token,
+    memory_problem,
+    model_shape,
+    shared_ram_problem,
+)
 from flagscale.tune.report import best_of, rank
 from flagscale.tune.trial import goodput_of, latency_columns, scaled_load, slo_misses
 
@@ -232,3 +242,20 @@ def test_per_device_load_scales_levels_and_prompts_by_the_candidates_devices():
     four, levels = scaled_load(settings, [64, 256], 4)
     assert levels == [256, 1024] and four.num_prompts == 1024 and settings.num_prompts == 256
     assert scaled_load(settings, [64], 0.5) == (settings, [64])  # replicas sharing one GPU: one device
+
+
+def test_cpu_engines_get_a_fraction_of_the_smallest_numa_node_capped_by_the_cgroup(tmp_path):
+    nodes = tmp_path / "node"
+    for index, kib in ((0, 10315512), (1, 20000000)):
+        (nodes / f"node{index}").mkdir(parents=True)
+        text = f"Node {index} MemTotal:       {kib} kB\nNode {index} MemFree:        100 kB\n"
+        (nodes / f"node{index}" / "meminfo").write_text(text)
+    (nodes / "possible").write_text("0-1\n")  # (sysfs's other entries are not nodes)
+    no_cgroup = tmp_path / "absent"
+    assert cpu_engine_bytes(nodes, no_cgroup) == 10315512 * 1024
+    limit = tmp_path / "memory.max"
+    limit.write_text("max\n")
+    assert cpu_engine_bytes(nodes, limit) == 10315512 * 1024
+    limit.write_text(f"{4 * GIB}\n")
+    assert cpu_engine_bytes(nodes, limit) == 4 * GIB
+    assert cpu_engine_bytes(tmp_path / "no-nodes", no_cgroup) == psutil.virtual_memory().total
