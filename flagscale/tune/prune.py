@@ -149,7 +149,8 @@ def cpu_engine_bytes(nodes: Path = NUMA_NODES, cgroup_limit: Path = CGROUP_LIMIT
 
 
 def shared_ram_problem(replicas: int, utilization: float) -> str | None:
-    """CPU engines on this machine: each replica's vLLM reserves gpu_memory_utilization of all RAM at start."""
+    """CPU engines on this machine: each replica's vLLM reserves gpu_memory_utilization of its NUMA node's RAM at
+    start."""
     if replicas * utilization > 1:
         return (
             f"memory: {replicas} CPU replicas x gpu_memory_utilization {utilization:g} = {replicas * utilization:.2f} "
