@@ -47,6 +47,7 @@ TOKENS = 160
 # machine saw all six on one replica and the watcher never read it inside the window (2026-12-02)
 LONG_TOKENS = 1800
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+RESUME_MARGIN = 64  # tokens past the watcher's reading through which a resumed stream must equal an unbroken run
 
 
 def status_json(conf, while_replacing: bool = False) -> dict:
@@ -67,16 +68,46 @@ def two_routed(conf, without: str | None = None) -> list[dict] | None:
     return replicas if ok else None
 
 
-def stream(client: openai.OpenAI, kind: str, prompt: str, tokens: int = TOKENS) -> str:
-    """A greedy streamed chat or completion of `tokens` tokens, its text."""
+def stream_chunks(client: openai.OpenAI, kind: str, prompt: str, tokens: int = TOKENS, whole: bool = True) -> list[str]:
+    """A greedy streamed chat or completion of `tokens` tokens: each chunk's text (a token's; "" for a token that
+    is part of a character not yet whole). `whole`: its usage must count all `tokens` (a resumed stream's, both
+    parts); else whatever came is returned."""
+    options = {"model": "demo", "stream": True, "max_tokens": tokens}
+    if whole:
+        options["stream_options"] = {"include_usage": True}
     if kind == "chat":
-        messages = [{"role": "user", "content": prompt}]
-        chunks = client.chat.completions.create(
-            model="demo", messages=messages, stream=True, max_tokens=tokens, **GREEDY
-        )
-        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    chunks = client.completions.create(model="demo", prompt=prompt, stream=True, max_tokens=tokens, **GREEDY)
-    return "".join(c.choices[0].text for c in chunks if c.choices)
+        chunks = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **options, **GREEDY)
+    else:
+        chunks = client.completions.create(prompt=prompt, **options, **GREEDY)
+    texts, usage = [], None
+    for chunk in chunks:
+        if chunk.choices:
+            texts.append((chunk.choices[0].delta.content if kind == "chat" else chunk.choices[0].text) or "")
+        usage = chunk.usage or usage
+    if whole:
+        assert usage is not None and usage.completion_tokens == tokens, f"{prompt!r}: usage {usage}, {tokens} asked"
+    return texts
+
+
+def whole_stream(client: openai.OpenAI, kind: str, prompt: str, tokens: int = TOKENS) -> str:
+    return "".join(stream_chunks(client, kind, prompt, tokens))
+
+
+def stream(client: openai.OpenAI, kind: str, prompt: str, tokens: int = TOKENS) -> str:
+    return "".join(stream_chunks(client, kind, prompt, tokens, whole=False))
+
+
+def parts_late_if_at_all(reference: list[str], got: str, tokens: int) -> bool:
+    """Whether `got` is the reference run's text, or the same text through the reference's first `tokens` tokens.
+    Greedy decoding of the random-weight demo model is reproducible only so far: its logits are near-flat, and a
+    prefill in place of decode steps, or another batch, rounds differently, so a long stream can flip to another
+    token late (a CI run on 2026-12-02: at token ~1,670 of 1,800, ~300 after the resume). A resume that sent the
+    wrong tokens or settings parts at the resume point, which `tokens` is past by a margin."""
+    text = "".join(reference)
+    if tokens >= len(reference):
+        return got == text
+    through = len("".join(reference[:tokens]))
+    return got == text or (len(got) > through and got[:through] == text[:through])
 
 
 def long_streams(topic: str, count: int = 6) -> list[tuple[str, str, int]]:
@@ -85,26 +116,29 @@ def long_streams(topic: str, count: int = 6) -> list[tuple[str, str, int]]:
 
 
 def fail_mid_stream(pool: concurrent.futures.Executor, client: openai.OpenAI, replicas: list[dict], items: list,
-                    pids: dict[str, list[int]], sig: str) -> tuple[dict, dict]:  # fmt: skip
+                    pids: dict[str, list[int]], sig: str) -> tuple[dict, dict, int]:  # fmt: skip
     """Starts `items` (long streams) on `pool`, alone in flight, with tests/e2e/mid_stream_failure.py beside them,
-    which sends `sig` to the `pids` of a replica in the middle of them (each one's first tokens sent, none near its
-    end), so they must be resumed, not moved. Returns that replica and {future: item}. A process of its own, read
-    on the engines: this process's stream threads can hold its interpreter for seconds on a busy machine, longer
-    than such a moment lasts, and its clients parse the chunks late (a replica named in advance, or one picked
-    by the clients' progress, let the failure hit no stream mid-way: the streams moved instead of resuming)."""
+    which sends `sig` to the `pids` of a replica in the middle of them (each one's first tokens sent, none near
+    its end), so they must be resumed, not moved. Returns that replica, {future: item}, and the tokens through
+    which every stream must equal an unbroken run (where the watcher found them, RESUME_MARGIN past). A process
+    of its own, read on the engines: this process's stream threads can hold its interpreter for seconds on a
+    busy machine, longer than such a moment lasts, and its clients parse the chunks late (a replica named in
+    advance, or one picked by the clients' progress, let the failure hit no stream mid-way: the streams moved
+    instead of resuming)."""
     chosen = [{"replica_id": r["replica_id"], "url": r["url"], "pids": pids[r["replica_id"]]} for r in replicas]
     spec = {"replicas": chosen, "signal": sig, "timeout_s": 120, "stream_tokens": LONG_TOKENS}
     script = str(Path(__file__).with_name("mid_stream_failure.py"))
     watcher = subprocess.Popen([sys.executable, script, json.dumps(spec)], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         assert watcher.stdout.readline().strip() == "ready", "mid_stream_failure.py did not read the engines"
-        futures = {pool.submit(stream, client, *item): item for item in items}
+        futures = {pool.submit(whole_stream, client, *item): item for item in items}
         out, _ = watcher.communicate(timeout=180)
     finally:
         if watcher.poll() is None:
             watcher.kill()
     assert watcher.returncode == 0, out
-    return next(r for r in replicas if r["replica_id"] == out.split()[-1]), futures
+    replica_id, generated = out.split()[-2:]
+    return next(r for r in replicas if r["replica_id"] == replica_id), futures, int(generated) + RESUME_MARGIN
 
 
 def two_replicas(root, routing: str, router_processes: int):
@@ -261,17 +295,21 @@ def test_killing_a_replica_under_streaming_load_loses_no_request(deployment):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
     more = [("chat" if i % 3 == 0 else "completion", f"request {i}: tell me about serving {i * 7}") for i in range(12)]
     work = long_streams("serving") + more
-    reference = {item: stream(client, *item) for item in work}  # unbroken runs, one at a time
+    reference = {item: stream_chunks(client, *item) for item in work}  # unbroken runs, one at a time
     assert all(reference.values())
 
     servers = {r["replica_id"]: [psutil.Process(r["engine_pid"]).children()[0].pid] for r in before}  # vLLM's server
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        victim, futures = fail_mid_stream(pool, client, before, work[:6], servers, "SIGKILL")
-        futures |= {pool.submit(stream, client, *item): item for item in more}  # while the victim is replaced
+        victim, futures, through = fail_mid_stream(pool, client, before, work[:6], servers, "SIGKILL")
+        futures |= {pool.submit(whole_stream, client, *item): item for item in more}  # while the victim is replaced
         results = {futures[f]: f.result() for f in concurrent.futures.as_completed(futures)}
-    lost = {item: (reference[item], got) for item, got in results.items() if got != reference[item]}
-    assert not lost, f"{len(lost)} of {len(work)} requests differ from an unbroken run: {list(lost.items())[:2]}"
+    lost = {item: ("".join(reference[item]), got) for item, got in results.items()
+            if not parts_late_if_at_all(reference[item], got, through)}  # fmt: skip
+    assert not lost, (
+        f"{len(lost)} of {len(work)} requests differ from an unbroken run within their first {through} tokens: "
+        f"{list(lost.items())[:2]}"
+    )
 
     # Serve may be starting the replacement by now: the deployment is UNHEALTHY until it serves, the router's
     # totals are there all the same. Each router process publishes its own every few seconds (status shows the
@@ -290,7 +328,7 @@ def test_killing_a_replica_under_streaming_load_loses_no_request(deployment):
     )
     newcomer = next(r for r in replaced if r["replica_id"] != survivor)
     for item in more[:4]:
-        assert stream(client, *item) == reference[item]
+        assert whole_stream(client, *item) == "".join(reference[item])
     wait_for(
         lambda: {r["replica_id"]: r for r in routed_replicas(conf)}[newcomer["replica_id"]]["requests_served"] > 0,
         STATUS_WAIT_S,
@@ -314,7 +352,7 @@ def test_a_sigstopped_replica_under_streaming_load_loses_no_request(deployment):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", timeout=120, max_retries=0)
     more = [("completion", f"request {i}: tell me about freezing {i * 5}") for i in range(6)]
     work = long_streams("freezing") + more
-    reference = {item: stream(client, *item) for item in work[::3]}
+    reference = {item: stream_chunks(client, *item) for item in work[::3]}
     trees = {r["replica_id"]: [psutil.Process(r["engine_pid"]), *psutil.Process(r["engine_pid"]).children(True)]
              for r in before}  # fmt: skip
     idle = wait_for(lambda: idle_router(conf), STATUS_WAIT_S, "the router's totals to show no request in flight")
@@ -322,9 +360,9 @@ def test_a_sigstopped_replica_under_streaming_load_loses_no_request(deployment):
     pids = {replica_id: [proc.pid for proc in tree] for replica_id, tree in trees.items()}
     try:
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
-            _, futures = fail_mid_stream(pool, client, before, work[:6], pids, "SIGSTOP")
+            _, futures, through = fail_mid_stream(pool, client, before, work[:6], pids, "SIGSTOP")
             stopped = time.monotonic()
-            futures |= {pool.submit(stream, client, *item): item for item in more}
+            futures |= {pool.submit(whole_stream, client, *item): item for item in more}
             with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/models", timeout=15) as answer:
                 assert answer.status == 200
             results = {futures[f]: f.result() for f in concurrent.futures.as_completed(futures)}
@@ -335,7 +373,8 @@ def test_a_sigstopped_replica_under_streaming_load_loses_no_request(deployment):
                 proc.send_signal(signal.SIGCONT)
             except psutil.NoSuchProcess:
                 pass
-    assert all(results.values()) and all(results[item] == text for item, text in reference.items())
+    assert all(results.values())
+    assert all(parts_late_if_at_all(chunks, results[item], through) for item, chunks in reference.items())
     assert took < 90, f"the streams took {took:.0f} s after the SIGSTOP"
     # Each router process publishes its totals every few seconds: the resume is waited for, bounded
     wait_for(
