@@ -101,8 +101,8 @@ def parts_late_if_at_all(reference: list[str], got: str, tokens: int) -> bool:
     """Whether `got` is the reference run's text, or the same text through the reference's first `tokens` tokens.
     Greedy decoding of the random-weight demo model is reproducible only so far: its logits are near-flat, and a
     prefill in place of decode steps, or another batch, rounds differently, so a long stream can flip to another
-    token late (a CI run on 2026-12-02: at token ~1,670 of 1,800, ~300 after the resume). A resume that sent the
-    wrong tokens or settings parts at the resume point, which `tokens` is past by a margin."""
+    token late (a CI run on 2026-12-02: at token ~1,670 of 1,800, past any point the watcher signals at). A
+    resume that sent the wrong tokens or settings parts at the resume point, which `tokens` is past by a margin."""
     text = "".join(reference)
     if tokens >= len(reference):
         return got == text
