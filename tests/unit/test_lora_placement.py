@@ -78,6 +78,10 @@ def placed(active: dict[str, list[str]], held: dict[str, list[str]]) -> Placemen
         ({"a": ["x"]}, {}, {"a": 3, "b": 0}, "x", "a"),
         # running on a, which is overloaded: a replica with a free slot takes it
         ({"a": ["x"]}, {}, {"a": 9, "b": 0}, "x", "b"),
+        # running on a, 9 above b; but b's slots are all taken (y, z): joining a's batch beats waiting for a slot
+        ({"a": ["x"], "b": ["y", "z"]}, {}, {"a": 9, "b": 0}, "x", "a"),
+        # ... unless a is overloaded against a third replica with a free slot
+        ({"a": ["x"], "b": ["y", "z"]}, {}, {"a": 9, "b": 0, "c": 4}, "x", "c"),
         # nobody runs it: a replica that held it lately, with a free slot, before one with a free slot
         ({}, {"b": ["x"]}, {"a": 0, "b": 0}, "x", "b"),
         # a's slots are taken by y and z: b, with a free slot, though it is busier

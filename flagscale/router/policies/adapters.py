@@ -4,7 +4,7 @@ Every replica of a node can serve each of its adapters (each replica has them al
 adapters.py), but an engine runs at most `max_loras` adapters in a batch at once: a request for an adapter none of
 the replica's requests in flight uses waits for a free slot, and the adapter's weights are swapped in, evicting the
 one least recently used. So, unless a replica is overloaded (more than `slack` requests in flight above the least
-busy one), an adapter's request goes first to a replica already running that adapter (the router's requests in
+busy one that has room for the adapter: runs it, or has a free slot), an adapter's request goes first to a replica already running that adapter (the router's requests in
 flight there: it joins their batch), then to one with a free slot that holds the adapter (ran it lately, as the
 router sent it, or as the engine reported at its last health check: vLLM's vllm:lora_requests_info), then to one
 with a free slot, and only then to one whose slots are all taken. A hot adapter so fills the replicas running it
@@ -29,8 +29,8 @@ RUNNING, HELD, FREE_SLOT, FULL, OVERLOADED = range(5)
 
 
 def tier(running: bool, holds: bool, inflight: int, least: int, busy: int, max_loras: int, slack: int) -> int:
-    """A replica's tier for an adapter's request. OVERLOADED: more than `slack` requests in flight above the least
-    busy replica's `least`. Else RUNNING: the replica has requests of this adapter in flight (it joins their
+    """A replica's tier for an adapter's request. OVERLOADED: more than `slack` requests in flight above `least`
+    (Placement.order: the least busy replica with room for the adapter). Else RUNNING: the replica has requests of this adapter in flight (it joins their
     batch); HELD: it holds the adapter (recently run there) and has a free adapter slot (`busy`: the adapters of
     its requests in flight, fewer than max_loras); FREE_SLOT: a free slot, the adapter loaded into it; FULL: every
     slot taken by other adapters' requests, it waits for one."""
@@ -66,7 +66,7 @@ class Placement:
         """`ranked` (the adapter's policy's order) sorted by tier, stably: the policy's order within each tier."""
         if not ranked:
             return ranked
-        least = min(u.inflight for u in ranked)
+        least = self.least_busy_with_room(adapter, ranked)
 
         def rank(u: Replica) -> int:
             active = self.active.get(u.replica_id, {})
@@ -74,6 +74,19 @@ class Placement:
             return tier(adapter in active, holds, u.inflight, least, len(active), self.max_loras, self.slack)
 
         return sorted(ranked, key=rank)
+
+    def least_busy_with_room(self, adapter: str, ranked: list[Replica]) -> int:
+        """The fewest requests in flight on a replica that could start `adapter`'s request now: running it, or a
+        slot free (every slot taken everywhere: on any replica). Overload is measured against it, not against a
+        replica whose slots are all taken: a request moved there waits until every request of one of its adapters
+        has ended, which costs more than joining a larger batch."""
+        active = self.active
+        roomy = [
+            u.inflight
+            for u in ranked
+            if adapter in active.get(u.replica_id, {}) or len(active.get(u.replica_id, {})) < self.max_loras
+        ]
+        return min(roomy or [u.inflight for u in ranked])
 
     def sent(self, adapter: str, replica_id: str, in_flight: bool = True) -> list[str]:
         """`adapter`'s request went to `replica_id` (`in_flight`: by this router, which calls done() when it ends;
