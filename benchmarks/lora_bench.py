@@ -23,7 +23,8 @@ drawn from a Zipf law (s = `--zipf`) over the adapters, a prompt of `--input-len
 `--tokens` tokens out (ignore_eos); `hot`: the same, but the second half sends every other request to the least
 popular adapter (`--hot` alone: only that one). `--rates R ...`: open loop instead, each workload at each rate
 (`zipf@5`): Poisson arrivals at R requests/s through the router, and R / `--replicas` (one replica's share) to the
-plain engine, so its TTFT p90 against the placed router's is the per-replica comparison there. vLLM runs at most
+plain engine, so its TTFT p90 against the placed router's is the per-replica comparison there (rate 0: the closed
+loop, `zipf`, among them). vLLM runs at most
 max_loras distinct adapters in a batch: a request for another waits for a slot, so a concurrency that mixes more
 adapters than max_loras per replica is where placement counts. After a warm-up of every engine, the modes alternate
 (reversed every other pass), `--rounds` of zipf and `--hot-rounds` of hot. Per pass: TTFT p50/p90, output tok/s,
@@ -105,7 +106,7 @@ def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.hot:
         args.workloads = ["hot"]
     if args.rates:
-        args.workloads = [f"{kind}@{rate:g}" for kind in args.workloads for rate in args.rates]
+        args.workloads = [f"{kind}@{rate:g}" if rate else kind for kind in args.workloads for rate in args.rates]
     if args.max_cpu_loras is None:
         args.max_cpu_loras = args.adapters
     args.max_cpu_loras = max(args.max_cpu_loras, args.max_loras)  # vLLM refuses fewer
@@ -318,7 +319,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rates",
         type=float,
         nargs="+",
-        help="open loop: Poisson arrivals at each rate (requests/s), not --concurrency",
+        help="open loop: Poisson arrivals at each rate (requests/s), not --concurrency; 0: the closed loop as well",
     )
     parser.add_argument("--tokens", type=int, help="output tokens (default 16 CPU, 128 GPU)")
     parser.add_argument("--input-len", type=int, help="prompt tokens, 0: a short prompt (default 0 CPU, 256 GPU)")

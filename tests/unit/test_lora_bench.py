@@ -155,6 +155,8 @@ def test_pass_sets_interleave_the_workloads_so_a_budget_cut_keeps_each():
 def test_an_open_loop_runs_each_workload_at_each_rate_and_judges_plain_on_its_tail():
     args = lora_bench.parse_args(["--gpu", "--rates", "3", "5.5"])
     assert args.workloads == ["zipf@3", "zipf@5.5", "hot@3", "hot@5.5"]
+    with_closed = lora_bench.parse_args(["--gpu", "--rates", "0", "4", "--workloads", "zipf"])
+    assert with_closed.workloads == ["zipf", "zipf@4"]  # rate 0: the closed loop too
     assert lora_bench.split_kind("zipf@5.5") == ("zipf", 5.5) and lora_bench.split_kind("hot") == ("hot", None)
     assert lora_bench.schedule(["zipf@3", "hot@3"], 2, 1) == [("zipf@3", 0), ("hot@3", 0), ("zipf@3", 1)]
 
