@@ -97,25 +97,63 @@ def simulate(trace, replicas: int, cache_blocks: int, block_tokens: int, emptied
     then holds every block of the request (LRU, `cache_blocks` per replica). The hit rate is in tokens, as the
     engines count it: tokens reused / prompt tokens. `emptied`: request index -> a replica whose cache is emptied
     before that request (an engine replaced)."""
+
+    def best(n: int, usable: list, caches: list[OrderedDict], load: list[int]) -> int:
+        held = [sum(1 for _ in _leading(usable, cache)) for cache in caches]
+        return max(range(replicas), key=lambda r: (held[r], -load[r]))
+
+    hit_rate, load = _replay(trace, replicas, cache_blocks, block_tokens, emptied, best)
+    return {"oracle_hit_rate": hit_rate, "requests_per_replica": load}
+
+
+def simulate_table(
+    trace, replicas: int, cache_blocks: int, block_tokens: int, emptied: dict[int, int] | None, forgotten: set[int]
+) -> float | None:
+    """The approximate table at its best, on the same trace and caches as `simulate`: each request goes to the
+    replica it sent the longest prefix of the prompt (the least-used replica where it sent none), and the table
+    is forgotten before each request index of `forgotten` (its router process restarted). Its hit rate, against
+    the oracle's, bounds what knowing the engines' caches can gain over the table on such a trace (workload (d))."""
+    sent: dict = {}  # block -> the replicas it was sent to
+
+    def remembered(n: int, usable: list, caches: list[OrderedDict], load: list[int]) -> int:
+        if n in forgotten:
+            sent.clear()
+        depth, along = [0] * replicas, set(range(replicas))
+        for block in usable:
+            along &= sent.get(block, set())
+            if not along:
+                break
+            for replica in along:
+                depth[replica] += 1
+        chosen = max(range(replicas), key=lambda r: (depth[r], -load[r]))
+        for block in usable:
+            sent.setdefault(block, set()).add(chosen)
+        return chosen
+
+    return _replay(trace, replicas, cache_blocks, block_tokens, emptied, remembered)[0]
+
+
+def _replay(trace, replicas: int, cache_blocks: int, block_tokens: int, emptied, choose) -> tuple[float | None, list]:
+    """Requests of `trace` in order, each to the replica `choose(n, usable blocks, caches, load)` picks, which
+    reuses the leading blocks it holds and then holds all of the request's (LRU)."""
     caches = [OrderedDict() for _ in range(replicas)]
     load = [0] * replicas
     hits = queries = 0
     for n, (blocks, stored, prompt_tokens) in enumerate(trace):
         if emptied and n in emptied:
             caches[emptied[n]].clear()
-        usable = max(0, (prompt_tokens - 1) // block_tokens)
-        held = [sum(1 for _ in _leading(blocks[:usable], cache)) for cache in caches]
-        best = max(range(replicas), key=lambda r: (held[r], -load[r]))
-        hits += held[best] * block_tokens
+        usable = blocks[: max(0, (prompt_tokens - 1) // block_tokens)]
+        chosen = choose(n, usable, caches, load)
+        hits += sum(1 for _ in _leading(usable, caches[chosen])) * block_tokens
         queries += prompt_tokens
-        load[best] += 1
-        cache = caches[best]
+        load[chosen] += 1
+        cache = caches[chosen]
         for block in [*blocks, *stored]:
             cache.pop(block, None)
             cache[block] = None
             while len(cache) > cache_blocks:
                 cache.popitem(last=False)
-    return {"oracle_hit_rate": round(hits / queries, 4) if queries else None, "requests_per_replica": load}
+    return (round(hits / queries, 4) if queries else None), load
 
 
 def _leading(blocks, cache):

@@ -56,6 +56,16 @@ def test_simulate_empties_a_replica_where_an_engine_was_replaced():
     assert emptied["oracle_hit_rate"] == pytest.approx(8 / 27, abs=1e-4)  # the third request finds nothing
 
 
+def test_the_table_model_routes_where_it_sent_and_forgets_at_a_restart():
+    a, b, c = ([1, 2], [], 9), ([3, 4], [], 9), ([5, 6], [], 9)
+    trace = [a, b, c, c]  # a and c to replica 0, b to 1 (least used first); then c again
+    oracle = kv_events_bench.simulate(trace, replicas=2, cache_blocks=10, block_tokens=4)["oracle_hit_rate"]
+    table = kv_events_bench.simulate_table(trace, 2, 10, 4, None, forgotten=set())
+    restarted = kv_events_bench.simulate_table(trace, 2, 10, 4, None, forgotten={3})
+    assert oracle == table == pytest.approx(8 / 36, abs=1e-4)
+    assert restarted == 0  # forgotten: c goes to the least used replica, 1, which never had it
+
+
 def test_drive_pauses_at_each_break_in_order_and_takes_the_new_urls():
     import asyncio
 
@@ -131,7 +141,7 @@ def test_targets_judge_the_kv_events_system():
         _row("a", "round_robin", hit_rate=0.1, output_tok_s=100),
         _row("c", "kv_events", ttft_p50_ms=13.0, output_tok_s=99),
         _row("c", "table", ttft_p50_ms=10.0),
-        _row("d", "kv_events", ttft_p90_ms=10.0),
+        _row("d", "kv_events", ttft_p90_ms=10.0, table_model_hit_rate=0.47),
         _row("d", "table", hit_rate=0.45),
     ]
     found = {(t["workload"], t["target"][:12]): t["met"] for t in kv_routing.targets(kv_routing.medians(rows))}
@@ -140,6 +150,8 @@ def test_targets_judge_the_kv_events_system():
     assert found[("c", ">= 0.98x the")] is False  # +3 ms TTFT p50
     assert found[("d", ">= 1.2x the ")] is True  # P90 TTFT 0.5x
     assert found[("e", ">= 1.2x the ")] is None  # not run
+    reach = [t["shown"] for t in kv_routing.targets(kv_routing.medians(rows)) if t["target"].startswith(">= 1.2x")][0]
+    assert "the oracle's hit rate: 1.11x the table's at its best" in reach  # 0.52 / 0.47
     assert "| a | kv_events |" in kv_routing.markdown(
         kv_routing.medians(rows), kv_routing.targets(kv_routing.medians(rows))
     )
