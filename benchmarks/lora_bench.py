@@ -24,16 +24,15 @@ drawn from a Zipf law (s = `--zipf`) over the adapters, a prompt of `--input-len
 popular adapter (`--hot` alone: only that one). `--rates R ...`: open loop instead, each workload at each rate
 (`zipf@5`): Poisson arrivals at R requests/s through the router, and R / `--replicas` (one replica's share) to the
 plain engine, so its TTFT p90 against the placed router's is the per-replica comparison there (rate 0: the closed
-loop, `zipf`, among them). vLLM runs at most
-max_loras distinct adapters in a batch: a request for another waits for a slot, so a concurrency that mixes more
-adapters than max_loras per replica is where placement counts. After a warm-up of every engine, the modes alternate
-(reversed every other pass), `--rounds` of zipf and `--hot-rounds` of hot. Per pass: TTFT p50/p90, output tok/s,
-requests/s, adapter loads per minute (the hot pass: the hot adapter's TTFT too). Bounded in time (GPU defaults): no
-request started after `--pass-max-s` of a pass (those left: `not_sent`), no set of passes started that may end past
-`--budget-s` from the start (skipped whole, named). A markdown table and the targets' ratios printed at the end;
-JSON to `--output`. On a machine of few cores, two engines' spinning model workers take every core from their API
-servers, the router and the clients: measure the per-replica comparison on a machine with cores to spare beyond the
-engines', or on GPUs.
+loop, `zipf`, among them). vLLM runs at most max_loras distinct adapters in a batch: a request for another waits for
+a slot, so a concurrency that mixes more adapters than max_loras per replica is where placement counts. After a
+warm-up of every engine, the modes alternate (reversed every other pass), `--rounds` of zipf and `--hot-rounds` of
+hot. Per pass: TTFT p50/p90, output tok/s, requests/s, adapter loads per minute (the hot pass: the hot adapter's
+TTFT too). Bounded in time (GPU defaults): no request started after `--pass-max-s` of a pass (those left:
+`not_sent`), no set of passes started that may end past `--budget-s` from the start (skipped whole, named). A
+markdown table and the targets' ratios printed at the end; JSON to `--output`. On a machine of few cores, two
+engines' spinning model workers take every core from their API servers, the router and the clients: measure the
+per-replica comparison on a machine with cores to spare beyond the engines', or on GPUs.
 
   .venv/bin/python benchmarks/lora_bench.py                          # CPU: 50 adapters, 2 replicas, max_loras 4
   .venv/bin/python benchmarks/lora_bench.py --adapters 6 --requests 24 --concurrency 4      # a CPU smoke

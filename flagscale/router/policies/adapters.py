@@ -4,12 +4,12 @@ Every replica of a node can serve each of its adapters (each replica has them al
 adapters.py), but an engine runs at most `max_loras` adapters in a batch at once: a request for an adapter none of
 the replica's requests in flight uses waits for a free slot, and the adapter's weights are swapped in, evicting the
 one least recently used. So, unless a replica is overloaded (more than `slack` requests in flight above the least
-busy one that has room for the adapter: runs it, or has a free slot), an adapter's request goes first to a replica already running that adapter (the router's requests in
-flight there: it joins their batch), then to one with a free slot that holds the adapter (ran it lately, as the
-router sent it, or as the engine reported at its last health check: vLLM's vllm:lora_requests_info), then to one
-with a free slot, and only then to one whose slots are all taken. A hot adapter so fills the replicas running it
-and spreads to more as they overload; a cold one goes where it is held. Within each tier the model's own policy's
-order is kept (cache_aware: prefix affinity, within the adapter).
+busy one that has room for the adapter: runs it, or has a free slot), an adapter's request goes first to a replica
+already running that adapter (the router's requests in flight there: it joins their batch), then to one with a free
+slot that holds the adapter (ran it lately, as the router sent it, or as the engine reported at its last health
+check: vLLM's vllm:lora_requests_info), then to one with a free slot, and only then to one whose slots are all
+taken. A hot adapter so fills the replicas running it and spreads to more as they overload; a cold one goes where it
+is held. Within each tier the model's own policy's order is kept (cache_aware: prefix affinity, within the adapter).
 
 Not a registered policy (no `routing:` name): a wrapper the router puts around an adapter's policy.
 """
@@ -30,10 +30,10 @@ RUNNING, HELD, FREE_SLOT, FULL, OVERLOADED = range(5)
 
 def tier(running: bool, holds: bool, inflight: int, least: int, busy: int, max_loras: int, slack: int) -> int:
     """A replica's tier for an adapter's request. OVERLOADED: more than `slack` requests in flight above `least`
-    (Placement.order: the least busy replica with room for the adapter). Else RUNNING: the replica has requests of this adapter in flight (it joins their
-    batch); HELD: it holds the adapter (recently run there) and has a free adapter slot (`busy`: the adapters of
-    its requests in flight, fewer than max_loras); FREE_SLOT: a free slot, the adapter loaded into it; FULL: every
-    slot taken by other adapters' requests, it waits for one."""
+    (Placement.order: the least busy replica with room for the adapter). Else RUNNING: the replica has requests of
+    this adapter in flight (it joins their batch); HELD: it holds the adapter (recently run there) and has a free
+    adapter slot (`busy`: the adapters of its requests in flight, fewer than max_loras); FREE_SLOT: a free slot, the
+    adapter loaded into it; FULL: every slot taken by other adapters' requests, it waits for one."""
     if inflight > least + slack:
         return OVERLOADED
     if running:
