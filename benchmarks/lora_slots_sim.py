@@ -35,6 +35,8 @@ if str(REPO) not in sys.path:
 from flagscale.router.policies.adapters import ADAPTER_SLACK, Placement  # noqa: E402
 from flagscale.router.policies.base import rank_replicas  # noqa: E402
 
+MODES = ("placed", "oblivious")
+
 
 class _Closed:
     def allows(self, now: float) -> bool:
@@ -171,9 +173,6 @@ def simulate(placed: bool, rate: float, seed: int, args: argparse.Namespace) -> 
 
 def compare(rate: float, args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     return {mode: [simulate(mode == "placed", rate, s, args) for s in range(args.seeds)] for mode in MODES}
-
-
-MODES = ("placed", "oblivious")
 
 
 def report(rate: float, runs: dict[str, list[dict[str, float]]]) -> str:
