@@ -30,6 +30,16 @@ T = TypeVar("T")
 # A wait each try of which is a `status` gets room for three of them: status may take its whole bound
 # (flagscale/actions/status.py, 90 s) on a busy 2-core machine and then answer the next time.
 STATUS_WAIT_S = 300
+# Where the suite says how long each wait and each CLI call took (FLAGSCALE_TEST_TIMINGS=<file>): what to profile
+# when CI gets slower (docs/testing.md).
+TIMINGS_PATH = os.environ.get("FLAGSCALE_TEST_TIMINGS")
+
+
+def note_timing(kind: str, what: str, began: float) -> None:
+    if TIMINGS_PATH:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "-").split(" ")[0]
+        with open(TIMINGS_PATH, "a") as out:
+            out.write(f"{time.monotonic() - began:8.1f}\t{kind}\t{test}\t{what}\n")
 
 
 def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:
@@ -41,12 +51,14 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: fl
     A predicate that is itself costly (a CLI process that imports Ray and joins the cluster: seconds of CPU) is
     not run back to back: the pause after each try is at least as long as the try took, so polling holds at most
     half a core of the 2 that CI has, and the state being waited for (an engine starting) gets the rest."""
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     while True:
         began = time.monotonic()
         try:
             last: object = predicate()
             if last:
+                note_timing("wait", what, started)
                 return last
         except Exception as exc:  # noqa: BLE001 - reported below if it never passes
             last = exc
@@ -151,6 +163,14 @@ def run_cli(
     the suite's CLI zygote (tests/cli_zygote.py: the imports done once), or started afresh where there is none
     (FLAGSCALE_TEST_FRESH_CLI=1)."""
     args = ["--config-path", str(conf_dir), "--config-name", name, *overrides]
+    began = time.monotonic()
+    try:
+        return _run_cli(args, timeout, columns)
+    finally:
+        note_timing("cli", " ".join(overrides) or "action=run", began)
+
+
+def _run_cli(args: list[str], timeout: float, columns: int) -> CliResult:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": str(columns)}
     zygote = CliZygote.get()
     if zygote is not None:
